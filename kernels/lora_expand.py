@@ -1,0 +1,231 @@
+"""Multi-LoRA expand (SGMV): out[t, off_s:off_s+d_s] += scaling_s * v[t, s, :r] @ B_s[:r] for every token
+tile of one adapter slot, all slices of a fused group (unequal widths) in one launch, rank-bounded K loop."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.batch_info import META_COLS, BatchInfo, interpreting, read_tiles
+
+
+@triton.jit
+def _lora_expand_kernel(
+    v_ptr,
+    b_ptr,
+    out_ptr,
+    ranks_ptr,
+    scal_ptr,
+    meta_ptr,
+    d0,
+    d1,
+    d2,
+    o0,
+    o1,
+    o2,
+    stride_vp,
+    stride_vt,
+    stride_vi,
+    stride_bs,
+    stride_br,
+    stride_rs,
+    stride_ri,
+    stride_ss,
+    stride_si,
+    stride_ot,
+    NUM_SLICES: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    META: tl.constexpr,
+):
+    # Grid: (tiles, column blocks of all slices; a block never straddles two slices).
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_t >= tl.load(meta_ptr):
+        return
+    row = meta_ptr + (pid_t + 1) * META
+    start = tl.load(row)
+    end = tl.load(row + 1)
+    slot = tl.load(row + 2).to(tl.int64)
+
+    # Which slice this column block belongs to (absent slices have width 0, so no block maps there).
+    nb0 = tl.cdiv(d0, BLOCK_N)
+    nb1 = nb0 + tl.cdiv(d1, BLOCK_N)
+    s = (pid_n >= nb0).to(tl.int32) + (pid_n >= nb1).to(tl.int32)
+    n0 = (pid_n - tl.where(s == 0, 0, tl.where(s == 1, nb0, nb1))) * BLOCK_N
+    width = tl.where(s == 0, d0, tl.where(s == 1, d1, d2))
+    off = tl.where(s == 0, o0, tl.where(s == 1, o1, o2))
+    r = tl.minimum(tl.load(ranks_ptr + slot * stride_rs + s * stride_ri), BLOCK_R)
+    if r == 0:
+        return
+    scale = tl.load(scal_ptr + slot * stride_ss + s * stride_si)
+
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < end
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < width
+    offs_r = tl.arange(0, BLOCK_K)
+    b_ptrs = b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + (off + offs_n)[None, :]
+    v_ptrs = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + s * stride_vi + offs_r[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, r, BLOCK_K):
+        k_ok = (k + offs_r) < r  # rows past the real rank are stale: never read
+        bt = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        vt = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for p in tl.static_range(NUM_SPLITS):  # sum the shrink's split-K partials
+            vt += tl.load(v_ptrs + p * stride_vp, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        vt = vt.to(bt.dtype)  # same rounding of v as a plain dtype matmul chain
+        if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
+            acc += tl.dot(vt.to(tl.float32), bt.to(tl.float32))
+        else:
+            acc += tl.dot(vt, bt)
+        b_ptrs += BLOCK_K * stride_br
+        v_ptrs += BLOCK_K
+
+    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + (off + offs_n)[None, :]
+    o_mask = m_ok[:, None] & n_ok[None, :]
+    o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=o_mask)
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    block_n: int
+    block_k: int  # rank rows per step of the rank loop
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def expand_config(info: BatchInfo, out_dims: Sequence[int]) -> ExpandConfig:
+    """Heuristic block shape from host-known sizes: wide column tiles and many programs; the rank loop
+    takes the whole (real) rank at once."""
+    if info.block_m <= 16:
+        return ExpandConfig(block_n=256, block_k=min(info.block_rank, 64), num_warps=4, num_stages=2)
+    return ExpandConfig(block_n=128, block_k=min(info.block_rank, 64), num_warps=4, num_stages=2)
+
+
+def _check(v, b, ranks, scalings, out, out_offsets, out_dims, info) -> tuple[int, int]:
+    if v.dim() != 4 or b.dim() != 3 or out.dim() != 2:
+        raise ValueError(
+            f"expected v [P, T, N, R], b [S, R, D], out [T, D]; got {v.shape}, {b.shape}, {out.shape}"
+        )
+    splits, T, num_slices, br = v.shape
+    num_slots = b.shape[0]
+    if not 1 <= num_slices <= 3 or len(out_offsets) != num_slices or len(out_dims) != num_slices:
+        raise ValueError(
+            f"1 to 3 slices with one offset and width each, got {num_slices}, {out_offsets}, {out_dims}"
+        )
+    if v.dtype != torch.float32 or not v.is_contiguous() or br != info.block_rank:
+        raise ValueError(
+            f"v must be contiguous float32 [P, T, N, {info.block_rank}], got {v.dtype} {tuple(v.shape)}"
+        )
+    if T != info.num_tokens or out.shape[0] != T:
+        raise ValueError(f"v/out have {T}/{out.shape[0]} tokens, batch was prepared for {info.num_tokens}")
+    for name, t, dt in (("ranks", ranks, torch.int32), ("scalings", scalings, torch.float32)):
+        if tuple(t.shape) != (num_slots, num_slices) or t.dtype != dt:
+            raise ValueError(
+                f"{name} must be {dt} [{num_slots}, {num_slices}], got {t.dtype} {tuple(t.shape)}"
+            )
+    if b.dtype != out.dtype or b.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"B and out must share a float dtype, got {b.dtype} and {out.dtype}")
+    if b.stride(2) != 1 or out.stride(1) != 1:
+        raise ValueError("B rows and out rows must be contiguous in their last dim")
+    total = max(o + d for o, d in zip(out_offsets, out_dims, strict=True))
+    if total > b.shape[2] or total > out.shape[1] or min(out_dims) <= 0 or min(out_offsets) < 0:
+        raise ValueError(
+            f"slices {out_offsets}/{out_dims} do not fit B ({b.shape[2]}) and out ({out.shape[1]})"
+        )
+    if not (v.device == b.device == ranks.device == scalings.device == out.device == info.meta.device):
+        raise ValueError("v, B, ranks, scalings, out and the batch metadata must be on one device")
+    return splits, num_slices
+
+
+def lora_expand(
+    v: torch.Tensor,
+    b: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    out_offsets: Sequence[int],
+    out_dims: Sequence[int],
+    info: BatchInfo,
+    *,
+    config: ExpandConfig | None = None,
+) -> torch.Tensor:
+    """v [splits, T, num_slices, block_rank] fp32 partials (from `lora_shrink`); b [num_slots, max_rank,
+    D] (B^T rows, strided view); ranks/scalings [num_slots, num_slices] int32/fp32 (device); out [T, D]
+    updated in place, only at adapter tokens and slices of nonzero rank."""
+    splits, num_slices = _check(v, b, ranks, scalings, out, out_offsets, out_dims, info)
+    cfg = config or expand_config(info, out_dims)
+    if cfg.block_k > info.block_rank or info.block_rank % cfg.block_k:
+        raise ValueError(f"block_k={cfg.block_k} must divide block_rank={info.block_rank}")
+    if info.num_tiles == 0:
+        return out
+    d = list(out_dims) + [0] * (3 - num_slices)
+    o = list(out_offsets) + [0] * (3 - num_slices)
+    grid = (info.num_tiles, sum(triton.cdiv(w, cfg.block_n) for w in out_dims))
+    _lora_expand_kernel[grid](
+        v,
+        b,
+        out,
+        ranks,
+        scalings,
+        info.meta,
+        *d,
+        *o,
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        b.stride(0),
+        b.stride(1),
+        ranks.stride(0),
+        ranks.stride(1),
+        scalings.stride(0),
+        scalings.stride(1),
+        out.stride(0),
+        NUM_SLICES=num_slices,
+        NUM_SPLITS=splits,
+        BLOCK_R=info.block_rank,
+        BLOCK_M=info.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        UPCAST=interpreting(),
+        META=META_COLS,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def lora_expand_ref(
+    v: torch.Tensor,
+    b: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    out_offsets: Sequence[int],
+    out_dims: Sequence[int],
+    info: BatchInfo,
+) -> torch.Tensor:
+    """Plain torch, in place on out: v is [splits, T, N, R] partials or an already summed [T, N, R]."""
+    vs = v.sum(0) if v.dim() == 4 else v  # [T, N, R]
+    host_ranks, host_scal = ranks.cpu(), scalings.cpu()
+    for start, end, slot in read_tiles(info):
+        for s, (off, width) in enumerate(zip(out_offsets, out_dims, strict=True)):
+            r = min(int(host_ranks[slot, s]), info.block_rank)
+            if r == 0:
+                continue
+            vr = vs[start:end, s, :r].to(b.dtype).float()  # v rounded to the weight dtype, like the kernel
+            delta = vr @ b[slot, :r, off : off + width].float()
+            out[start:end, off : off + width] = (
+                out[start:end, off : off + width].float() + delta * float(host_scal[slot, s])
+            ).to(out.dtype)
+    return out

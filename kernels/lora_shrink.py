@@ -1,0 +1,205 @@
+"""Multi-LoRA shrink (SGMV): v[t, s, :r] = x[t] @ A_s[:r]^T for every token tile of one adapter slot,
+all slices of a fused group in one launch, the K loop optionally split across programs (fp32 partials)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.batch_info import META_COLS, BatchInfo, interpreting, read_tiles
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr,
+    a_ptr,
+    v_ptr,
+    ranks_ptr,
+    meta_ptr,
+    K,
+    k_per_split,
+    stride_xt,
+    stride_as,
+    stride_ar,
+    stride_ai,
+    stride_rs,
+    stride_ri,
+    stride_vp,
+    stride_vt,
+    stride_vi,
+    NUM_SLICES: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    META: tl.constexpr,
+):
+    # Grid: (tiles, column blocks of the flattened (slice, rank) space, K splits).
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    if pid_t >= tl.load(meta_ptr):
+        return
+    row = meta_ptr + (pid_t + 1) * META
+    start = tl.load(row)
+    end = tl.load(row + 1)
+    slot = tl.load(row + 2).to(tl.int64)
+
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    sl = cols // BLOCK_R
+    rk = cols % BLOCK_R
+    in_group = sl < NUM_SLICES
+    r = tl.load(ranks_ptr + slot * stride_rs + sl * stride_ri, mask=in_group, other=0)
+    col_ok = in_group & (rk < r)  # rows past a slot's real rank hold stale data: never read
+    if tl.max(col_ok.to(tl.int32), axis=0) == 0:
+        return
+
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < end
+    k0 = pid_k * k_per_split
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
+    a_ptrs = a_ptr + slot * stride_as + (sl * stride_ai + rk * stride_ar)[:, None] + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for _ in range(0, k_per_split, BLOCK_K):
+        k_ok = offs_k < K
+        xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        at = tl.load(a_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
+            xt = xt.to(tl.float32)
+            at = at.to(tl.float32)
+        acc += tl.dot(xt, tl.trans(at))
+        x_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        offs_k += BLOCK_K
+
+    v_ptrs = (
+        v_ptr + pid_k * stride_vp + offs_m[:, None].to(tl.int64) * stride_vt + (sl * stride_vi + rk)[None, :]
+    )
+    tl.store(v_ptrs, acc, mask=m_ok[:, None] & col_ok[None, :])
+
+
+@dataclass(frozen=True)
+class ShrinkConfig:
+    block_n: int  # columns of the flattened (slice, rank) space per program
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def shrink_config(info: BatchInfo, in_dim: int, num_slices: int, max_split: int = 16) -> ShrinkConfig:
+    """Heuristic block shape from host-known sizes: enough programs to fill the GPU, split-K when the
+    batch has few tiles (decode), one slice per program (x tiles are shared through L2)."""
+    br = info.block_rank
+    block_n = 16 if info.block_m <= 16 else br  # decode: narrow rank chunks, more programs
+    block_k = 256 if info.block_m <= 16 else 64
+    programs = max(1, info.num_tiles) * triton.cdiv(num_slices * br, block_n)
+    target = 2 * _num_sms(info.meta.device)
+    split = 1
+    while split < max_split and programs * split < target and in_dim // (split * 2) >= 2 * block_k:
+        split *= 2
+    warps = 4 if info.block_m <= 16 else 4
+    return ShrinkConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=warps, num_stages=3)
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    ranks: torch.Tensor,
+    info: BatchInfo,
+    *,
+    out: torch.Tensor | None = None,
+    config: ShrinkConfig | None = None,
+) -> torch.Tensor:
+    """x [T, K]; a [num_slots, max_rank, num_slices, K] (A rows, strided view, last dim contiguous);
+    ranks [num_slots, num_slices] int32 (device). Returns fp32 partial sums v [split_k, T, num_slices,
+    block_rank] whose sum over dim 0 is x @ A^T per slice; only rows of adapter tokens and columns
+    below each slot's rank are written."""
+    if x.dim() != 2 or a.dim() != 4 or ranks.dim() != 2:
+        raise ValueError(
+            f"expected x [T, K], a [S, R, N, K], ranks [S, N]; got {x.shape}, {a.shape}, {ranks.shape}"
+        )
+    T, K = x.shape
+    num_slots, max_rank, num_slices, a_k = a.shape
+    if a_k != K:
+        raise ValueError(f"x has K={K} but A rows have {a_k} elements")
+    if tuple(ranks.shape) != (num_slots, num_slices) or ranks.dtype != torch.int32:
+        raise ValueError(
+            f"ranks must be int32 [{num_slots}, {num_slices}], got {ranks.dtype} {tuple(ranks.shape)}"
+        )
+    if x.dtype != a.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x and A must share a float dtype, got {x.dtype} and {a.dtype}")
+    if x.stride(1) != 1 or a.stride(3) != 1:
+        raise ValueError("x rows and A rows must be contiguous in their last dim")
+    if not (x.device == a.device == ranks.device == info.meta.device):
+        raise ValueError("x, A, ranks and the batch metadata must be on one device")
+    if T != info.num_tokens:
+        raise ValueError(f"x has {T} tokens but the batch was prepared for {info.num_tokens}")
+    br = info.block_rank
+    cfg = config or shrink_config(info, K, num_slices)
+    if cfg.block_n > br and cfg.block_n % br:
+        raise ValueError(f"block_n={cfg.block_n} must be a multiple of block_rank={br} when wider")
+    if cfg.block_n < br and br % cfg.block_n:
+        raise ValueError(f"block_rank={br} must be a multiple of block_n={cfg.block_n}")
+    shape = (cfg.split_k, T, num_slices, br)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=x.device)  # [split, T, slices, block_rank]
+    elif tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 {shape}, got {out.dtype} {tuple(out.shape)}")
+    if info.num_tiles == 0:
+        return out
+    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    grid = (info.num_tiles, triton.cdiv(num_slices * br, cfg.block_n), cfg.split_k)
+    _lora_shrink_kernel[grid](
+        x,
+        a,
+        out,
+        ranks,
+        info.meta,
+        K,
+        k_per_split,
+        x.stride(0),
+        a.stride(0),
+        a.stride(1),
+        a.stride(2),
+        ranks.stride(0),
+        ranks.stride(1),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        NUM_SLICES=num_slices,
+        BLOCK_R=br,
+        BLOCK_M=info.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        UPCAST=interpreting(),
+        META=META_COLS,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, info: BatchInfo) -> torch.Tensor:
+    """Plain torch: v [T, num_slices, block_rank] float32, zero outside adapter tokens and real ranks."""
+    T, num_slices = x.shape[0], a.shape[2]
+    v = torch.zeros((T, num_slices, info.block_rank), dtype=torch.float32, device=x.device)
+    host_ranks = ranks.cpu()
+    for start, end, slot in read_tiles(info):
+        for s in range(num_slices):
+            r = min(int(host_ranks[slot, s]), info.block_rank)
+            v[start:end, s, :r] = x[start:end].float() @ a[slot, :r, s].float().t()
+    return v

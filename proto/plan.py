@@ -1,0 +1,106 @@
+"""Scheduler ⇄ gpu-worker messages (PUSH/PULL each way). A BatchPlan carries data sent once per request
+(`NewRequestData`) plus small per-step diffs (`CachedRequestData`), vLLM v1 style, so its size follows
+what changed rather than the batch size."""
+
+from __future__ import annotations
+
+import msgspec
+
+from proto.base import Message, Record, TokenIds, edge
+from proto.client import FinishReason
+from proto.sampling import SamplingParams
+
+
+class NewRequestData(Record):
+    """A request the worker has not seen (or one resumed after preemption): sent once."""
+
+    request_id: str
+    prompt_ids: TokenIds
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    slot: int = -1  # LoRA slot of its adapter; -1 = base model only
+    page_ids: list[int] = []  # KV pages allocated so far, in sequence order
+    num_computed_tokens: int = 0  # tokens whose KV is already in those pages (prefix cache / resume)
+    num_scheduled_tokens: int = 0  # prompt tokens to run this step (< the rest = chunked prefill)
+    output_ids: list[int] = []  # tokens already generated (a resumed request)
+
+
+class CachedRequestData(Record):
+    """A request the worker already holds, scheduled again this step (a decode, a further prefill
+    chunk, or a resume after preemption)."""
+
+    request_id: str
+    new_page_ids: list[int] = []  # appended to its page list
+    num_scheduled_tokens: int = 1  # >1 while its prefill is still being chunked
+    resumed: bool = False  # back after preemption: new_page_ids replace all its pages (KV recomputed)
+    slot: int = -1  # its LoRA slot when resumed (the adapter may sit in another slot by now)
+
+
+class SlotLoad(Record):
+    """Copy a staged adapter from the host cache (shared memory written by the loader) into a slot on
+    the worker's load stream; the worker reports the slot in `slots_ready` once the copy's event fired."""
+
+    slot: int
+    adapter: str
+    shm_name: str = ""  # shared_memory name of the host-cache pool ("": an in-process host cache)
+    offset: int = 0  # byte offset of the packed block inside that pool
+    nbytes: int = 0  # bytes of the block: num_layers * layer_nbytes
+    rank: int = 0  # the block is [num_layers, rank, row_elems]
+    layer_nbytes: int = 0  # bytes of one layer: rank * row_elems * itemsize
+    dtype: str = "bfloat16"
+    slice_ranks: list[int] = []  # flat [num_layers * NUM_SLICES], layer-major; 0 = module not adapted
+    slice_scalings: list[float] = []  # flat [num_layers * NUM_SLICES]
+
+
+class BatchPlan(Message):
+    """One step. The worker's running set persists across plans: running = running + new_requests
+    - finished_request_ids - preempted_request_ids; loads/clears apply before the step's forward."""
+
+    step: int
+    new_requests: list[NewRequestData] = []
+    cached_requests: list[CachedRequestData] = []
+    finished_request_ids: list[str] = []  # finished or aborted: free the worker's state for them
+    preempted_request_ids: list[str] = []  # drop their KV and pages, keep their tokens; they come back
+    # as CachedRequestData(resumed=True)
+    slot_loads: list[SlotLoad] = []
+    slot_clears: list[int] = []
+
+
+class FinishedRequest(Record):
+    request_id: str
+    reason: FinishReason
+    num_output_tokens: int
+
+
+class RequestError(Record):
+    request_id: str
+    message: str
+
+
+class SlotError(Record):
+    slot: int
+    adapter: str
+    message: str
+
+
+class StepResult(Message):
+    """Outcome of step `step`. Every request the step ran that is not in `finished` or `errors`
+    produced exactly what the plan asked (one token per decode, one at the end of a full prefill)."""
+
+    step: int
+    finished: list[FinishedRequest] = []
+    errors: list[RequestError] = []
+    slots_ready: list[int] = []  # loads whose copy completed (their slot may be used from now on)
+    slot_errors: list[SlotError] = []
+    num_tokens: int = 0  # tokens processed this step (prefill + decode)
+    step_time: float = 0.0  # seconds of forward + sampling
+
+
+class SlotsReady(Message):
+    """Slot loads that completed while the worker had no step to report them with."""
+
+    slots_ready: list[int] = []
+    slot_errors: list[SlotError] = []
+
+
+SchedulerToWorker = edge("scheduler_to_worker", BatchPlan)
+WorkerToScheduler = edge("worker_to_scheduler", StepResult, SlotsReady)

@@ -1,0 +1,63 @@
+"""Every address of a pipeline, in one frozen object the launcher builds and hands to each stage: ipc://
+sockets in a private run directory, the client endpoint on loopback tcp unless told otherwise."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import msgspec
+
+DEFAULT_CLIENT_PORT = 7450
+_MAX_IPC_PATH = 107  # sockaddr_un.sun_path minus the terminating NUL on Linux
+
+
+class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
+    """One address per socket edge. Receivers bind (so a restarted stage re-binds its own inputs and
+    its peers' PUSH sockets reconnect by themselves); senders connect. Control: the launcher binds."""
+
+    run_dir: str  # private directory holding the ipc socket files ("" when none are ipc)
+    client: str  # tokenizer ROUTER ⇄ client DEALERs
+    control: str  # launcher ROUTER ⇄ every stage's DEALER (Ready, Shutdown, metrics)
+    tokenizer_to_scheduler: str  # bound by the scheduler
+    scheduler_to_tokenizer: str  # bound by the tokenizer
+    scheduler_to_worker: str  # bound by the worker
+    worker_to_scheduler: str  # bound by the scheduler
+    worker_to_tokenizer: str  # bound by the tokenizer
+    scheduler_to_loader: str  # bound by the loader
+    loader_to_scheduler: str  # bound by the scheduler
+
+    @classmethod
+    def in_run_dir(cls, path: str | os.PathLike[str], client: str | int | None = None) -> Endpoints:
+        """ipc:// endpoints inside `path` (which must exist and be private to this run); `client` is a
+        full address, a loopback port, or None for tcp://127.0.0.1:DEFAULT_CLIENT_PORT."""
+        run_dir = Path(path).resolve()
+        if not run_dir.is_dir():
+            raise FileNotFoundError(f"run directory {run_dir} does not exist")
+        names = {f: f"ipc://{run_dir / (f + '.sock')}" for f in _EDGE_FIELDS}
+        for addr in names.values():
+            if len(addr) - len("ipc://") > _MAX_IPC_PATH:
+                raise ValueError(f"ipc path {addr!r} is too long for a unix socket; use a shorter run dir")
+        if client is None:
+            client = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"
+        elif isinstance(client, int):
+            client = f"tcp://127.0.0.1:{client}"
+        return cls(run_dir=str(run_dir), client=client, **names)
+
+    def ipc_paths(self) -> list[Path]:
+        """Socket files this pipeline may create (for cleanup checks after shutdown)."""
+        return [Path(a[len("ipc://") :]) for a in self.addresses().values() if a.startswith("ipc://")]
+
+    def addresses(self) -> dict[str, str]:
+        return {f: getattr(self, f) for f in ("client", *_EDGE_FIELDS)}
+
+
+_EDGE_FIELDS = tuple(f for f in Endpoints.__struct_fields__ if f not in ("run_dir", "client"))
+
+
+def make_run_dir(prefix: str = "lorapipe-") -> Path:
+    """A fresh private (0700) directory for one run's ipc sockets; the launcher removes it on exit.
+    Short base dir: unix socket paths are limited to 107 bytes."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))

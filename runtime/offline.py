@@ -1,0 +1,144 @@
+"""The offline engine: `LLM(...).generate(prompts, adapters=..., sampling=...)` runs the scheduler's
+planner and the worker's executor in one process, step by step (schedule → execute → update)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from proto.plan import SlotLoad
+from proto.sampling import SamplingParams
+from stages.loader.adapter_reader import read_adapter
+from stages.scheduler.planner import Planner, PlannerConfig
+from stages.worker.executor import StepExecutor
+from stages.worker.lora.packed import PackedAdapter
+from stages.worker.runner import ModelRunner, RunnerConfig
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    prompt_token_ids: list[int]
+    adapter: str | None
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path,
+        adapters: dict[str, str | Path] | None = None,
+        device: str = "cpu",
+        dtype: str | torch.dtype | None = None,
+        max_loras_per_batch: int = 4,
+        max_lora_rank: int = 64,
+        lora_backend: str | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_running_requests: int = 64,
+        max_tokens_per_step: int = 2048,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ):
+        self.runner = ModelRunner(
+            RunnerConfig(
+                model_dir=str(model),
+                device=device,
+                dtype=dtype if isinstance(dtype, str | None) else str(dtype).removeprefix("torch."),
+                max_loras_per_batch=max_loras_per_batch,
+                max_lora_rank=max_lora_rank,
+                lora_backend=lora_backend,
+                page_size=page_size,
+                num_pages=num_pages,
+                max_tokens_per_step=max_tokens_per_step,
+            )
+        )
+        mcfg = self.runner.model_cfg
+        self.max_model_len = min(max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        self.planner_cfg = PlannerConfig(
+            num_slots=max_loras_per_batch,
+            num_pages=self.runner.num_pages,
+            page_size=page_size,
+            max_running_requests=max_running_requests,
+            max_tokens_per_step=max_tokens_per_step,
+            max_model_len=self.max_model_len,
+        )
+        tok_file = Path(model) / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.exists() else None
+        self.adapters: dict[str, PackedAdapter] = {}  # the host cache: every registered adapter, packed
+        for name, path in (adapters or {}).items():
+            self.add_adapter(name, path)
+        self._seed = seed
+        self._ids = itertools.count()
+
+    def add_adapter(self, name: str, path: str | Path) -> None:
+        """Read, validate and pack an adapter (raises AdapterError naming it and the reason)."""
+        pin = self.runner.device.type == "cuda"
+        self.adapters[name] = read_adapter(
+            name, path, self.runner.model_cfg, self.runner.lora_layout, self.runner.dtype, pin_memory=pin
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]] | str,
+        adapters: str | None | Sequence[str | None] = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        n = len(prompts)
+        names = list(adapters) if isinstance(adapters, list | tuple) else [adapters] * n
+        params = list(sampling) if isinstance(sampling, list | tuple) else [sampling or SamplingParams()] * n
+        if len(names) != n or len(params) != n:
+            raise ValueError(f"{n} prompts but {len(names)} adapters and {len(params)} sampling params")
+        for name in names:
+            if name is not None and name not in self.adapters:
+                raise ValueError(f"unknown adapter {name!r}; registered: {sorted(self.adapters) or 'none'}")
+        for p in params:
+            p.validate()
+        prompt_ids = [self._encode(p) for p in prompts]
+
+        planner = Planner(self.planner_cfg)
+        # Slots start empty for each call; a fresh executor gets a fresh seed stream.
+        executor = StepExecutor(self.runner, self._load_slot, self.max_model_len, seed=self._seed)
+        rids = [f"r{next(self._ids)}" for _ in range(n)]
+        for rid, ids, name, p in zip(rids, prompt_ids, names, params, strict=True):
+            planner.add(rid, ids, name, p)
+        outputs: dict[str, list[int]] = {rid: [] for rid in rids}
+        reasons: dict[str, str] = {}
+        while planner.has_work:
+            result, tokens = executor.execute(planner.schedule())
+            planner.update(result)
+            for item in tokens.items:
+                outputs[item.request_id].extend(item.token_ids)
+                if item.finish_reason:
+                    reasons[item.request_id] = item.finish_reason
+        self.last_stats = planner.stats
+        return [
+            Completion(self._decode(outputs[rid]), outputs[rid], reasons[rid], ids, name)
+            for rid, ids, name in zip(rids, prompt_ids, names, strict=True)
+        ]
+
+    def _load_slot(self, load: SlotLoad) -> None:
+        self.runner.load_adapter(load.slot, self.adapters[load.adapter])
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        vocab = self.runner.model_cfg.vocab_size
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("the model directory has no tokenizer.json; pass prompts as token ids")
+            return self.tokenizer.encode(prompt).ids
+        ids = list(prompt)
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        return ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""

@@ -1,0 +1,153 @@
+"""Reads a PEFT LoRA adapter directory, validates every tensor against the base model, and packs it
+into the slot layout (`PackedAdapter`) in the model dtype, ready for one copy per layer."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from stages.loader.adapter_config import AdapterConfig, AdapterError, read_adapter_config
+from stages.worker.lora.layout import NUM_SLICES, TARGET_MODULES, LoraLayout
+from stages.worker.lora.packed import PackedAdapter
+from stages.worker.model.config import ModelConfig
+
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_PARENT = {m: ("mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn") for m in TARGET_MODULES}
+
+
+def read_adapter(
+    name: str,
+    path: str | Path,
+    cfg: ModelConfig,
+    layout: LoraLayout,
+    dtype: torch.dtype,
+    pin_memory: bool = False,
+) -> PackedAdapter:
+    adapter_dir = Path(path)
+    acfg = read_adapter_config(name, adapter_dir)
+    tensors = _read_tensors(name, adapter_dir)
+    pairs = _group_pairs(name, tensors, cfg, acfg)
+    return _pack(name, pairs, acfg, layout, dtype, pin_memory)
+
+
+def _read_tensors(name: str, adapter_dir: Path) -> dict[str, torch.Tensor]:
+    file = adapter_dir / "adapter_model.safetensors"
+    if not file.exists():
+        if (adapter_dir / "adapter_model.bin").exists():
+            raise AdapterError(name, "adapter_model.bin (a pickle) is not supported; save it as safetensors")
+        raise AdapterError(name, f"no adapter_model.safetensors in {adapter_dir}")
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+        raise AdapterError(name, f"unreadable adapter_model.safetensors ({type(e).__name__}: {e})") from None
+
+
+def _group_pairs(name, tensors, cfg: ModelConfig, acfg: AdapterConfig) -> dict:
+    """{(layer, module): (A [r, in], B [out, r])}, after checking names, pairs and shapes."""
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise AdapterError(name, _explain_key(key))
+        layer, parent, module, ab = int(m[1]), m[2], m[3], m[4]
+        if module not in TARGET_MODULES or _PARENT[module] != parent:
+            raise AdapterError(name, f"target module {parent}.{module} is not supported (tensor {key})")
+        if layer >= cfg.num_layers:
+            raise AdapterError(name, f"tensor {key} targets layer {layer}; the base model has {cfg.num_layers}")
+        if not t.is_floating_point():
+            raise AdapterError(name, f"tensor {key} has non-float dtype {t.dtype}")
+        found.setdefault((layer, module), {})[ab] = t
+    if not found:
+        raise AdapterError(name, "adapter_model.safetensors holds no LoRA tensors")
+    for (layer, module), ab in found.items():
+        for missing in {"A", "B"} - ab.keys():
+            raise AdapterError(name, f"missing tensor {_key(layer, module, missing)}")
+    _check_expected_present(name, found, cfg, acfg)
+
+    dims = _module_dims(cfg)
+    pairs = {}
+    for (layer, module), ab in sorted(found.items()):
+        a, b = ab["A"], ab["B"]
+        in_dim, out_dim = dims[module]
+        r, _ = acfg.rank_and_scaling(f"model.layers.{layer}.{_PARENT[module]}.{module}")
+        if tuple(a.shape) != (r, in_dim):
+            raise AdapterError(
+                name, f"{_key(layer, module, 'A')} has shape {tuple(a.shape)}; the base model needs ({r}, {in_dim})"
+            )
+        if tuple(b.shape) != (out_dim, r):
+            raise AdapterError(
+                name, f"{_key(layer, module, 'B')} has shape {tuple(b.shape)}; the base model needs ({out_dim}, {r})"
+            )
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(name, f"{module} of layer {layer} holds NaN or infinite values")
+        pairs[(layer, module)] = (a, b)
+    return pairs
+
+
+def _check_expected_present(name, found, cfg: ModelConfig, acfg: AdapterConfig) -> None:
+    targets = acfg.target_modules
+    if isinstance(targets, str) or "all-linear" in targets:
+        return  # a regex or all-linear: the tensors present define the targets
+    for layer in acfg.layers_to_transform or range(cfg.num_layers):
+        for module in targets:
+            if (layer, module) not in found:
+                raise AdapterError(name, f"missing tensor {_key(layer, module, 'A')} (target_modules lists {module})")
+    listed = set(targets)
+    extra = sorted({m for (_, m) in found} - listed)
+    if extra:
+        raise AdapterError(name, f"tensors for {', '.join(extra)}, which target_modules does not list")
+
+
+def _explain_key(key: str) -> str:
+    if "lora_embedding" in key or "embed_tokens" in key:
+        return f"embedding targets are not supported (tensor {key})"
+    if "lm_head" in key:
+        return f"lm_head targets are not supported (tensor {key})"
+    if "lora_magnitude_vector" in key:
+        return f"DoRA tensors are not supported (tensor {key})"
+    if ".bias" in key:
+        return f"LoRA bias tensors are not supported (tensor {key})"
+    return f"unexpected tensor {key}"
+
+
+def _key(layer: int, module: str, ab: str) -> str:
+    return f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}.lora_{ab}.weight"
+
+
+def _module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+
+
+def _pack(name, pairs, acfg: AdapterConfig, layout: LoraLayout, dtype, pin_memory: bool) -> PackedAdapter:
+    rank = max(a.shape[0] for a, _ in pairs.values())
+    if rank > layout.max_rank:
+        raise AdapterError(name, f"rank {rank} exceeds max_lora_rank {layout.max_rank}")
+    block = torch.zeros((layout.num_layers, rank, layout.row_elems), dtype=dtype)  # [L, r, row]
+    ranks = torch.zeros((layout.num_layers, NUM_SLICES), dtype=torch.int32)
+    scalings = torch.zeros((layout.num_layers, NUM_SLICES), dtype=torch.float32)
+    for (layer, module), (a, b) in pairs.items():
+        g, s = layout.module_slot(module)
+        r = a.shape[0]
+        a_cols = g.a_offset + s * g.in_stride
+        block[layer, :r, a_cols : a_cols + g.in_dim] = a.to(dtype)
+        b_cols = g.b_offset + g.out_offsets[s]
+        block[layer, :r, b_cols : b_cols + g.out_dims[s]] = b.t().to(dtype)
+        sid = TARGET_MODULES.index(module)
+        ranks[layer, sid] = r
+        scalings[layer, sid] = acfg.rank_and_scaling(f"model.layers.{layer}.{_PARENT[module]}.{module}")[1]
+    if pin_memory:
+        block = block.pin_memory()
+    return PackedAdapter(name=name, block=block, ranks=ranks, scalings=scalings)

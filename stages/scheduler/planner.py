@@ -1,0 +1,222 @@
+"""Continuous batching: decides each step which requests run, how many tokens each computes, which KV
+pages they get and which adapters must be in which slot. Pure CPU code; never touches a tensor."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from proto.base import TokenIds
+from proto.plan import BatchPlan, CachedRequestData, NewRequestData, SlotLoad, StepResult
+from proto.sampling import SamplingParams
+from stages.scheduler.page_allocator import PageAllocator
+from stages.scheduler.slot_table import SlotTable
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    num_slots: int
+    num_pages: int
+    page_size: int
+    max_running_requests: int = 64
+    max_tokens_per_step: int = 2048
+    max_model_len: int = 4096
+    pinned_adapters: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.max_tokens_per_step < self.max_running_requests:
+            raise ValueError("max_tokens_per_step must be >= max_running_requests (every running request "
+                             "gets at least one token per step)")
+
+
+@dataclass
+class PlannerStats:
+    steps: int = 0
+    adapter_loads: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class PlannedRequest:
+    request_id: str
+    prompt_ids: list[int]
+    adapter: str | None
+    sampling: SamplingParams
+    num_tokens: int = 0  # prompt + outputs sampled or being sampled by steps already planned
+    num_computed: int = 0  # tokens whose KV is (or is being) written
+    pages: list[int] = field(default_factory=list)
+    slot: int = -1
+    sent: bool = False  # the worker has its NewRequestData
+    resumed: bool = False  # preempted since it was sent: the next plan replaces its pages
+
+
+class Planner:
+    def __init__(self, cfg: PlannerConfig):
+        self.cfg = cfg
+        self.pages = PageAllocator(cfg.num_pages, cfg.page_size)
+        self.slots = SlotTable(cfg.num_slots, cfg.pinned_adapters)
+        self.waiting: deque[PlannedRequest] = deque()
+        self.running: list[PlannedRequest] = []
+        self._by_id: dict[str, PlannedRequest] = {}
+        self._finished_ids: list[str] = []
+        self._step = 0
+        self.stats = PlannerStats()
+
+    def add(self, request_id: str, prompt_ids: list[int], adapter: str | None, sampling: SamplingParams) -> None:
+        if request_id in self._by_id:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.cfg.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the limit is {self.cfg.max_model_len - 1}")
+        if self.pages.pages_for(len(prompt_ids) + 1) > self.cfg.num_pages:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit in the KV cache")
+        req = PlannedRequest(request_id, list(prompt_ids), adapter, sampling, num_tokens=len(prompt_ids))
+        self._by_id[request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> bool:
+        req = self._by_id.get(request_id)
+        if req is None:
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+            del self._by_id[request_id]
+            if req.sent:
+                self._finished_ids.append(request_id)
+        else:
+            self._finish(req)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> BatchPlan:
+        """The next step's plan. Every running request runs at least one token; the rest of the token
+        budget extends prefill chunks, then admits waiting requests in arrival order."""
+        self._step += 1
+        self.stats.steps += 1
+        budget = self.cfg.max_tokens_per_step - len(self.running)  # one token each is reserved
+        new: list[NewRequestData] = []
+        cached: list[CachedRequestData] = []
+        preempted: list[str] = []
+        loads: list[SlotLoad] = []
+
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # preempted below to make room for an earlier request
+            extra = min(req.num_tokens - req.num_computed - 1, budget)
+            need = self.pages.pages_for(req.num_computed + 1 + extra) - len(req.pages)
+            while need > self.pages.num_free and self.running[-1] is not req:
+                preempted.append(self._preempt(self.running[-1]))
+                budget += 1
+            if need > self.pages.num_free:
+                preempted.append(self._preempt(req))
+                budget += 1
+                continue
+            budget -= extra
+            self._emit(req, 1 + extra, self.pages.allocate(max(need, 0)), new, cached)
+
+        for req in list(self.waiting):
+            if len(self.running) >= self.cfg.max_running_requests or budget <= 0:
+                break
+            slot, load = self._place_adapter(req.adapter)
+            if slot is None:
+                continue  # every slot is referenced: wait for one to free up, let others through
+            n = min(req.num_tokens - req.num_computed, budget)
+            need = self.pages.pages_for(n)
+            if need > self.pages.num_free:
+                break  # first come, first served for memory
+            if load:
+                self.slots.assign(slot, req.adapter)
+                loads.append(SlotLoad(slot=slot, adapter=req.adapter))
+                self.stats.adapter_loads += 1
+            if slot >= 0:
+                self.slots.acquire(slot)
+            req.slot = slot
+            self.waiting.remove(req)
+            self.running.append(req)
+            self._emit(req, n, self.pages.allocate(need), new, cached)
+            budget -= n
+
+        finished, self._finished_ids = self._finished_ids, []
+        return BatchPlan(
+            step=self._step,
+            new_requests=new,
+            cached_requests=cached,
+            finished_request_ids=finished,
+            preempted_request_ids=preempted,
+            slot_loads=loads,
+        )
+
+    def update(self, result: StepResult) -> None:
+        """Apply a step's outcome: requests the worker finished leave (their tokens were counted when
+        they were scheduled, so this needs nothing else and may arrive a step late)."""
+        for fin in result.finished:
+            req = self._by_id.get(fin.request_id)
+            if req is not None:
+                self._finish(req)
+        for err in result.errors:
+            req = self._by_id.get(err.request_id)
+            if req is not None:
+                self._finish(req)
+
+    def _place_adapter(self, adapter: str | None) -> tuple[int | None, bool]:
+        if adapter is None:
+            return -1, False
+        slot = self.slots.slot_of(adapter)
+        if slot is not None:
+            return slot, False
+        return self.slots.choose_victim(), True
+
+    def _emit(self, req: PlannedRequest, n: int, pages: list[int], new: list, cached: list) -> None:
+        req.pages.extend(pages)
+        if not req.sent:
+            new.append(
+                NewRequestData(
+                    request_id=req.request_id,
+                    prompt_ids=TokenIds.of(req.prompt_ids),
+                    sampling=req.sampling,
+                    slot=req.slot,
+                    page_ids=list(req.pages),
+                    num_scheduled_tokens=n,
+                )
+            )
+            req.sent = True
+        elif req.resumed or pages or n != 1:  # a plain decode with its pages in place needs no entry
+            cached.append(
+                CachedRequestData(
+                    request_id=req.request_id,
+                    new_page_ids=list(req.pages) if req.resumed else pages,
+                    num_scheduled_tokens=n,
+                    resumed=req.resumed,
+                    slot=req.slot if req.resumed else -1,
+                )
+            )
+            req.resumed = False
+        req.num_computed += n
+        if req.num_computed == req.num_tokens:
+            req.num_tokens += 1  # this step samples the next token (counted now so planning can overlap)
+
+    def _preempt(self, req: PlannedRequest) -> str:
+        """Drop a running request's KV (recomputed later); it goes back to the front of the queue."""
+        self.stats.preemptions += 1
+        self.running.remove(req)
+        self.pages.free(req.pages)
+        req.pages, req.num_computed = [], 0
+        if req.slot >= 0:
+            self.slots.release(req.slot)
+            req.slot = -1
+        req.resumed = req.sent
+        self.waiting.appendleft(req)
+        return req.request_id
+
+    def _finish(self, req: PlannedRequest) -> None:
+        self.running.remove(req)
+        self.pages.free(req.pages)
+        req.pages = []
+        if req.slot >= 0:
+            self.slots.release(req.slot)
+        del self._by_id[req.request_id]
+        self._finished_ids.append(req.request_id)  # the worker forgets it with the next plan

@@ -1,0 +1,106 @@
+"""Executes batch plans on the worker: keeps each request's tokens, pages and slot, runs the forward,
+samples the sequences that reached their last known token, and decides when each request stops.
+A running request with no entry in a plan decodes one token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from proto.plan import BatchPlan, FinishedRequest, SlotLoad, StepResult
+from proto.pipeline import TokenBatch, TokenDelta
+from proto.sampling import SamplingParams
+from stages.worker.runner import ModelRunner, SeqInput
+from stages.worker.sampler import Sampler
+
+
+@dataclass
+class WorkerRequest:
+    request_id: str
+    token_ids: list[int]  # prompt then outputs
+    prompt_len: int
+    sampling: SamplingParams
+    slot: int
+    pages: list[int]
+    num_computed: int = 0
+    active: bool = True  # False while preempted or once finished (until the plan says to forget it)
+
+
+class StepExecutor:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        load_adapter: Callable[[SlotLoad], None],
+        max_model_len: int,
+        seed: int = 0,
+    ):
+        self.runner = runner
+        self.sampler = Sampler(runner.device, seed)
+        self.eos_ids = frozenset(runner.model_cfg.eos_token_ids)
+        self.max_model_len = max_model_len
+        self._load_adapter = load_adapter
+        self.requests: dict[str, WorkerRequest] = {}
+
+    def execute(self, plan: BatchPlan) -> tuple[StepResult, TokenBatch]:
+        scheduled = self._apply_plan(plan)
+        if not scheduled:
+            return StepResult(step=plan.step), TokenBatch(step=plan.step, items=[])
+        seqs = [
+            SeqInput(req.token_ids[req.num_computed : req.num_computed + n], req.num_computed, req.pages, req.slot)
+            for req, n in scheduled
+        ]
+        logits = self.runner.execute(seqs)  # [B, V]
+        for req, n in scheduled:
+            req.num_computed += n
+        rows = [i for i, (req, _) in enumerate(scheduled) if req.num_computed == len(req.token_ids)]
+        finished, items = [], []
+        if rows:
+            reqs = [scheduled[i][0] for i in rows]
+            tokens = self.sampler.sample(logits[rows], [r.request_id for r in reqs], [r.sampling for r in reqs])
+            for req, tok in zip(reqs, tokens, strict=True):
+                req.token_ids.append(tok)
+                reason = self._finish_reason(req, tok)
+                items.append(TokenDelta(request_id=req.request_id, token_ids=[tok], finish_reason=reason))
+                if reason is not None:
+                    req.active = False
+                    n_out = len(req.token_ids) - req.prompt_len
+                    finished.append(FinishedRequest(request_id=req.request_id, reason=reason, num_output_tokens=n_out))
+        num_tokens = sum(n for _, n in scheduled)
+        return (
+            StepResult(step=plan.step, finished=finished, num_tokens=num_tokens),
+            TokenBatch(step=plan.step, items=items),
+        )
+
+    def _apply_plan(self, plan: BatchPlan) -> list[tuple[WorkerRequest, int]]:
+        """Update request state from the plan; returns (request, tokens to compute) for this step."""
+        for rid in plan.finished_request_ids:
+            self.requests.pop(rid, None)
+            self.sampler.forget(rid)
+        for rid in plan.preempted_request_ids:
+            req = self.requests[rid]
+            req.pages, req.num_computed, req.active = [], 0, False
+        for load in plan.slot_loads:
+            self._load_adapter(load)
+        counts: dict[str, int] = {}
+        for new in plan.new_requests:
+            prompt = new.prompt_ids.tolist()
+            self.requests[new.request_id] = WorkerRequest(
+                new.request_id, prompt, len(prompt), new.sampling, new.slot, list(new.page_ids)
+            )
+            counts[new.request_id] = new.num_scheduled_tokens
+        for c in plan.cached_requests:
+            req = self.requests[c.request_id]
+            if c.resumed:
+                req.pages, req.slot, req.active = list(c.new_page_ids), c.slot, True
+            else:
+                req.pages.extend(c.new_page_ids)
+            counts[c.request_id] = c.num_scheduled_tokens
+        return [(req, counts.get(rid, 1)) for rid, req in self.requests.items() if req.active]
+
+    def _finish_reason(self, req: WorkerRequest, tok: int) -> str | None:
+        p = req.sampling
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        if len(req.token_ids) - req.prompt_len >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
+            return "length"
+        return None

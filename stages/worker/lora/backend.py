@@ -1,0 +1,44 @@
+"""The LoRA backend interface: `prepare` once per forward with the batch's adapter segments, then
+`apply` per fused projection to add every token's adapter delta in place."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from stages.worker.lora.layout import GroupLayout
+from stages.worker.lora.slots import LoraSlots
+
+
+class LoraBackend(ABC):
+    """Tokens of a forward are ordered so that each adapter's tokens are contiguous: segment i is
+    tokens `[seg_indptr[i], seg_indptr[i+1])`, all using slot `seg_slots[i]` (-1: no adapter)."""
+
+    name: str
+
+    def __init__(self, slots: LoraSlots, max_tokens: int):
+        self.slots = slots
+        self.layout = slots.layout
+        self.max_tokens = max_tokens
+
+    @abstractmethod
+    def prepare(self, seg_indptr: Sequence[int], seg_slots: Sequence[int]) -> None:
+        """Build this forward's batch metadata (host-side lists in, no device reads)."""
+
+    @abstractmethod
+    def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:
+        """out[T, group.out_total] += scaling * (x[T, group.in_dim] @ A^T) @ B^T, per token's slot."""
+
+
+def make_backend(name: str, slots: LoraSlots, max_tokens: int) -> LoraBackend:
+    if name == "torch":
+        from stages.worker.lora.torch_backend import TorchLoraBackend
+
+        return TorchLoraBackend(slots, max_tokens)
+    if name == "triton":
+        from stages.worker.lora.triton_backend import TritonLoraBackend
+
+        return TritonLoraBackend(slots, max_tokens)
+    raise ValueError(f"unknown lora backend {name!r} (choose 'torch' or 'triton')")

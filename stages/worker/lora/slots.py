@@ -1,0 +1,54 @@
+"""The fixed set of device LoRA slots: one memory block per slot plus per-slot rank and scaling tables,
+with a host mirror of the tables so the host can plan without reading the device."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from stages.worker.lora.layout import NUM_SLICES, LoraLayout
+from stages.worker.lora.packed import PackedAdapter
+
+
+class LoraSlots:
+    def __init__(self, layout: LoraLayout, num_slots: int, dtype: torch.dtype, device: torch.device):
+        self.layout = layout
+        self.num_slots = num_slots
+        self.dtype = dtype
+        self.device = device
+        # [num_slots, num_layers, max_rank, row_elems]
+        self.mem = torch.zeros(
+            (num_slots, layout.num_layers, layout.max_rank, layout.row_elems), dtype=dtype, device=device
+        )
+        # [num_slots, num_layers, NUM_SLICES]; rank 0 = slice not adapted (or slot empty)
+        self.ranks = torch.zeros((num_slots, layout.num_layers, NUM_SLICES), dtype=torch.int32, device=device)
+        self.scalings = torch.zeros_like(self.ranks, dtype=torch.float32)
+        self.host_ranks = torch.zeros_like(self.ranks, device="cpu")
+        self.host_scalings = torch.zeros_like(self.scalings, device="cpu")
+        self.names: list[str | None] = [None] * num_slots
+
+    def load(self, slot: int, adapter: PackedAdapter, stream: torch.cuda.Stream | None = None) -> None:
+        """Copy a packed adapter into `slot`, one contiguous copy per layer (on `stream` when given).
+        The caller orders later reads of the slot after this copy (event or same stream)."""
+        if adapter.rank > self.layout.max_rank:
+            raise ValueError(f"adapter {adapter.name!r}: rank {adapter.rank} > max_lora_rank {self.layout.max_rank}")
+        if adapter.block.dtype != self.dtype or adapter.block.shape[2] != self.layout.row_elems:
+            raise ValueError(f"adapter {adapter.name!r} was packed for another model layout or dtype")
+        r = adapter.rank
+        non_blocking = adapter.block.is_pinned()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for layer in range(self.layout.num_layers):
+                self.mem[slot, layer, :r].copy_(adapter.block[layer], non_blocking=non_blocking)
+            self.ranks[slot].copy_(adapter.ranks, non_blocking=non_blocking)
+            self.scalings[slot].copy_(adapter.scalings, non_blocking=non_blocking)
+        self.host_ranks[slot] = adapter.ranks
+        self.host_scalings[slot] = adapter.scalings
+        self.names[slot] = adapter.name
+
+    def clear(self, slot: int) -> None:
+        """Mark a slot empty. Its memory is left as is: rank 0 makes every kernel skip it."""
+        self.ranks[slot].zero_()
+        self.host_ranks[slot].zero_()
+        self.names[slot] = None
+

@@ -1,0 +1,35 @@
+"""The paged KV cache tensors owned by the worker: fixed-size pages, addressed by flat row
+(page * page_size + offset); page allocation itself is the scheduler's business."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, pages * page_size, KVH, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, pages * page_size, KVH, D]
+
+    @staticmethod
+    def bytes_per_page(*, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * elem
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, KVH, D] stored at rows slot_mapping [T]."""
+        self.k[layer].index_copy_(0, slot_mapping, k)
+        self.v[layer].index_copy_(0, slot_mapping, v)

@@ -1,0 +1,83 @@
+"""The Llama-family forward (Llama, Qwen2, Mistral) in plain torch over flattened tokens, with every
+linear layer's LoRA delta added by the backend handed in (none for base-only batches)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from stages.worker.lora.backend import LoraBackend
+from stages.worker.lora.layout import LoraLayout
+from stages.worker.model.attention import paged_attention
+from stages.worker.model.config import ModelConfig, rope_inv_freq
+from stages.worker.model.forward_batch import ForwardBatch
+from stages.worker.model.kv_cache import KVCache
+from stages.worker.model.weights import LayerWeights, ModelWeights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32, scale in the model dtype: the order transformers uses.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, 1, D] in x's dtype (half-split rotation, as in HF Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora_layout: LoraLayout | None):
+        self.cfg = cfg
+        self.w = weights
+        self.lora_layout = lora_layout
+        device = weights.embed.device
+        inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
+        pos = torch.arange(cfg.max_position_embeddings, device=device, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [max_pos, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, D]
+        dtype = weights.embed.dtype
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, fb: ForwardBatch, kv: KVCache, lora: LoraBackend | None) -> torch.Tensor:
+        """Returns logits [B, V] (float32) of each sequence's last new token."""
+        cfg = self.cfg
+        h = self.w.embed[fb.input_ids]  # [T, H]
+        cos = self.cos[fb.positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[fb.positions].unsqueeze(1)
+        for i, lw in enumerate(self.w.layers):
+            h = h + self._attention(i, lw, rms_norm(h, lw.input_norm, cfg.rms_norm_eps), fb, kv, lora, cos, sin)
+            h = h + self._mlp(i, lw, rms_norm(h, lw.post_norm, cfg.rms_norm_eps), lora)
+        last = rms_norm(h[fb.logits_indices], self.w.norm, cfg.rms_norm_eps)  # [B, H]
+        return F.linear(last, self.w.lm_head).float()
+
+    def _lora(self, lora: LoraBackend | None, x, out, layer: int, group: str) -> None:
+        if lora is not None:
+            lora.apply(x, out, layer, self.lora_layout.group(group))
+
+    def _attention(self, i, lw: LayerWeights, x, fb, kv, lora, cos, sin) -> torch.Tensor:
+        cfg = self.cfg
+        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, q + 2 kv]
+        self._lora(lora, x, qkv, i, "qkv")
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = rotate(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)  # [T, H, D]
+        k = rotate(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, KVH, D]
+        kv.write(i, fb.slot_mapping, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim))
+        attn = paged_attention(q, kv, i, fb, self.scale, cfg.sliding_window)  # [T, H * D]
+        o = F.linear(attn, lw.o, lw.o_bias)  # [T, H]
+        self._lora(lora, attn, o, i, "o")
+        return o
+
+    def _mlp(self, i, lw: LayerWeights, x, lora) -> torch.Tensor:
+        gate_up = F.linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2I]
+        self._lora(lora, x, gate_up, i, "gate_up")
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up  # [T, I]
+        down = F.linear(act, lw.down, lw.down_bias)  # [T, H]
+        self._lora(lora, act, down, i, "down")
+        return down

@@ -1,0 +1,123 @@
+"""Loads a Hugging Face checkpoint's safetensors (single file or sharded with an index) into the fused
+per-layer tensors the forward uses (q/k/v and gate/up stacked), checking nothing is missing or extra."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from stages.worker.model.config import ModelConfig, ModelConfigError
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, H]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    o: torch.Tensor  # [H, q_size]
+    o_bias: torch.Tensor | None  # [H]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 * I, H]
+    gate_up_bias: torch.Tensor | None  # [2 * I]
+    down: torch.Tensor  # [H, I]
+    down_bias: torch.Tensor | None  # [H]
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, H]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if found:
+        return found
+    if any(model_dir.glob("*.bin")):
+        raise ModelConfigError(f"{model_dir}: only .bin (pickle) weights found; convert them to safetensors")
+    raise ModelConfigError(f"{model_dir}: no *.safetensors weights found")
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+    model_dir = Path(model_dir)
+    handles = {}
+    where: dict[str, Path] = {}
+    for f in _checkpoint_files(model_dir):
+        h = safe_open(str(f), framework="pt", device="cpu")
+        handles[f] = h
+        for k in h.keys():
+            where[k] = f
+    used: set[str] = set()
+
+    def get(name: str) -> torch.Tensor:
+        if name not in where:
+            raise ModelConfigError(f"{model_dir}: checkpoint is missing tensor {name!r}")
+        used.add(name)
+        return handles[where[name]].get_tensor(name).to(device=device, dtype=dtype)
+
+    def maybe(name: str, present: bool) -> torch.Tensor | None:
+        return get(name) if present else None
+
+    def cat(names: list[str]) -> torch.Tensor:
+        return torch.cat([get(n) for n in names], dim=0)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        att = [p + f"self_attn.{m}_proj" for m in "qkv"]
+        mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
+        layers.append(
+            LayerWeights(
+                input_norm=get(p + "input_layernorm.weight"),
+                qkv=cat([n + ".weight" for n in att]),
+                qkv_bias=cat([n + ".bias" for n in att]) if cfg.qkv_bias else None,
+                o=get(p + "self_attn.o_proj.weight"),
+                o_bias=maybe(p + "self_attn.o_proj.bias", cfg.o_bias),
+                post_norm=get(p + "post_attention_layernorm.weight"),
+                gate_up=cat([n + ".weight" for n in mlp]),
+                gate_up_bias=cat([n + ".bias" for n in mlp]) if cfg.mlp_bias else None,
+                down=get(p + "mlp.down_proj.weight"),
+                down_bias=maybe(p + "mlp.down_proj.bias", cfg.mlp_bias),
+            )
+        )
+    embed = get("model.embed_tokens.weight")
+    tied = cfg.tie_word_embeddings or "lm_head.weight" not in where
+    weights = ModelWeights(
+        embed=embed,
+        layers=layers,
+        norm=get("model.norm.weight"),
+        lm_head=embed if tied else get("lm_head.weight"),
+    )
+    extra = sorted(k for k in where if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ModelConfigError(f"{model_dir}: unexpected tensors in checkpoint: {', '.join(extra[:5])}")
+    _check_shapes(weights, cfg, model_dir)
+    return weights
+
+
+def _check_shapes(w: ModelWeights, cfg: ModelConfig, model_dir: Path) -> None:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    expect = {
+        "embed": (w.embed, (cfg.vocab_size, h)),
+        "lm_head": (w.lm_head, (cfg.vocab_size, h)),
+        "layer0.qkv": (w.layers[0].qkv, (cfg.q_size + 2 * cfg.kv_size, h)),
+        "layer0.o": (w.layers[0].o, (h, cfg.q_size)),
+        "layer0.gate_up": (w.layers[0].gate_up, (2 * i, h)),
+        "layer0.down": (w.layers[0].down, (h, i)),
+    }
+    for name, (t, shape) in expect.items():
+        if tuple(t.shape) != shape:
+            raise ModelConfigError(f"{model_dir}: {name} has shape {tuple(t.shape)}, config implies {shape}")

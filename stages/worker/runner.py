@@ -1,0 +1,153 @@
+"""The worker's model runner: owns base weights, the KV cache and the LoRA slots, and turns a list of
+per-sequence inputs into one forward pass (tokens grouped by adapter slot) and its last-token logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stages.worker.lora.backend import make_backend
+from stages.worker.lora.layout import LoraLayout
+from stages.worker.lora.packed import PackedAdapter
+from stages.worker.lora.slots import LoraSlots
+from stages.worker.model.config import ModelConfig, parse_dtype
+from stages.worker.model.forward_batch import ForwardBatch, SeqExtent
+from stages.worker.model.kv_cache import KVCache
+from stages.worker.model.llama import LlamaModel
+from stages.worker.model.weights import load_weights
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_dir: str
+    device: str = "cpu"
+    dtype: str | None = None  # None/"auto": the checkpoint's dtype
+    max_loras_per_batch: int = 4
+    max_lora_rank: int = 64
+    lora_backend: str | None = None  # None: triton on CUDA, torch elsewhere
+    page_size: int = 16
+    num_pages: int | None = None  # None: fill gpu_memory_utilization on CUDA, cpu_kv_tokens on CPU
+    gpu_memory_utilization: float = 0.85
+    cpu_kv_tokens: int = 65536
+    max_tokens_per_step: int = 2048
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    token_ids: list[int]  # the tokens to compute this step
+    start_pos: int  # tokens of this sequence already in the KV cache
+    page_ids: list[int]  # all its pages, enough for start_pos + len(token_ids)
+    slot: int  # LoRA slot, -1 for none
+
+
+class ModelRunner:
+    def __init__(self, cfg: RunnerConfig):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.model_cfg = ModelConfig.from_dir(cfg.model_dir)
+        self.dtype = parse_dtype(cfg.dtype, self.model_cfg.dtype)
+        self._init_model()
+        self._init_lora()
+        self._init_kv_cache()
+
+    def _init_model(self) -> None:
+        weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
+        m = self.model_cfg
+        self.lora_layout = LoraLayout.build(
+            num_layers=m.num_layers,
+            hidden=m.hidden_size,
+            q_out=m.q_size,
+            kv_out=m.kv_size,
+            intermediate=m.intermediate_size,
+            max_rank=self.cfg.max_lora_rank,
+        )
+        self.model = LlamaModel(m, weights, self.lora_layout)
+
+    def _init_lora(self) -> None:
+        self.slots = LoraSlots(self.lora_layout, self.cfg.max_loras_per_batch, self.dtype, self.device)
+        name = self.cfg.lora_backend or ("triton" if self.device.type == "cuda" else "torch")
+        self.lora = make_backend(name, self.slots, self.cfg.max_tokens_per_step)
+
+    def _init_kv_cache(self) -> None:
+        m, ps = self.model_cfg, self.cfg.page_size
+        per_page = KVCache.bytes_per_page(
+            num_layers=m.num_layers, page_size=ps, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=self.dtype
+        )
+        num_pages = self.cfg.num_pages
+        if num_pages is None and self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            # Leave room for activations of a full step: a generous 64 KiB per token.
+            spare = total * self.cfg.gpu_memory_utilization - torch.cuda.memory_allocated(self.device)
+            spare -= self.cfg.max_tokens_per_step * 65536
+            num_pages = int(spare // per_page)
+        elif num_pages is None:
+            num_pages = (self.cfg.cpu_kv_tokens + ps - 1) // ps
+        if num_pages < 1:
+            raise RuntimeError("no memory left for the KV cache")
+        self.kv = KVCache(
+            num_layers=m.num_layers,
+            num_pages=num_pages,
+            page_size=ps,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv.num_pages
+
+    def load_adapter(self, slot: int, adapter: PackedAdapter, stream: torch.cuda.Stream | None = None) -> None:
+        self.slots.load(slot, adapter, stream)
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """Logits [len(seqs), V] float32, row i for seqs[i]."""
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)  # each adapter's tokens contiguous
+        fb, seg_indptr, seg_slots = self._build_batch([seqs[i] for i in order])
+        lora = None
+        if any(s >= 0 for s in seg_slots):
+            self.lora.prepare(seg_indptr, seg_slots)
+            lora = self.lora
+        logits = self.model.forward(fb, self.kv, lora)  # [B, V] in `order`
+        inverse = [0] * len(order)
+        for pos, i in enumerate(order):
+            inverse[i] = pos
+        return logits[torch.tensor(inverse, device=logits.device)]
+
+    def _build_batch(self, seqs: list[SeqInput]) -> tuple[ForwardBatch, list[int], list[int]]:
+        ps = self.cfg.page_size
+        ids, positions, rows, extents, last = [], [], [], [], []
+        seg_indptr, seg_slots = [0], []
+        max_pages = max(len(s.page_ids) for s in seqs)
+        table = []
+        for s in seqs:
+            start, n = len(ids), len(s.token_ids)
+            ids.extend(s.token_ids)
+            pos = range(s.start_pos, s.start_pos + n)
+            positions.extend(pos)
+            rows.extend(s.page_ids[p // ps] * ps + p % ps for p in pos)
+            extents.append(SeqExtent(q_start=start, q_len=n, ctx_len=s.start_pos + n))
+            last.append(start + n - 1)
+            table.append(s.page_ids + [0] * (max_pages - len(s.page_ids)))
+            if seg_slots and seg_slots[-1] == s.slot:
+                seg_indptr[-1] = len(ids)
+            else:
+                seg_slots.append(s.slot)
+                seg_indptr.append(len(ids))
+        dev = self.device
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True)
+
+        fb = ForwardBatch(
+            input_ids=t(ids),
+            positions=t(positions),
+            slot_mapping=t(rows),
+            page_table=t(table),
+            logits_indices=t(last),
+            seqs=tuple(extents),
+        )
+        return fb, seg_indptr, seg_slots

@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny generated checkpoints and PEFT adapters (real file layouts, random weights),
+written once per test session so transformers, PEFT and lorapipe all load the very same files."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools.make_adapters import make_adapters  # noqa: E402
+from tools.make_tiny_model import make_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("models") / "llama", arch="llama", preset="tiny", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("models") / "qwen2", arch="qwen2", preset="tiny", seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory) -> Path:
+    return make_model(
+        tmp_path_factory.mktemp("models") / "mistral",
+        arch="mistral",
+        preset="tiny",
+        seed=3,
+        overrides={"sliding_window": 8},
+    )
+
+
+def mixed_adapters(model_dir: Path, out_dir: Path) -> dict[str, Path]:
+    """Four adapters that differ in rank (incl. 1 and odd), target set, alpha and rsLoRA."""
+    specs = [
+        dict(prefix="full8_", ranks=(8,), targets=None, use_rslora=False, alpha=16),
+        dict(prefix="qv5_", ranks=(5,), targets=("q_proj", "v_proj"), use_rslora=False, alpha=7),
+        dict(prefix="mlp1_", ranks=(1,), targets=("gate_proj", "up_proj", "down_proj"), use_rslora=False, alpha=2),
+        dict(prefix="rs12_", ranks=(12,), targets=("k_proj", "o_proj", "down_proj"), use_rslora=True, alpha=6),
+    ]
+    out = {}
+    for i, spec in enumerate(specs):
+        kw = {k: v for k, v in spec.items() if v is not None}
+        (path,) = make_adapters(model_dir, out_dir, n=1, seed=100 + i, **kw)
+        out[spec["prefix"].rstrip("_")] = path
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_adapters(tiny_llama, tmp_path_factory) -> dict[str, Path]:
+    return mixed_adapters(tiny_llama, tmp_path_factory.mktemp("llama_adapters"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_adapters(tiny_qwen2, tmp_path_factory) -> dict[str, Path]:
+    return mixed_adapters(tiny_qwen2, tmp_path_factory.mktemp("qwen2_adapters"))
