@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,7 +45,7 @@ class BatchInfo:
     sized from the host fields only; kernels also stop at the device header's tile count, so a grid
     padded to capacity (CUDA graph capture) stays correct."""
 
-    meta: torch.Tensor
+    meta: torch.Tensor = field(repr=False)
     num_tokens: int  # T, all tokens of the forward (base-only ones included)
     num_tiles: int  # tiles of at most block_m tokens of one slot; base-only tokens have none
     block_m: int

@@ -23,9 +23,10 @@ class ProtocolError(Exception):
     """A frame sequence that is not a valid message of the socket's union. Receivers log it and drop
     the message; `identity` is the ROUTER peer that sent it, when known."""
 
-    def __init__(self, message: str, identity: bytes | None = None) -> None:
+    def __init__(self, message: str, identity: bytes | None = None, body: bytes = b"") -> None:
         super().__init__(message)
         self.identity = identity
+        self.body = body  # the undecodable msgpack body, for best-effort replies (e.g. its request_id)
 
 
 class Codec(Generic[T]):
@@ -63,14 +64,18 @@ class Codec(Generic[T]):
             raise ProtocolError("empty message", identity)
         self._in = [_view(f) for f in frames[1:]]
         self._used = 0
+        body = _view(frames[0])
         try:
-            msg = self._dec.decode(_view(frames[0]))
+            msg = self._dec.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError, ProtocolError) as exc:
-            raise ProtocolError(f"malformed {_type_name(self.msg_type)}: {exc}", identity) from None
+            name = _type_name(self.msg_type)
+            raise ProtocolError(f"malformed {name}: {exc}", identity, body[:4096].tobytes()) from None
         finally:
             extra, self._in = len(self._in), []
         if self._used != extra:
-            raise ProtocolError(f"{extra - self._used} unreferenced extra frame(s)", identity)
+            raise ProtocolError(
+                f"{extra - self._used} unreferenced extra frame(s)", identity, body[:4096].tobytes()
+            )
         return msg
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:

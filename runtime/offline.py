@@ -60,7 +60,15 @@ class LLM:
             )
         )
         mcfg = self.runner.model_cfg
-        self.max_model_len = min(max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        kv_tokens = self.runner.num_pages * page_size
+        if max_model_len is None:
+            max_model_len = min(mcfg.max_position_embeddings, kv_tokens)
+        elif max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"{mcfg.max_position_embeddings}"
+            )
+        self.max_model_len = max_model_len
         self.planner_cfg = PlannerConfig(
             num_slots=max_loras_per_batch,
             num_pages=self.runner.num_pages,

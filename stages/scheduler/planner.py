@@ -24,6 +24,12 @@ class PlannerConfig:
     pinned_adapters: tuple[str, ...] = ()
 
     def __post_init__(self):
+        if self.max_model_len > self.num_pages * self.page_size:
+            # One request must always fit alone, or preemption could cycle forever.
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the KV cache's {self.num_pages * self.page_size} "
+                "tokens; lower max_model_len or give the cache more pages"
+            )
         if self.max_tokens_per_step < self.max_running_requests:
             raise ValueError("max_tokens_per_step must be >= max_running_requests (every running request "
                              "gets at least one token per step)")
@@ -69,8 +75,6 @@ class Planner:
             raise ValueError("prompt is empty")
         if len(prompt_ids) >= self.cfg.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the limit is {self.cfg.max_model_len - 1}")
-        if self.pages.pages_for(len(prompt_ids) + 1) > self.cfg.num_pages:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit in the KV cache")
         req = PlannedRequest(request_id, list(prompt_ids), adapter, sampling, num_tokens=len(prompt_ids))
         self._by_id[request_id] = req
         self.waiting.append(req)

@@ -1,0 +1,298 @@
+"""Actor base for stage processes: `run()` is one asyncio.TaskGroup of small loops (socket → bounded
+mailbox → handler → bounded mailbox → socket) plus the control DEALER to the launcher (Ready, Shutdown,
+MetricsQuery, FatalError), a parent-death watch and drain on SIGTERM/SIGINT. `serve()` runs it on uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, ClassVar, Generic, TypeVar
+
+import msgspec
+import uvloop
+
+from proto.base import PROTOCOL_VERSION
+from proto.codec import ProtocolError
+from proto.control import (
+    Draining,
+    FatalError,
+    LauncherToStage,
+    MetricsQuery,
+    MetricsReport,
+    Ready,
+    Shutdown,
+    StageToLauncher,
+)
+from runtime.metrics import StageMetrics
+from runtime.sockets import DealerSocket, _Base
+
+T = TypeVar("T")
+C = TypeVar("C", bound="StageConfig")
+EXIT_OK, EXIT_FATAL, EXIT_PARENT_DIED = 0, 1, 3
+
+
+class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Fields every stage's frozen config carries; each stage subclasses it with its own."""
+
+    control: str | None = None  # launcher ROUTER; None = run without a launcher (tests)
+    drain_timeout_s: float = 10.0  # SIGTERM: give up draining after this long
+    parent_poll_s: float = 0.25  # how quickly a dead launcher is noticed
+    queue_size: int = 1024  # default bound of every mailbox
+
+
+class StageFatal(Exception):
+    """Raised by a handler when the stage cannot go on: the actor reports FatalError and exits 1."""
+
+
+class _Stop(Exception):
+    pass
+
+
+class _ParentDied(Exception):
+    pass
+
+
+class Mailbox(asyncio.Queue[T]):
+    """A bounded, named stage queue: a full one blocks its producer (backpressure), it never grows."""
+
+    def __init__(self, name: str, maxsize: int) -> None:
+        if maxsize <= 0:
+            raise ValueError(f"mailbox {name!r} needs a positive bound, got {maxsize}")
+        super().__init__(maxsize)
+        self.name = name
+
+
+def _msg_of(item: Any) -> Any:
+    return item[1] if isinstance(item, tuple) else item  # ROUTER items are (identity, msg)
+
+
+class Actor(Generic[C]):
+    """Subclasses set `stage`, implement `setup()` (open sockets with `self.socket`, declare loops
+    with `add_receiver/add_handler/add_sender/add_loop`) and usually `drain()`; handlers `match` on
+    message types and call `on_<message>` methods."""
+
+    stage: ClassVar[str]
+
+    def __init__(self, config: C) -> None:
+        self.config = config
+        self.log = logging.getLogger(f"lorapipe.{self.stage}")
+        self.metrics = StageMetrics(self.stage)
+        self.draining = False
+        self._ppid = os.getppid()
+        self._loops: list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]] = []
+        self._mailboxes: list[Mailbox[Any]] = []
+        self._sockets: list[_Base[Any, Any]] = []
+        self._inputs: list[_Base[Any, Any]] = []
+        self._control: DealerSocket[Any, Any] | None = None
+        self._stop_requested = asyncio.Event()
+        self._stop_now = asyncio.Event()
+        self._drain_timeout = config.drain_timeout_s
+
+    # --- building blocks for subclasses -------------------------------------------------------------
+    async def setup(self) -> None:
+        raise NotImplementedError
+
+    def mailbox(self, name: str, maxsize: int | None = None) -> Mailbox[Any]:
+        box: Mailbox[Any] = Mailbox(name, maxsize or self.config.queue_size)
+        self._mailboxes.append(box)
+        self.metrics.track_queue(name, box.qsize, box.maxsize)
+        return box
+
+    def socket(self, sock: _Base[Any, Any]) -> Any:
+        """Register a socket so it is closed (and its ipc file removed) when the actor exits."""
+        self._sockets.append(sock)
+        return sock
+
+    def add_receiver(self, name: str, sock: Any, inbox: Mailbox[Any]) -> None:
+        """sock.recv() → inbox; malformed messages go to on_malformed and are dropped."""
+        self._inputs.append(sock)
+        msgs_in = self.metrics.messages_in
+
+        async def loop() -> None:
+            while True:
+                try:
+                    item = await sock.recv()
+                except ProtocolError as exc:
+                    self.metrics.malformed.labels(socket=name).inc()
+                    await self.on_malformed(name, exc)
+                    continue
+                msgs_in.labels(socket=name, type=type(_msg_of(item)).__name__).inc()
+                await inbox.put(item)
+
+        self._loops.append((f"recv:{name}", loop))
+
+    def add_handler(self, name: str, inbox: Mailbox[Any], handle: Callable[[Any], Awaitable[None]]) -> None:
+        """inbox → handle(item). An exception is logged and counted; StageFatal stops the stage."""
+        hist = self.metrics.service_seconds.labels(queue=inbox.name)
+        errors = self.metrics.handler_errors.labels(queue=inbox.name)
+
+        async def loop() -> None:
+            while True:
+                item = await inbox.get()
+                t0 = time.perf_counter()
+                try:
+                    await handle(item)
+                except (StageFatal, asyncio.CancelledError):
+                    raise
+                except Exception:
+                    errors.inc()
+                    self.log.exception("handler %s failed on %s", name, type(_msg_of(item)).__name__)
+                finally:
+                    hist.observe(time.perf_counter() - t0)
+                    inbox.task_done()
+
+        self._loops.append((f"handle:{name}", loop))
+
+    def add_sender(self, name: str, outbox: Mailbox[Any], send: Callable[[Any], Awaitable[None]]) -> None:
+        """outbox → send(item) (e.g. `sock.send`, or a lambda unpacking (identity, msg) for a ROUTER)."""
+        msgs_out = self.metrics.messages_out
+
+        async def loop() -> None:
+            while True:
+                item = await outbox.get()
+                try:
+                    await send(item)
+                    msgs_out.labels(socket=name, type=type(_msg_of(item)).__name__).inc()
+                finally:
+                    outbox.task_done()
+
+        self._loops.append((f"send:{name}", loop))
+
+    def add_loop(self, name: str, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self._loops.append((name, fn))
+
+    async def on_malformed(self, socket: str, exc: ProtocolError) -> None:
+        self.log.warning("dropped a malformed message on %s: %s", socket, exc)
+
+    async def drain(self) -> None:
+        """Default: process everything already delivered and flush everything produced. Stages with
+        in-flight work (the tokenizer's open requests) wait for it here, then call super()."""
+        while True:
+            for box in self._mailboxes:
+                await box.join()
+            if all(box.empty() for box in self._mailboxes) and not any(s.pending() for s in self._inputs):
+                return
+            await asyncio.sleep(0.001)  # let a receiver pick up what is pending
+
+    def request_drain(self) -> None:
+        """SIGTERM/SIGINT/Shutdown: stop taking new work and exit once drained; a second call stops
+        without waiting for the drain."""
+        if self._stop_requested.is_set():
+            self._stop_now.set()
+        self._stop_requested.set()
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        code = EXIT_OK
+        try:
+            await self.setup()
+            if self.config.control:
+                self._control = self.socket(
+                    DealerSocket(
+                        self.config.control, LauncherToStage, StageToLauncher, identity=self.stage.encode()
+                    )
+                )
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_drain)
+            async with asyncio.TaskGroup() as tg:
+                for name, fn in self._loops:
+                    tg.create_task(fn(), name=f"{self.stage}:{name}")
+                tg.create_task(self._watch_parent())
+                tg.create_task(self._drain_then_stop())
+                if self._control is not None:
+                    tg.create_task(self._control_loop())
+                    ready = Ready(stage=self.stage, pid=os.getpid(), protocol_version=PROTOCOL_VERSION)
+                    await self._control.send(ready)
+                self.log.info("ready (pid %d)", os.getpid())
+        except* _Stop:
+            code = EXIT_OK
+        except* _ParentDied:
+            self.log.error("parent process died; exiting")
+            code = EXIT_PARENT_DIED
+        except* Exception as group:
+            self.log.error("stage failed", exc_info=group.exceptions[0])
+            await self._report_fatal(repr(group.exceptions[0]))
+            code = EXIT_FATAL
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            self.teardown()
+        return code
+
+    def teardown(self) -> None:
+        for sock in reversed(self._sockets):
+            sock.close()
+
+    async def _drain_then_stop(self) -> None:
+        await self._stop_requested.wait()
+        self.draining = True
+        self.log.info("draining")
+        if self._control is not None:
+            await self._control.send(Draining(stage=self.stage))
+        drain = asyncio.ensure_future(self.drain())
+        stop_now = asyncio.ensure_future(self._stop_now.wait())
+        done, _ = await asyncio.wait(
+            {drain, stop_now}, timeout=self._drain_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        if drain not in done:
+            self.log.warning("drain did not finish; stopping anyway")
+        for fut in (drain, stop_now):
+            fut.cancel()
+        await asyncio.gather(drain, stop_now, return_exceptions=True)
+        raise _Stop
+
+    async def _watch_parent(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.parent_poll_s)
+            if os.getppid() != self._ppid:
+                raise _ParentDied
+
+    async def _control_loop(self) -> None:
+        assert self._control is not None
+        while True:
+            try:
+                msg = await self._control.recv()
+            except ProtocolError as exc:
+                await self.on_malformed("control", exc)
+                continue
+            match msg:
+                case Shutdown(deadline_s=deadline):
+                    self._drain_timeout = min(self._drain_timeout, deadline)
+                    self.request_drain()
+                case MetricsQuery(query_id=qid):
+                    text = self.metrics.exposition()
+                    await self._control.send(MetricsReport(query_id=qid, stage=self.stage, text=text))
+
+    async def _report_fatal(self, message: str) -> None:
+        if self._control is None or self._control.sock.closed:
+            return
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await self._control.send(FatalError(stage=self.stage, message=message))
+
+
+def serve(actor: Actor[Any]) -> int:
+    """Run an actor on uvloop until it drains, fails or loses its parent; returns the exit code."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {actor.stage} %(levelname)s %(message)s")
+    return uvloop.run(actor.run())
+
+
+def stage_main(
+    make: Callable[[Any], Actor[Any]], config_type: type, argv: Sequence[str] | None = None
+) -> None:
+    """`python -m stages.X CONFIG.json`: decode the stage's frozen config (JSON, written by the
+    launcher) and exit with the actor's code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        sys.exit(f"usage: python -m <stage> CONFIG.json (got {args})")
+    with open(args[0], "rb") as f:
+        config = msgspec.json.decode(f.read(), type=config_type)
+    sys.exit(serve(make(config)))

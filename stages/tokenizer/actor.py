@@ -1,0 +1,341 @@
+"""The tokenizer stage: binds the client ROUTER and the PULLs from the scheduler and the worker, PUSHes to
+the scheduler. Mailboxes: client_requests, scheduler_events, token_batches in; client_replies, to_scheduler out."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from tokenizers import Tokenizer
+
+from proto.base import PROTOCOL_VERSION, TokenIds
+from proto.client import (
+    Abort,
+    Ack,
+    AdapterList,
+    ClientReply,
+    ClientRequest,
+    ErrorKind,
+    ErrorReply,
+    GenerateRequest,
+    Health,
+    HealthReply,
+    Hello,
+    ListAdapters,
+    LoadAdapter,
+    StageHealth,
+    TokenChunk,
+    UnloadAdapter,
+    Welcome,
+)
+from proto.codec import ProtocolError
+from proto.pipeline import (
+    AbortRequest,
+    AdapterListing,
+    AdapterUpdate,
+    HealthProbe,
+    HealthStatus,
+    ListAdaptersOp,
+    LoadAdapterOp,
+    OpDone,
+    OpFailed,
+    RequestFailed,
+    SchedulerToTokenizer,
+    TokenBatch,
+    TokenDelta,
+    TokenizedRequest,
+    TokenizerToScheduler,
+    UnloadAdapterOp,
+    WorkerToTokenizer,
+)
+from runtime.actor import Actor
+from runtime.sockets import PeerGone, PullSocket, PushSocket, RouterSocket
+from stages.tokenizer.config import TokenizerConfig
+from stages.tokenizer.detokenizer import IncrementalDetokenizer
+from stages.tokenizer.validate import Rejected, validate_generate
+
+
+@dataclass
+class _Request:
+    identity: bytes
+    stream: bool
+    detok: IncrementalDetokenizer
+    prompt_tokens: int
+    arrival: float
+    first_token: float = 0.0
+    num_output: int = 0
+    texts: list[str] = field(default_factory=list)  # non-streaming: the whole completion so far
+    ids: list[int] = field(default_factory=list)
+
+
+class TokenizerActor(Actor[TokenizerConfig]):
+    stage = "tokenizer"
+
+    def __init__(self, config: TokenizerConfig) -> None:
+        super().__init__(config)
+        self.tokenizer = Tokenizer.from_file(str(Path(config.model_dir) / "tokenizer.json"))
+        self.requests: dict[str, _Request] = {}
+        self.by_client: dict[bytes, set[str]] = {}
+        self.adapters: dict[str, str] = {name: "registered" for name in config.adapters}
+        self.ops: dict[int, tuple[bytes, Any]] = {}  # op_id -> (client identity, client request)
+        self._op_ids = itertools.count(1)
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._init_metrics()
+
+    def _init_metrics(self) -> None:
+        m = self.metrics
+        self.m_requests = m.counter("lorapipe_requests", "Requests by outcome", ["outcome"])
+        m.gauge("lorapipe_requests_in_flight", "Requests between accept and finish").set_function(
+            lambda: len(self.requests)
+        )
+        self.m_prompt = m.histogram(
+            "lorapipe_prompt_tokens", "Prompt length", (), [2**i for i in range(4, 17)]
+        )
+        self.m_output = m.counter("lorapipe_output_tokens", "Tokens streamed to clients")
+        self.m_ttft = m.histogram("lorapipe_ttft_seconds", "Accept to first output token (server side)")
+        self.m_e2e = m.histogram("lorapipe_e2e_seconds", "Accept to last output token (server side)")
+
+    async def setup(self) -> None:
+        ep, cfg = self.config.endpoints, self.config
+        self.client = self.socket(
+            RouterSocket(ep.client, ClientRequest, ClientReply, max_msg_bytes=cfg.max_client_msg_bytes)
+        )
+        to_scheduler = self.socket(PushSocket(ep.tokenizer_to_scheduler, TokenizerToScheduler))
+        from_scheduler = self.socket(PullSocket(ep.scheduler_to_tokenizer, SchedulerToTokenizer))
+        from_worker = self.socket(PullSocket(ep.worker_to_tokenizer, WorkerToTokenizer))
+        client_requests = self.mailbox("client_requests")
+        scheduler_events = self.mailbox("scheduler_events")
+        token_batches = self.mailbox("token_batches")
+        self.client_replies = self.mailbox("client_replies")
+        self.to_scheduler = self.mailbox("to_scheduler")
+        self.add_receiver("client", self.client, client_requests)
+        self.add_receiver("scheduler", from_scheduler, scheduler_events)
+        self.add_receiver("worker", from_worker, token_batches)
+        self.add_handler("client_requests", client_requests, self.handle_client)
+        self.add_handler("scheduler_events", scheduler_events, self.handle_scheduler)
+        self.add_handler("token_batches", token_batches, self.handle_tokens)
+        self.add_sender("client", self.client_replies, self._send_reply)
+        self.add_sender("scheduler", self.to_scheduler, to_scheduler.send)
+
+    # --- client requests ------------------------------------------------------------------------------
+    async def handle_client(self, item: tuple[bytes, Any]) -> None:
+        identity, msg = item
+        match msg:
+            case Hello():
+                await self.on_hello(identity, msg)
+            case GenerateRequest():
+                await self.on_generate_request(identity, msg)
+            case Abort():
+                await self.on_abort(identity, msg)
+            case LoadAdapter(name=name, path=path):
+                await self._forward_op(
+                    identity, msg, lambda op: LoadAdapterOp(op_id=op, name=name, path=path)
+                )
+            case UnloadAdapter(name=name):
+                await self._forward_op(identity, msg, lambda op: UnloadAdapterOp(op_id=op, name=name))
+            case ListAdapters():
+                await self._forward_op(identity, msg, lambda op: ListAdaptersOp(op_id=op))
+            case Health():
+                await self._forward_op(identity, msg, lambda op: HealthProbe(op_id=op))
+
+    async def on_hello(self, identity: bytes, msg: Hello) -> None:
+        if msg.protocol_version != PROTOCOL_VERSION:
+            text = f"client speaks protocol {msg.protocol_version}, server speaks {PROTOCOL_VERSION}"
+            return await self._error(identity, msg.request_id, "protocol_mismatch", text)
+        cfg = self.config
+        welcome = Welcome(
+            request_id=msg.request_id,
+            protocol_version=PROTOCOL_VERSION,
+            model=cfg.model_name,
+            max_model_len=cfg.max_model_len,
+            vocab_size=cfg.vocab_size,
+        )
+        await self.client_replies.put((identity, welcome))
+
+    async def on_generate_request(self, identity: bytes, msg: GenerateRequest) -> None:
+        rid = msg.request_id
+        if self.draining:
+            return await self._error(identity, rid, "server_error", "the server is shutting down")
+        if rid in self.requests:
+            return await self._error(
+                identity, rid, "invalid_request", f"request_id {rid!r} is already running"
+            )
+        try:
+            ids = validate_generate(
+                msg,
+                self.tokenizer,
+                max_model_len=self.config.max_model_len,
+                vocab_size=self.config.vocab_size,
+                adapters=self.adapters,
+            )
+        except Rejected as exc:
+            self.m_requests.labels(outcome=f"rejected_{exc.kind}").inc()
+            return await self._error(identity, rid, exc.kind, exc.message)
+        now = time.monotonic()
+        detok = IncrementalDetokenizer(self.tokenizer, ids)
+        self.requests[rid] = _Request(identity, msg.stream, detok, len(ids), now)
+        self.by_client.setdefault(identity, set()).add(rid)
+        self._idle.clear()
+        self.m_requests.labels(outcome="accepted").inc()
+        self.m_prompt.observe(len(ids))
+        tokenized = TokenizedRequest(
+            request_id=rid,
+            prompt_ids=TokenIds.of(ids),
+            adapter=msg.adapter,
+            sampling=msg.sampling,
+            arrival_time=now,
+        )
+        await self.to_scheduler.put(tokenized)
+
+    async def on_abort(self, identity: bytes, msg: Abort) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is not None and req.identity == identity:
+            await self._abort(msg.request_id, outcome="aborted")
+
+    async def _forward_op(self, identity: bytes, msg: Any, make: Any) -> None:
+        op_id = next(self._op_ids)
+        self.ops[op_id] = (identity, msg)
+        await self.to_scheduler.put(make(op_id))
+
+    # --- scheduler events -----------------------------------------------------------------------------
+    async def handle_scheduler(self, msg: Any) -> None:
+        match msg:
+            case AdapterUpdate(name=name, state="removed"):
+                self.adapters.pop(name, None)
+            case AdapterUpdate(name=name, state=state):
+                self.adapters[name] = state
+            case OpDone(op_id=op_id):
+                await self._answer_op(op_id, lambda rid: Ack(request_id=rid))
+            case OpFailed(op_id=op_id, kind=kind, message=text):
+                await self._answer_op(op_id, lambda rid: ErrorReply(request_id=rid, kind=kind, message=text))
+            case AdapterListing(op_id=op_id, adapters=entries):
+                await self._answer_op(op_id, lambda rid: AdapterList(request_id=rid, adapters=entries))
+            case HealthStatus(op_id=op_id, stages=stages):
+                own = StageHealth(stage=self.stage, status="draining" if self.draining else "ok")
+                every = [own, *stages]
+                ok = all(s.status == "ok" for s in every)
+                await self._answer_op(op_id, lambda rid: HealthReply(request_id=rid, ok=ok, stages=every))
+            case RequestFailed(request_id=rid, kind=kind, message=text):
+                req = self._drop(rid, outcome=f"failed_{kind}")
+                if req is not None:
+                    await self._error(req.identity, rid, kind, text)
+
+    async def _answer_op(self, op_id: int, make: Any) -> None:
+        entry = self.ops.pop(op_id, None)
+        if entry is not None:
+            identity, request = entry
+            await self.client_replies.put((identity, make(request.request_id)))
+
+    # --- worker output --------------------------------------------------------------------------------
+    async def handle_tokens(self, batch: TokenBatch) -> None:
+        now = time.monotonic()
+        for item in batch.items:
+            req = self.requests.get(item.request_id)
+            if req is not None:  # None: aborted or failed meanwhile; late tokens are dropped
+                await self._emit(item, req, now)
+
+    async def _emit(self, item: TokenDelta, req: _Request, now: float) -> None:
+        if item.token_ids and not req.first_token:
+            req.first_token = now
+            self.m_ttft.observe(now - req.arrival)
+        req.num_output += len(item.token_ids)
+        self.m_output.inc(len(item.token_ids))
+        finished = item.finish_reason is not None
+        text = req.detok.step(item.token_ids) + (req.detok.flush() if finished else "")
+        if not req.stream:
+            req.texts.append(text)
+            req.ids.extend(item.token_ids)
+            if not finished:
+                return
+            text, ids = "".join(req.texts), req.ids
+        else:
+            ids = list(item.token_ids)
+            if not (text or ids or finished):
+                return
+        if finished:
+            self._drop(item.request_id, outcome="finished")
+            self.m_e2e.observe(now - req.arrival)
+        chunk = TokenChunk(
+            request_id=item.request_id,
+            text=text,
+            token_ids=ids,
+            finished=finished,
+            finish_reason=item.finish_reason,
+            prompt_tokens=req.prompt_tokens,
+            num_output_tokens=req.num_output,
+            arrival_time=req.arrival,
+            first_token_time=req.first_token,
+            sent_time=time.monotonic(),
+        )
+        await self.client_replies.put((req.identity, chunk))
+
+    # --- state, errors, disconnects -------------------------------------------------------------------
+    def _drop(self, rid: str, outcome: str) -> _Request | None:
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return None
+        self.m_requests.labels(outcome=outcome).inc()
+        ids = self.by_client.get(req.identity)
+        if ids is not None:
+            ids.discard(rid)
+            if not ids:
+                del self.by_client[req.identity]
+        if not self.requests:
+            self._idle.set()
+        return req
+
+    async def _abort(self, rid: str, outcome: str) -> None:
+        if self._drop(rid, outcome) is not None:
+            await self.to_scheduler.put(AbortRequest(request_id=rid))
+
+    async def _error(self, identity: bytes, rid: str, kind: ErrorKind, message: str) -> None:
+        await self.client_replies.put((identity, ErrorReply(request_id=rid, kind=kind, message=message)))
+
+    async def _send_reply(self, item: tuple[bytes, Any]) -> None:
+        identity, msg = item
+        try:
+            await self.client.send(identity, msg)
+        except PeerGone:
+            await self._client_gone(identity)
+
+    async def _client_gone(self, identity: bytes) -> None:
+        """The client disconnected: free its requests everywhere and forget its pending ops."""
+        for rid in list(self.by_client.get(identity, ())):
+            await self._abort(rid, outcome="disconnected")
+        for op_id in [op for op, (who, _) in self.ops.items() if who == identity]:
+            del self.ops[op_id]
+
+    async def on_malformed(self, socket: str, exc: ProtocolError) -> None:
+        await super().on_malformed(socket, exc)
+        if socket == "client" and exc.identity is not None:
+            rid = _peek_request_id(exc.body)
+            await self._error(exc.identity, rid, "invalid_request", f"malformed message: {exc}")
+
+    async def drain(self) -> None:
+        """Refuse new requests (self.draining), let open ones finish, fail those that do not in time."""
+        try:
+            async with asyncio.timeout(self.config.drain_timeout_s * 0.8):
+                await self._idle.wait()
+        except TimeoutError:
+            for rid in list(self.requests):
+                req = self._drop(rid, outcome="shutdown")
+                assert req is not None
+                await self._error(
+                    req.identity, rid, "server_error", "the server shut down before the request finished"
+                )
+        await super().drain()
+
+
+def _peek_request_id(body: bytes) -> str:
+    """Best effort: the request_id of an undecodable message (field 1 of a tagged array), or ""."""
+    try:
+        raw = msgspec.msgpack.decode(body)
+    except msgspec.DecodeError:
+        return ""
+    return raw[1][:200] if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str) else ""

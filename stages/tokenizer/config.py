@@ -1,0 +1,33 @@
+"""The tokenizer stage's frozen config, composed by the launcher (model limits read from config.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from runtime.actor import StageConfig
+from runtime.endpoints import Endpoints
+from runtime.sockets import MAX_CLIENT_MSG_BYTES
+
+
+class TokenizerConfig(StageConfig, frozen=True, kw_only=True):
+    model_dir: str  # holds tokenizer.json (and config.json)
+    endpoints: Endpoints
+    max_model_len: int  # prompt + max_tokens must fit (max_position_embeddings)
+    vocab_size: int  # prompt ids and stop ids must be below it
+    model_name: str = ""
+    adapters: tuple[str, ...] = ()  # names registered at start (--adapter NAME=PATH)
+    max_client_msg_bytes: int = MAX_CLIENT_MSG_BYTES
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, endpoints: Endpoints, **kw: Any) -> TokenizerConfig:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        kw.setdefault("model_name", Path(model_dir).name)
+        return cls(
+            model_dir=str(model_dir),
+            endpoints=endpoints,
+            max_model_len=int(cfg["max_position_embeddings"]),
+            vocab_size=int(cfg["vocab_size"]),
+            **kw,
+        )

@@ -1,0 +1,64 @@
+"""Request validation at the pipeline's edge: sampling ranges, adapter name, prompt ids and length,
+with the error kinds and texts the client sees."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from tokenizers import Tokenizer
+
+from proto.client import ErrorKind, GenerateRequest
+
+
+class Rejected(Exception):
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind: ErrorKind = kind
+        self.message = message
+
+
+def validate_generate(
+    req: GenerateRequest,
+    tokenizer: Tokenizer,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    adapters: Mapping[str, str],
+) -> list[int]:
+    """The request's prompt ids, or Rejected naming the first problem. `adapters` maps each known
+    adapter name to "registered" or "unloading"."""
+    s = req.sampling
+    try:
+        s.validate()
+    except ValueError as exc:
+        raise Rejected("invalid_request", str(exc)) from None
+    if any(t >= vocab_size for t in s.stop_token_ids):
+        raise Rejected("invalid_request", f"stop_token_ids must be < vocab size {vocab_size}")
+    state = adapters.get(req.adapter, "unknown") if req.adapter is not None else "registered"
+    if state == "unloading":
+        raise Rejected(
+            "unknown_adapter", f"adapter {req.adapter!r} is being unloaded; it takes no new requests"
+        )
+    if state != "registered":
+        raise Rejected("unknown_adapter", f"unknown adapter {req.adapter!r}; load it first")
+    if (req.prompt is None) == (req.prompt_ids is None):
+        raise Rejected("invalid_request", "give exactly one of prompt (text) or prompt_ids")
+    if req.prompt is not None:
+        ids = tokenizer.encode(req.prompt, add_special_tokens=True).ids
+    else:
+        assert req.prompt_ids is not None
+        ids = req.prompt_ids.tolist()
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise Rejected(
+                "invalid_request", f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})"
+            )
+    if not ids:
+        raise Rejected("invalid_request", "the prompt is empty")
+    if len(ids) + s.max_tokens > max_model_len:
+        raise Rejected(
+            "invalid_request",
+            f"prompt ({len(ids)} tokens) + max_tokens ({s.max_tokens}) exceeds the model's context "
+            f"of {max_model_len} tokens",
+        )
+    return ids

@@ -1,0 +1,83 @@
+"""Triton LoRA backend: the batch's token tiles are planned once per forward on the host and moved with
+one non-blocking copy into a fixed device buffer; each `apply` is one shrink and one expand launch whose
+grids come from host-known sizes, with ranks and scalings read on the device (no host-device sync)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.batch_info import BatchInfo, BatchInfoBuilder, block_rank_for
+from kernels.lora_expand import ExpandConfig, expand_config, lora_expand
+from kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
+from stages.worker.lora.backend import LoraBackend
+from stages.worker.lora.layout import GroupLayout, LoraLayout
+from stages.worker.lora.slots import LoraSlots
+
+MAX_SPLIT_K = 16
+
+
+class TritonLoraBackend(LoraBackend):
+    name = "triton"
+
+    def __init__(self, slots: LoraSlots, max_tokens: int):
+        super().__init__(slots, max_tokens)
+        self._init_metadata()
+        self._init_workspace()
+
+    def _init_metadata(self) -> None:
+        self._builder = BatchInfoBuilder(self.max_tokens, self.slots.device)
+        self._info: BatchInfo | None = None
+        self._configs: dict[str, tuple[ShrinkConfig, ExpandConfig]] = {}
+
+    def _init_workspace(self) -> None:
+        # Shrink output (split-K fp32 partials), reused by every apply: allocated once, fixed address.
+        self._ws_rows = max(2 * self.max_tokens, MAX_SPLIT_K * 256)
+        max_slices = max(g.num_slices for g in self.layout.groups)
+        numel = self._ws_rows * max_slices * block_rank_for(self.layout.max_rank)
+        self._workspace = torch.empty(numel, dtype=torch.float32, device=self.slots.device)  # [rows*N*R]
+
+    @property
+    def batch_info(self) -> BatchInfo | None:
+        return self._info
+
+    def prepare(self, seg_indptr: Sequence[int], seg_slots: Sequence[int]) -> None:
+        used = sorted({s for s in seg_slots if s >= 0})
+        max_rank = int(self.slots.host_ranks[used].max()) if used else 0
+        info = self._builder.build(seg_indptr, seg_slots, max_rank)
+        max_split = 1
+        while max_split < MAX_SPLIT_K and 2 * max_split * max(1, info.num_tokens) <= self._ws_rows:
+            max_split *= 2
+        self._configs = {
+            g.name: (shrink_config(info, g.in_dim, g.num_slices, max_split), expand_config(info, g.out_dims))
+            for g in self.layout.groups
+        }
+        self._info = info
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:
+        info = self._info
+        if info is None:
+            raise RuntimeError("TritonLoraBackend.apply called before prepare")
+        if info.num_tiles == 0:
+            return
+        shrink_cfg, expand_cfg = self._configs[group.name]
+        n = group.num_slices
+        sl = slice(group.first_slice, group.first_slice + n)
+        ranks = self.slots.ranks[:, layer, sl]  # [num_slots, n] int32, strided view
+        scalings = self.slots.scalings[:, layer, sl]  # [num_slots, n] fp32, strided view
+        shape = (shrink_cfg.split_k, info.num_tokens, n, info.block_rank)
+        v = self._workspace[: shape[0] * shape[1] * shape[2] * shape[3]].view(shape)
+        mem = self.slots.mem
+        lora_shrink(x, LoraLayout.a_view(mem, layer, group), ranks, info, out=v, config=shrink_cfg)
+        lora_expand(
+            v,
+            LoraLayout.b_view(mem, layer, group),
+            ranks,
+            scalings,
+            out,
+            group.out_offsets,
+            group.out_dims,
+            info,
+            config=expand_cfg,
+        )

@@ -1,0 +1,133 @@
+"""lora_shrink against a float64 torch computation: ragged segments, ranks per slot (1, odd, 0), base-only
+tokens, widths not multiples of 16, NaN in every stale row past a rank, NaN-poisoned output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.batch_info import BatchInfoBuilder, block_rank_for
+from kernels.lora_shrink import ShrinkConfig, lora_shrink, lora_shrink_ref
+from stages.worker.lora.layout import LoraLayout
+from tests.kernels.conftest import (
+    MIXED_LENGTHS,
+    MIXED_SLOTS,
+    TOL,
+    indptr_of,
+    random_slot_tables,
+    rel_err,
+    small_layout,
+)
+
+
+def expected_shrink(x, a, ranks, indptr, seg_slots, block_rank):
+    """float64 v [T, N, block_rank] and the mask of entries the kernel must write."""
+    T, num_slices = x.shape[0], a.shape[2]
+    v = torch.zeros((T, num_slices, block_rank), dtype=torch.float64)
+    written = torch.zeros((T, num_slices, block_rank), dtype=torch.bool)
+    for i, slot in enumerate(seg_slots):
+        lo, hi = indptr[i], indptr[i + 1]
+        if slot < 0 or hi == lo:
+            continue
+        for s in range(num_slices):
+            r = int(ranks[slot, s])
+            v[lo:hi, s, :r] = x[lo:hi].double() @ a[slot, :r, s].double().t()
+            written[lo:hi, s, :r] = True
+    return v, written
+
+
+def run_case(device, dtype, group_name, lengths, seg_slots, block_m, config, seed):
+    gen = torch.Generator().manual_seed(seed)
+    layout = small_layout()
+    g = layout.group(group_name)
+    mem, ranks_all, _ = random_slot_tables(gen, layout, 5, dtype)
+    layer = seed % layout.num_layers
+    a_cpu = LoraLayout.a_view(mem, layer, g)  # [S, R, N, K] strided
+    ranks_cpu = ranks_all[:, layer, g.first_slice : g.first_slice + g.num_slices]
+    indptr = indptr_of(lengths)
+    x_cpu = torch.randn((indptr[-1], g.in_dim), generator=gen).to(dtype)
+
+    used = [s for s in seg_slots if s >= 0]
+    info = BatchInfoBuilder(128, device).build(indptr, seg_slots, int(ranks_all[used].max()), block_m=block_m)
+    assert info.block_rank == block_rank_for(int(ranks_all[used].max()))
+    mem_d = mem.to(device)
+    a = LoraLayout.a_view(mem_d, layer, g)
+    ranks = ranks_all.to(device)[:, layer, g.first_slice : g.first_slice + g.num_slices]  # strided view
+    split = config.split_k if config else None
+    out = None
+    if config is not None:
+        shape = (split, indptr[-1], g.num_slices, info.block_rank)
+        out = torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+    v = lora_shrink(x_cpu.to(device), a, ranks, info, out=out, config=config).cpu()
+
+    ref, written = expected_shrink(x_cpu, a_cpu, ranks_cpu, indptr, seg_slots, info.block_rank)
+    assert torch.isfinite(v[:, written]).all(), "an entry the kernel must write is missing or NaN"
+    if config is not None:
+        assert torch.isnan(v[:, ~written]).all(), "the kernel wrote outside adapter tokens / real ranks"
+    err = rel_err(v.sum(0)[written], ref[written])
+    assert err < TOL[dtype], err
+    # The plain torch reference computes the same function.
+    plain = lora_shrink_ref(x_cpu.to(device), a, ranks, info).cpu()
+    assert rel_err(plain[written], ref[written]) < TOL[dtype]
+    assert (plain[~written] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group_name", ["qkv", "gate_up", "down"])
+def test_shrink_mixed_batch_default_config(device, dtype, group_name):
+    run_case(device, dtype, group_name, MIXED_LENGTHS, MIXED_SLOTS, None, None, seed=1)
+
+
+@pytest.mark.parametrize(
+    "block_m,config",
+    [
+        (16, ShrinkConfig(block_n=16, block_k=16, split_k=1)),  # rank chunks narrower than block_rank
+        (16, ShrinkConfig(block_n=32, block_k=16, split_k=3)),  # uneven split-K, last split past K
+        (32, ShrinkConfig(block_n=64, block_k=32, split_k=2, num_warps=2)),  # two slices per program
+        (64, ShrinkConfig(block_n=128, block_k=16, split_k=1, num_stages=2)),  # all slices in one block
+    ],
+)
+def test_shrink_block_shapes(device, block_m, config):
+    run_case(device, torch.bfloat16, "qkv", MIXED_LENGTHS, MIXED_SLOTS, block_m, config, seed=block_m)
+
+
+def test_shrink_decode_distinct_adapters(device):
+    """Segments of one token, each its own slot or none (decode)."""
+    lengths = [1] * 9
+    slots = [0, 1, -1, 2, 3, 4, 0, -1, 2]
+    run_case(device, torch.bfloat16, "qkv", lengths, slots, 16, ShrinkConfig(16, 16, 2), seed=3)
+
+
+def test_shrink_no_adapter_tokens_launches_nothing(device):
+    layout = small_layout()
+    g = layout.group("o")
+    mem = torch.randn((2, layout.num_layers, layout.max_rank, layout.row_elems), device=device)
+    ranks = torch.ones((2, 1), dtype=torch.int32, device=device)
+    info = BatchInfoBuilder(16, device).build([0, 3, 5], [-1, -1], 0)
+    assert info.num_tiles == 0
+    out = torch.full((1, 5, 1, 16), float("nan"), device=device)
+    lora_shrink(torch.randn(5, g.in_dim, device=device), LoraLayout.a_view(mem, 0, g), ranks, info, out=out,
+                config=ShrinkConfig(16, 16, 1))
+    assert torch.isnan(out).all()
+
+
+def test_shrink_rejects_bad_inputs(device):
+    layout = small_layout()
+    g = layout.group("qkv")
+    mem = torch.randn((2, layout.num_layers, layout.max_rank, layout.row_elems), device=device)
+    a = LoraLayout.a_view(mem, 0, g)
+    ranks = torch.ones((2, 3), dtype=torch.int32, device=device)
+    info = BatchInfoBuilder(16, device).build([0, 4], [1], 1)
+    x = torch.randn(4, g.in_dim, device=device)
+    with pytest.raises(ValueError, match="K="):
+        lora_shrink(torch.randn(4, g.in_dim + 1, device=device), a, ranks, info)
+    with pytest.raises(ValueError, match="int32"):
+        lora_shrink(x, a, ranks.long(), info)
+    with pytest.raises(ValueError, match="dtype"):
+        lora_shrink(x.half(), a, ranks, info)
+    with pytest.raises(ValueError, match="contiguous"):
+        lora_shrink(torch.randn(g.in_dim, 4, device=device).t(), a, ranks, info)
+    with pytest.raises(ValueError, match="tokens"):
+        lora_shrink(torch.randn(5, g.in_dim, device=device), a, ranks, info)
+    with pytest.raises(ValueError, match="out must be"):
+        lora_shrink(x, a, ranks, info, out=torch.empty(1, 4, 3, 8, device=device), config=ShrinkConfig(16, 16, 1))
