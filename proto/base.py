@@ -97,6 +97,7 @@ BUFFER_TYPES: tuple[type[Buffer], ...] = (Buffer, TokenIds)
 
 # edge name -> member classes; filled by `edge()` as the proto modules import.
 EDGES: dict[str, tuple[type[Message], ...]] = {}
+UNIONS: dict[str, typing.Any] = {}  # edge name -> the union type a Codec for that edge takes
 _TAGS: dict[str, type[Message]] = {}
 
 
@@ -117,4 +118,5 @@ def edge(name: str, *members: type[Message]) -> typing.Any:
     if len({c.__name__ for c in members}) != len(members):
         raise TypeError(f"edge {name!r} lists a message twice")
     EDGES[name] = members
-    return members[0] if len(members) == 1 else typing.Union[members]  # noqa: UP007
+    UNIONS[name] = members[0] if len(members) == 1 else typing.Union[members]  # noqa: UP007
+    return UNIONS[name]

@@ -56,7 +56,7 @@ class Codec(Generic[T]):
                 return obj.data
             self._out.append(obj.data)
             return msgpack.Ext(EXT_FRAME, (len(self._out) - 1).to_bytes(4, "little"))
-        raise NotImplementedError(f"cannot encode {type(obj).__name__} on the wire")
+        raise TypeError(f"cannot encode {type(obj).__name__} on the wire")
 
     # -- decode --
     def decode(self, frames: list[Any], identity: bytes | None = None) -> T:
@@ -91,7 +91,7 @@ class Codec(Generic[T]):
     def _dec_hook(typ: type, obj: Any) -> Any:
         if isinstance(typ, type) and issubclass(typ, BUFFER_TYPES) and isinstance(obj, bytes | memoryview):
             return typ(obj)
-        raise NotImplementedError(f"cannot decode {typ!r} from {type(obj).__name__}")
+        raise TypeError(f"expected a buffer for {typ.__name__}, got {type(obj).__name__}")
 
 
 def _view(frame: Any) -> memoryview:

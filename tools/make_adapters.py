@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 try:
-    from tools.make_tiny_model import DTYPES, seeded_generator
+    from tools.make_tiny_model import DTYPES, seeded_generator, write_safetensors
 except ImportError:  # run as `python tools/make_adapters.py`: tools/ itself is on sys.path
-    from make_tiny_model import DTYPES, seeded_generator
+    from make_tiny_model import DTYPES, seeded_generator, write_safetensors
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Each module's LoRA delta is sized to about this fraction of the base module's output: large enough that
@@ -112,8 +111,9 @@ def make_adapters(
         out = Path(out_dir) / f"{prefix}{i}"
         out.mkdir(parents=True, exist_ok=True)
         tensors = _adapter_tensors(cfg, shapes, targets, r, lora_scaling(r, a, use_rslora), base_std, seed, i)
-        tensors = {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}
-        save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+        tensors = {k: v.to(DTYPES[dtype]) for k, v in sorted(tensors.items())}
+        specs = [(k, tuple(v.shape)) for k, v in tensors.items()]
+        write_safetensors(out / "adapter_model.safetensors", specs, DTYPES[dtype], iter(tensors.values()))
         conf = adapter_config(str(model_dir), r, a_json, targets, use_rslora)
         (out / "adapter_config.json").write_text(json.dumps(conf, indent=2) + "\n")
         paths.append(out)

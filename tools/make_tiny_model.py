@@ -6,6 +6,7 @@ Tensors are generated and streamed to disk one at a time, so even the 8b preset 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import math
@@ -184,7 +185,13 @@ def write_safetensors(path: Path, specs: list[tuple[str, tuple[int, ...]]], dtyp
         f.write(raw)
         for (name, shape), t in zip(specs, tensors, strict=True):
             assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, name
-            f.write(t.contiguous().view(-1).view(torch.uint8).numpy().data)
+            f.write(_raw_bytes(t))
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    """A CPU tensor's bytes without numpy (not a runtime dependency); little-endian hosts only."""
+    t = t.contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
 
 def train_tokenizer():

@@ -10,7 +10,26 @@ from pathlib import Path
 
 from stages.worker.lora.layout import TARGET_MODULES
 
-_UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
+# Module paths (as PEFT sees them in a *ForCausalLM) of the targets the runtime cannot serve.
+_UNSUPPORTED_TARGETS = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
+_ONLY = f"only {', '.join(TARGET_MODULES)}"
+# PEFT options that change what the adapter computes in ways the runtime does not implement (field → reason).
+_UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA adapters (use_dora=true) are not supported",
+    "lora_bias": "lora_bias=true is not supported",
+    "fan_in_fan_out": "fan_in_fan_out=true is not supported for Llama-family linear layers",
+    "target_parameters": "target_parameters is not supported",
+    "trainable_token_indices": "trainable_token_indices is not supported (it changes the embedding)",
+    "layer_replication": "layer_replication is not supported (it changes the base model's layers)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
+    "use_qalora": "QALoRA adapters (use_qalora=true) are not supported",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora) is not supported",
+    "arrow_config": "Arrow routing (arrow_config) is not supported",
+    "kasa_config": "KaSA adapters (kasa_config) are not supported",
+    "monteclora_config": "MonteCLoRA adapters (monteclora_config) are not supported",
+}
+# init_lora_weights values whose adapters only work on base weights PEFT rewrites at load.
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "lora_ga")
 
 
 class AdapterError(ValueError):
@@ -31,12 +50,45 @@ class AdapterConfig:
     alpha_pattern: dict[str, float]
     target_modules: tuple[str, ...] | str  # a list of names, or a regex over module paths
     layers_to_transform: tuple[int, ...] | None
+    layers_pattern: tuple[str, ...] | None = None
+    exclude_modules: tuple[str, ...] | str | None = None
 
     def rank_and_scaling(self, module_path: str) -> tuple[int, float]:
         """PEFT's rule: the first pattern key matching the end of the module's dotted path wins."""
         r = _match(self.rank_pattern, module_path, self.r)
         alpha = _match(self.alpha_pattern, module_path, self.alpha)
         return r, (alpha / r**0.5 if self.use_rslora else alpha / r)
+
+    def targets(self, module_path: str) -> bool:
+        """Whether PEFT puts a LoRA layer on `module_path` (its `check_target_module_exists` rule)."""
+        ex = self.exclude_modules
+        if isinstance(ex, str) and re.fullmatch(ex, module_path):
+            return False
+        if isinstance(ex, tuple) and any(_ends_with(module_path, k) for k in ex):
+            return False
+        if isinstance(self.target_modules, str):
+            if self.target_modules.lower() == "all-linear":
+                return module_path.rsplit(".", 1)[-1] in TARGET_MODULES
+            return re.fullmatch(self.target_modules, module_path) is not None
+        if not any(_ends_with(module_path, t) for t in self.target_modules):
+            return False
+        if self.layers_to_transform is None:
+            return True
+        return _layer_index(module_path, self.layers_pattern) in self.layers_to_transform
+
+
+def _ends_with(module_path: str, key: str) -> bool:
+    return module_path == key or module_path.endswith(f".{key}")
+
+
+def _layer_index(module_path: str, layers_pattern: tuple[str, ...] | None) -> int | None:
+    # Lazy `.*?` so the first numbered segment is the layer index, as in PEFT.
+    patterns = [rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\." for p in layers_pattern or ()]
+    patterns = patterns or [r".*?\.[^.]*\.(?P<idx>\d+)\."]
+    for p in patterns:
+        if m := re.match(p, module_path):
+            return int(m["idx"])
+    return None
 
 
 def _match(pattern: dict, module_path: str, default):
@@ -62,18 +114,20 @@ def read_adapter_config(name: str, adapter_dir: Path) -> AdapterConfig:
     peft_type = c.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise AdapterError(name, f"peft_type {peft_type!r} is not supported (only LORA)")
-    if c.get("use_dora"):
-        raise AdapterError(name, "DoRA adapters (use_dora=true) are not supported")
+    for option, reason in _UNSUPPORTED_OPTIONS.items():
+        if c.get(option):
+            raise AdapterError(name, reason)
     if c.get("modules_to_save"):
         raise AdapterError(name, f"modules_to_save {c['modules_to_save']!r} is not supported")
     if c.get("bias", "none") != "none":
         raise AdapterError(name, f"bias={c['bias']!r} is not supported (only 'none')")
-    if c.get("lora_bias"):
-        raise AdapterError(name, "lora_bias=true is not supported")
-    if c.get("fan_in_fan_out"):
-        raise AdapterError(name, "fan_in_fan_out=true is not supported for Llama-family linear layers")
-    if c.get("target_parameters"):
-        raise AdapterError(name, "target_parameters is not supported")
+    init = str(c.get("init_lora_weights", True)).lower()
+    if init.startswith(_BASE_REWRITING_INITS):
+        raise AdapterError(
+            name,
+            f"init_lora_weights={c['init_lora_weights']!r} rewrites the base weights, so the adapter cannot "
+            "share the base model; convert it to plain LoRA (path_initial_model_for_weight_conversion)",
+        )
     targets = c.get("target_modules")
     _check_targets(name, targets)
 
@@ -91,29 +145,61 @@ def read_adapter_config(name: str, adapter_dir: Path) -> AdapterConfig:
         alpha_pattern={k: float(v) for k, v in (c.get("alpha_pattern") or {}).items()},
         target_modules=targets if isinstance(targets, str) else tuple(targets),
         layers_to_transform=_layers(name, c.get("layers_to_transform")),
+        layers_pattern=_names(name, "layers_pattern", c.get("layers_pattern")),
+        exclude_modules=_exclude(name, c.get("exclude_modules")),
     )
 
 
 def _layers(name: str, layers) -> tuple[int, ...] | None:
-    if layers is None:
+    if layers is None or layers == []:  # PEFT treats an empty list as "every layer"
         return None
     layers = [layers] if isinstance(layers, int) else layers
-    if not all(isinstance(i, int) and i >= 0 for i in layers):
+    if not isinstance(layers, list) or not all(isinstance(i, int) and i >= 0 for i in layers):
         raise AdapterError(name, f"layers_to_transform={layers!r} must be layer indices")
     return tuple(layers)
 
 
+def _names(name: str, field: str, value) -> tuple[str, ...] | None:
+    if not value:
+        return None
+    value = [value] if isinstance(value, str) else value
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise AdapterError(name, f"{field}={value!r} must be a string or a list of strings")
+    return tuple(value)
+
+
+def _exclude(name: str, value) -> tuple[str, ...] | str | None:
+    if isinstance(value, str) and value:
+        _compile(name, "exclude_modules", value)
+        return value
+    return _names(name, "exclude_modules", value)
+
+
+def _compile(name: str, field: str, regex: str) -> re.Pattern:
+    try:
+        return re.compile(regex)
+    except re.error as e:
+        raise AdapterError(name, f"{field} regex {regex!r} is invalid ({e})") from None
+
+
 def _check_targets(name: str, targets) -> None:
-    if targets is None:
+    if not targets:
         raise AdapterError(name, "adapter_config.json has no target_modules")
     if isinstance(targets, str):
-        # A regex over module paths: the tensors tell which modules it matched; checked there.
-        for bad in _UNSUPPORTED_TARGETS:
-            if re.search(bad, targets):
-                raise AdapterError(name, f"target {bad} is not supported (only {', '.join(TARGET_MODULES)})")
+        if targets.lower() == "all-linear":
+            return
+        # A regex PEFT full-matches against module paths: refuse it if it reaches a module we cannot serve.
+        pattern = _compile(name, "target_modules", targets)
+        for module, path in _UNSUPPORTED_TARGETS.items():
+            if pattern.fullmatch(path):
+                raise AdapterError(name, f"target {module} is not supported ({_ONLY})")
         return
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(name, f"target_modules={targets!r} must be a regex or a list of module names")
     for t in targets:
-        if t in _UNSUPPORTED_TARGETS:
-            raise AdapterError(name, f"target {t} is not supported (only {', '.join(TARGET_MODULES)})")
-        if t not in TARGET_MODULES and t != "all-linear":
-            raise AdapterError(name, f"target module {t!r} is not supported (only {', '.join(TARGET_MODULES)})")
+        # PEFT matches a list entry against the end of a module path, so "self_attn.q_proj" is q_proj.
+        module = t.rsplit(".", 1)[-1]
+        if module in _UNSUPPORTED_TARGETS:
+            raise AdapterError(name, f"target {module} is not supported ({_ONLY})")
+        if module not in TARGET_MODULES:
+            raise AdapterError(name, f"target module {t!r} is not supported ({_ONLY})")

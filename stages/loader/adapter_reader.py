@@ -57,49 +57,54 @@ def _group_pairs(name, tensors, cfg: ModelConfig, acfg: AdapterConfig) -> dict:
         if module not in TARGET_MODULES or _PARENT[module] != parent:
             raise AdapterError(name, f"target module {parent}.{module} is not supported (tensor {key})")
         if layer >= cfg.num_layers:
-            raise AdapterError(name, f"tensor {key} targets layer {layer}; the base model has {cfg.num_layers}")
+            raise AdapterError(name, f"tensor {key} is for layer {layer}; the model has {cfg.num_layers}")
         if not t.is_floating_point():
             raise AdapterError(name, f"tensor {key} has non-float dtype {t.dtype}")
+        if t.dim() != 2:
+            raise AdapterError(name, f"tensor {key} has shape {tuple(t.shape)}; LoRA weights are 2-D")
         found.setdefault((layer, module), {})[ab] = t
     if not found:
         raise AdapterError(name, "adapter_model.safetensors holds no LoRA tensors")
-    for (layer, module), ab in found.items():
-        for missing in {"A", "B"} - ab.keys():
+    for (layer, module), ab in sorted(found.items()):
+        for missing in sorted({"A", "B"} - ab.keys()):
             raise AdapterError(name, f"missing tensor {_key(layer, module, missing)}")
-    _check_expected_present(name, found, cfg, acfg)
+    _check_targeted(name, found, cfg, acfg)
 
     dims = _module_dims(cfg)
     pairs = {}
     for (layer, module), ab in sorted(found.items()):
-        a, b = ab["A"], ab["B"]
-        in_dim, out_dim = dims[module]
-        r, _ = acfg.rank_and_scaling(f"model.layers.{layer}.{_PARENT[module]}.{module}")
-        if tuple(a.shape) != (r, in_dim):
-            raise AdapterError(
-                name, f"{_key(layer, module, 'A')} has shape {tuple(a.shape)}; the base model needs ({r}, {in_dim})"
-            )
-        if tuple(b.shape) != (out_dim, r):
-            raise AdapterError(
-                name, f"{_key(layer, module, 'B')} has shape {tuple(b.shape)}; the base model needs ({out_dim}, {r})"
-            )
+        a, b = ab["A"], ab["B"]  # [r, in], [out, r]
+        r, _ = acfg.rank_and_scaling(_path(layer, module))
+        _check_shape(name, _key(layer, module, "A"), a, dims[module][0], 1, r)
+        _check_shape(name, _key(layer, module, "B"), b, dims[module][1], 0, r)
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(name, f"{module} of layer {layer} holds NaN or infinite values")
         pairs[(layer, module)] = (a, b)
     return pairs
 
 
-def _check_expected_present(name, found, cfg: ModelConfig, acfg: AdapterConfig) -> None:
-    targets = acfg.target_modules
-    if isinstance(targets, str) or "all-linear" in targets:
-        return  # a regex or all-linear: the tensors present define the targets
-    for layer in acfg.layers_to_transform or range(cfg.num_layers):
-        for module in targets:
-            if (layer, module) not in found:
-                raise AdapterError(name, f"missing tensor {_key(layer, module, 'A')} (target_modules lists {module})")
-    listed = set(targets)
-    extra = sorted({m for (_, m) in found} - listed)
-    if extra:
-        raise AdapterError(name, f"tensors for {', '.join(extra)}, which target_modules does not list")
+def _check_targeted(name, found, cfg: ModelConfig, acfg: AdapterConfig) -> None:
+    """The tensors must be exactly those of the modules PEFT would wrap, as PEFT's own load assumes."""
+    modules = [(i, m) for i in range(cfg.num_layers) for m in TARGET_MODULES]
+    expected = {(i, m) for i, m in modules if acfg.targets(_path(i, m))}
+    for layer, module in sorted(expected - found.keys()):
+        raise AdapterError(name, f"missing tensor {_key(layer, module, 'A')} (its module is targeted)")
+    for layer, module in sorted(found.keys() - expected):
+        raise AdapterError(
+            name,
+            f"extra tensor {_key(layer, module, 'A')}: adapter_config.json does not target that module "
+            "(see its target_modules, layers_to_transform and exclude_modules)",
+        )
+
+
+def _check_shape(name: str, key: str, t: torch.Tensor, dim: int, axis: int, r: int) -> None:
+    """`t` must be [r, dim] (lora_A, axis 1) or [dim, r] (lora_B, axis 0)."""
+    want = (r, dim) if axis == 1 else (dim, r)
+    if t.shape[axis] != dim:
+        why = f"the base model needs {want} (made for another model?)"
+        raise AdapterError(name, f"{key} has shape {tuple(t.shape)}; {why}")
+    if t.shape[1 - axis] != r:
+        raise AdapterError(name, f"{key} has rank {t.shape[1 - axis]} but adapter_config.json gives r={r}")
 
 
 def _explain_key(key: str) -> str:
@@ -114,8 +119,13 @@ def _explain_key(key: str) -> str:
     return f"unexpected tensor {key}"
 
 
+def _path(layer: int, module: str) -> str:
+    """The module's dotted path inside the *ForCausalLM, as PEFT matches target and pattern keys."""
+    return f"model.layers.{layer}.{_PARENT[module]}.{module}"
+
+
 def _key(layer: int, module: str, ab: str) -> str:
-    return f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}.lora_{ab}.weight"
+    return f"base_model.model.{_path(layer, module)}.lora_{ab}.weight"
 
 
 def _module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -147,7 +157,7 @@ def _pack(name, pairs, acfg: AdapterConfig, layout: LoraLayout, dtype, pin_memor
         block[layer, :r, b_cols : b_cols + g.out_dims[s]] = b.t().to(dtype)
         sid = TARGET_MODULES.index(module)
         ranks[layer, sid] = r
-        scalings[layer, sid] = acfg.rank_and_scaling(f"model.layers.{layer}.{_PARENT[module]}.{module}")[1]
+        scalings[layer, sid] = acfg.rank_and_scaling(_path(layer, module))[1]
     if pin_memory:
         block = block.pin_memory()
     return PackedAdapter(name=name, block=block, ranks=ranks, scalings=scalings)

@@ -1,12 +1,12 @@
-"""The tokenizer stage: binds the client ROUTER and the PULLs from the scheduler and the worker, PUSHes to
-the scheduler. Mailboxes: client_requests, scheduler_events, token_batches in; client_replies, to_scheduler out."""
+"""The tokenizer stage actor. Sockets: client ROUTER, PULLs from scheduler and worker (all bound), PUSH
+to the scheduler. Mailboxes in: client_requests, scheduler_events, token_batches; out: client_replies,
+to_scheduler."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ from proto.client import (
     ListAdapters,
     LoadAdapter,
     StageHealth,
-    TokenChunk,
     UnloadAdapter,
     Welcome,
 )
@@ -57,20 +56,8 @@ from runtime.actor import Actor
 from runtime.sockets import PeerGone, PullSocket, PushSocket, RouterSocket
 from stages.tokenizer.config import TokenizerConfig
 from stages.tokenizer.detokenizer import IncrementalDetokenizer
+from stages.tokenizer.requests import OpenRequest, RequestTable
 from stages.tokenizer.validate import Rejected, validate_generate
-
-
-@dataclass
-class _Request:
-    identity: bytes
-    stream: bool
-    detok: IncrementalDetokenizer
-    prompt_tokens: int
-    arrival: float
-    first_token: float = 0.0
-    num_output: int = 0
-    texts: list[str] = field(default_factory=list)  # non-streaming: the whole completion so far
-    ids: list[int] = field(default_factory=list)
 
 
 class TokenizerActor(Actor[TokenizerConfig]):
@@ -79,13 +66,10 @@ class TokenizerActor(Actor[TokenizerConfig]):
     def __init__(self, config: TokenizerConfig) -> None:
         super().__init__(config)
         self.tokenizer = Tokenizer.from_file(str(Path(config.model_dir) / "tokenizer.json"))
-        self.requests: dict[str, _Request] = {}
-        self.by_client: dict[bytes, set[str]] = {}
+        self.requests = RequestTable()
         self.adapters: dict[str, str] = {name: "registered" for name in config.adapters}
         self.ops: dict[int, tuple[bytes, Any]] = {}  # op_id -> (client identity, client request)
         self._op_ids = itertools.count(1)
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -179,9 +163,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
             return await self._error(identity, rid, exc.kind, exc.message)
         now = time.monotonic()
         detok = IncrementalDetokenizer(self.tokenizer, ids)
-        self.requests[rid] = _Request(identity, msg.stream, detok, len(ids), now)
-        self.by_client.setdefault(identity, set()).add(rid)
-        self._idle.clear()
+        self.requests.add(OpenRequest(rid, identity, msg.stream, detok, len(ids), now))
         self.m_requests.labels(outcome="accepted").inc()
         self.m_prompt.observe(len(ids))
         tokenized = TokenizedRequest(
@@ -240,54 +222,23 @@ class TokenizerActor(Actor[TokenizerConfig]):
             if req is not None:  # None: aborted or failed meanwhile; late tokens are dropped
                 await self._emit(item, req, now)
 
-    async def _emit(self, item: TokenDelta, req: _Request, now: float) -> None:
-        if item.token_ids and not req.first_token:
-            req.first_token = now
-            self.m_ttft.observe(now - req.arrival)
-        req.num_output += len(item.token_ids)
+    async def _emit(self, item: TokenDelta, req: OpenRequest, now: float) -> None:
+        first = not req.first_token
+        chunk = req.output(item, now)
         self.m_output.inc(len(item.token_ids))
-        finished = item.finish_reason is not None
-        text = req.detok.step(item.token_ids) + (req.detok.flush() if finished else "")
-        if not req.stream:
-            req.texts.append(text)
-            req.ids.extend(item.token_ids)
-            if not finished:
-                return
-            text, ids = "".join(req.texts), req.ids
-        else:
-            ids = list(item.token_ids)
-            if not (text or ids or finished):
-                return
-        if finished:
+        if first and req.first_token:
+            self.m_ttft.observe(req.first_token - req.arrival)
+        if item.finish_reason is not None:
             self._drop(item.request_id, outcome="finished")
             self.m_e2e.observe(now - req.arrival)
-        chunk = TokenChunk(
-            request_id=item.request_id,
-            text=text,
-            token_ids=ids,
-            finished=finished,
-            finish_reason=item.finish_reason,
-            prompt_tokens=req.prompt_tokens,
-            num_output_tokens=req.num_output,
-            arrival_time=req.arrival,
-            first_token_time=req.first_token,
-            sent_time=time.monotonic(),
-        )
-        await self.client_replies.put((req.identity, chunk))
+        if chunk is not None:
+            await self.client_replies.put((req.identity, chunk))
 
     # --- state, errors, disconnects -------------------------------------------------------------------
-    def _drop(self, rid: str, outcome: str) -> _Request | None:
-        req = self.requests.pop(rid, None)
-        if req is None:
-            return None
-        self.m_requests.labels(outcome=outcome).inc()
-        ids = self.by_client.get(req.identity)
-        if ids is not None:
-            ids.discard(rid)
-            if not ids:
-                del self.by_client[req.identity]
-        if not self.requests:
-            self._idle.set()
+    def _drop(self, rid: str, outcome: str) -> OpenRequest | None:
+        req = self.requests.pop(rid)
+        if req is not None:
+            self.m_requests.labels(outcome=outcome).inc()
         return req
 
     async def _abort(self, rid: str, outcome: str) -> None:
@@ -306,7 +257,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
 
     async def _client_gone(self, identity: bytes) -> None:
         """The client disconnected: free its requests everywhere and forget its pending ops."""
-        for rid in list(self.by_client.get(identity, ())):
+        for rid in self.requests.of_client(identity):
             await self._abort(rid, outcome="disconnected")
         for op_id in [op for op, (who, _) in self.ops.items() if who == identity]:
             del self.ops[op_id]
@@ -321,9 +272,9 @@ class TokenizerActor(Actor[TokenizerConfig]):
         """Refuse new requests (self.draining), let open ones finish, fail those that do not in time."""
         try:
             async with asyncio.timeout(self.config.drain_timeout_s * 0.8):
-                await self._idle.wait()
+                await self.requests.idle.wait()
         except TimeoutError:
-            for rid in list(self.requests):
+            for rid in list(self.requests.by_id):
                 req = self._drop(rid, outcome="shutdown")
                 assert req is not None
                 await self._error(

@@ -69,18 +69,29 @@ def run_case(device, dtype, group_name, lengths, seg_slots, block_m, config, spl
 
     mem_d = mem.to(device)
     out = out0.to(device, copy=True)
-    args = (LoraLayout.b_view(mem_d, layer, g), ranks_all.to(device)[:, layer, sl], scal_all.to(device)[:, layer, sl])
+    args = (
+        LoraLayout.b_view(mem_d, layer, g),
+        ranks_all.to(device)[:, layer, sl],
+        scal_all.to(device)[:, layer, sl],
+    )
     lora_expand(v.to(device), *args, out, g.out_offsets, g.out_dims, info, config=config)
     out = out.cpu()
 
-    ref, touched = expected_expand(out0, v, b_cpu, ranks_cpu, scal_cpu, g.out_offsets, g.out_dims, indptr, seg_slots)
+    ref, touched = expected_expand(
+        out0, v, b_cpu, ranks_cpu, scal_cpu, g.out_offsets, g.out_dims, indptr, seg_slots
+    )
     assert torch.equal(out[~touched], out0[~touched]), "expand changed a base-only token or a rank-0 slice"
     assert torch.isfinite(out).all(), "expand read a stale B row or an unwritten v entry"
     err = rel_err(out[touched] - out0[touched].double(), ref[touched] - out0[touched].double())
     assert err < TOL[dtype] * 2, err
-    plain = lora_expand_ref(v.to(device), *args, out0.clone().to(device), g.out_offsets, g.out_dims, info).cpu()
+    plain = lora_expand_ref(
+        v.to(device), *args, out0.clone().to(device), g.out_offsets, g.out_dims, info
+    ).cpu()
     assert torch.equal(plain[~touched], out0[~touched])
-    assert rel_err(plain[touched] - out0[touched].double(), ref[touched] - out0[touched].double()) < TOL[dtype] * 2
+    assert (
+        rel_err(plain[touched] - out0[touched].double(), ref[touched] - out0[touched].double())
+        < TOL[dtype] * 2
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -106,8 +106,14 @@ def test_shrink_no_adapter_tokens_launches_nothing(device):
     info = BatchInfoBuilder(16, device).build([0, 3, 5], [-1, -1], 0)
     assert info.num_tiles == 0
     out = torch.full((1, 5, 1, 16), float("nan"), device=device)
-    lora_shrink(torch.randn(5, g.in_dim, device=device), LoraLayout.a_view(mem, 0, g), ranks, info, out=out,
-                config=ShrinkConfig(16, 16, 1))
+    lora_shrink(
+        torch.randn(5, g.in_dim, device=device),
+        LoraLayout.a_view(mem, 0, g),
+        ranks,
+        info,
+        out=out,
+        config=ShrinkConfig(16, 16, 1),
+    )
     assert torch.isnan(out).all()
 
 
@@ -130,4 +136,6 @@ def test_shrink_rejects_bad_inputs(device):
     with pytest.raises(ValueError, match="tokens"):
         lora_shrink(torch.randn(5, g.in_dim, device=device), a, ranks, info)
     with pytest.raises(ValueError, match="out must be"):
-        lora_shrink(x, a, ranks, info, out=torch.empty(1, 4, 3, 8, device=device), config=ShrinkConfig(16, 16, 1))
+        lora_shrink(
+            x, a, ranks, info, out=torch.empty(1, 4, 3, 8, device=device), config=ShrinkConfig(16, 16, 1)
+        )

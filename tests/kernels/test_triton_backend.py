@@ -29,10 +29,12 @@ def loaded_slots(layout: LoraLayout, dtype: torch.dtype, device: torch.device, s
             for sid, module in enumerate(TARGET_MODULES):
                 g, i = layout.module_slot(module)
                 r = int(ranks[layer, sid])
-                block[layer, r:, g.a_offset + i * g.in_stride : g.a_offset + i * g.in_stride + g.in_dim] = float("nan")
-                block[layer, r:, g.b_offset + g.out_offsets[i] : g.b_offset + g.out_offsets[i] + g.out_dims[i]] = float(
-                    "nan"
+                block[layer, r:, g.a_offset + i * g.in_stride : g.a_offset + i * g.in_stride + g.in_dim] = (
+                    float("nan")
                 )
+                block[
+                    layer, r:, g.b_offset + g.out_offsets[i] : g.b_offset + g.out_offsets[i] + g.out_dims[i]
+                ] = float("nan")
         scalings = torch.rand((layout.num_layers, NUM_SLICES), generator=gen) + 0.5
         slots.load(slot, PackedAdapter(f"a{slot}", block.to(dtype), ranks, scalings))
     return slots
@@ -80,12 +82,13 @@ def test_backend_successive_batches(device):
 
 def test_planner_merges_and_splits():
     runs = plan_runs([0, 2, 2, 5, 9, 10, 30], [3, 1, 3, 3, -1, 0])
-    assert [r.tolist() for r in runs] == [[0, 2, 10], [2, 9, 30], [3, 3, 0]]
+    # the empty slot-1 segment is dropped, so slot 3's three segments merge into one run
+    assert [r.tolist() for r in runs] == [[0, 10], [9, 30], [3, 0]]
     tiles = plan_tiles(runs, 16)
-    assert tiles[:, :3].tolist() == [[0, 2, 3], [2, 9, 3], [10, 26, 0], [26, 30, 0]]
+    assert tiles[:, :3].tolist() == [[0, 9, 3], [10, 26, 0], [26, 30, 0]]
     info = BatchInfoBuilder(64, "cpu").build([0, 2, 2, 5, 9, 10, 30], [3, 1, 3, 3, -1, 0], 5)
-    assert (info.num_tiles, info.max_len, info.block_m, info.block_rank) == (3, 20, 32, 16)
-    assert info.meta[0].tolist() == [3, 30, 20, 32]
+    assert (info.num_tiles, info.max_len, info.block_m, info.block_rank) == (2, 20, 32, 16)
+    assert info.meta[:3].tolist() == [[2, 30, 20, 32], [0, 9, 3, 0], [10, 30, 0, 0]]
     with pytest.raises(ValueError, match="max_tokens"):
         BatchInfoBuilder(8, "cpu").build([0, 9], [0], 1)
 
@@ -96,8 +99,14 @@ def test_backend_no_sync_on_gpu():
     slots = loaded_slots(small_layout(), torch.bfloat16, device, seed=9)
     backend = make_backend("triton", slots, max_tokens=128)
     indptr, seg_slots = indptr_of(MIXED_LENGTHS), MIXED_SLOTS
-    xs = {g.name: torch.randn((indptr[-1], g.in_dim), device=device, dtype=slots.dtype) for g in slots.layout.groups}
-    outs = {g.name: torch.zeros((indptr[-1], g.out_total), device=device, dtype=slots.dtype) for g in slots.layout.groups}
+    xs = {
+        g.name: torch.randn((indptr[-1], g.in_dim), device=device, dtype=slots.dtype)
+        for g in slots.layout.groups
+    }
+    outs = {
+        g.name: torch.zeros((indptr[-1], g.out_total), device=device, dtype=slots.dtype)
+        for g in slots.layout.groups
+    }
     backend.prepare(indptr, seg_slots)  # warm-up: compiles the kernels
     for g in slots.layout.groups:
         backend.apply(xs[g.name], outs[g.name].clone(), 0, g)
@@ -120,7 +129,9 @@ def test_backend_no_sync_on_gpu():
 @pytest.mark.parametrize("rank", [16, 64])
 def test_backend_llama_shapes_on_gpu(rank):
     """Real Llama-3-8B widths (vectorised loads, wide tiles) on a decode and a prefill batch."""
-    layout = LoraLayout.build(num_layers=1, hidden=4096, q_out=4096, kv_out=1024, intermediate=14336, max_rank=64)
+    layout = LoraLayout.build(
+        num_layers=1, hidden=4096, q_out=4096, kv_out=1024, intermediate=14336, max_rank=64
+    )
     slots = LoraSlots(layout, num_slots=8, dtype=torch.bfloat16, device=torch.device("cuda"))
     gen = torch.Generator().manual_seed(rank)
     for slot in range(8):

@@ -1,0 +1,139 @@
+"""The socket helper over real ipc:// sockets: typed round trips, extra frames, ProtocolError on bad
+input, PeerGone, bounded queues (a full peer blocks the sender) and ipc files removed on close."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from proto.base import TokenIds
+from proto.client import Ack, ClientReply, ClientRequest, Hello
+from proto.pipeline import TokenBatch, TokenDelta, TokenizedRequest, TokenizerToScheduler, WorkerToTokenizer
+from runtime.actor import Mailbox
+from runtime.sockets import (
+    DealerSocket,
+    PeerGone,
+    ProtocolError,
+    PullSocket,
+    PushSocket,
+    RouterSocket,
+    SyncPullSocket,
+    SyncPushSocket,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _batch(step: int, payload: int = 1) -> TokenBatch:
+    return TokenBatch(step=step, items=[TokenDelta(request_id="r", token_ids=[7] * payload)])
+
+
+def test_push_pull_round_trip_with_extra_frames(tmp_path):
+    async def main() -> None:
+        addr = f"ipc://{tmp_path}/a.sock"
+        with PullSocket(addr, TokenizerToScheduler) as pull, PushSocket(addr, TokenizerToScheduler) as push:
+            msg = TokenizedRequest(request_id="r", prompt_ids=TokenIds.of(range(100_000)))
+            await push.send(msg)
+            got = await pull.recv()
+            assert got == msg and len(got.prompt_ids) == 100_000
+        assert not (tmp_path / "a.sock").exists()
+
+    asyncio.run(main())
+
+
+def test_malformed_frame_raises_and_next_message_decodes(tmp_path):
+    async def main() -> None:
+        addr = f"ipc://{tmp_path}/b.sock"
+        with PullSocket(addr, WorkerToTokenizer) as pull:
+            raw = zmq.asyncio.Context.instance().socket(zmq.PUSH)
+            raw.connect(addr)
+            await raw.send_multipart([b"\x00\xffnot a message"])
+            await raw.send_multipart([_encode(_batch(1))])
+            with pytest.raises(ProtocolError):
+                await pull.recv()
+            assert await pull.recv() == _batch(1)
+            raw.close(0)
+
+    asyncio.run(main())
+
+
+def _encode(msg: TokenBatch) -> bytes:
+    from proto.codec import Codec
+
+    (body,) = Codec(WorkerToTokenizer).encode(msg)
+    return body
+
+
+def test_router_dealer_and_peer_gone(tmp_path):
+    async def main() -> None:
+        addr = f"ipc://{tmp_path}/c.sock"
+        with (
+            RouterSocket(addr, ClientRequest, ClientReply) as router,
+            DealerSocket(addr, ClientReply, ClientRequest) as dealer,
+        ):
+            await dealer.send(Hello(request_id="h", protocol_version=1))
+            identity, msg = await router.recv()
+            assert msg == Hello(request_id="h", protocol_version=1)
+            await router.send(identity, Ack(request_id="h"))
+            assert await dealer.recv() == Ack(request_id="h")
+            with pytest.raises(PeerGone):
+                await router.send(b"nobody", Ack(request_id="x"))
+
+    asyncio.run(main())
+
+
+def test_high_water_mark_must_be_finite(tmp_path):
+    with pytest.raises(ValueError):
+        PushSocket(f"ipc://{tmp_path}/d.sock", WorkerToTokenizer, hwm=0)
+
+
+def test_sync_sockets_time_out_instead_of_blocking(tmp_path):
+    addr = f"ipc://{tmp_path}/e.sock"
+    with SyncPullSocket(addr, WorkerToTokenizer) as pull, SyncPushSocket(addr, WorkerToTokenizer) as push:
+        assert pull.recv(timeout_ms=10) is None
+        assert push.send(_batch(3), timeout_ms=1000)
+        assert pull.recv(timeout_ms=5000) == _batch(3)
+    assert not (tmp_path / "e.sock").exists()
+
+
+def test_full_inbox_backpressures_the_sender(tmp_path):
+    """A receiver whose bounded inbox is full stops reading; the zmq queues fill up to their
+    high-water marks and then the sender cannot send: nothing grows without bound."""
+
+    async def main() -> None:
+        addr = f"ipc://{tmp_path}/f.sock"
+        inbox: Mailbox[TokenBatch] = Mailbox("inbox", maxsize=2)
+        with (
+            PullSocket(addr, WorkerToTokenizer, hwm=2) as pull,
+            PushSocket(addr, WorkerToTokenizer, hwm=2) as push,
+        ):
+
+            async def receive() -> None:
+                while True:
+                    await inbox.put(await pull.recv())
+
+            receiver = asyncio.create_task(receive())
+            sent = 0
+            big = _batch(0, payload=50_000)  # ~50 kB bodies fill kernel socket buffers quickly
+            while sent < 10_000:
+                try:
+                    push.send_nowait(big)
+                except zmq.Again:
+                    break
+                sent += 1
+                await asyncio.sleep(0)  # let the receiver run (it blocks on the full inbox)
+            assert sent < 10_000, "the sender was never blocked"
+            assert inbox.full() and inbox.qsize() == 2
+            blocked = asyncio.create_task(push.send(big))
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert not blocked.done()
+            while not blocked.done():  # consuming unblocks the whole chain
+                await inbox.get()
+                await asyncio.sleep(0)
+            receiver.cancel()
+
+    asyncio.run(main())
