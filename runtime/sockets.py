@@ -125,7 +125,10 @@ class PushSocket(_Base[None, T]):
 
     def send_nowait(self, msg: T) -> None:
         """Raise zmq.Again instead of waiting when the peer is full."""
-        self.sock.send_multipart(self._encode(msg), flags=zmq.NOBLOCK, copy=False)
+        # zmq.asyncio reports a NOBLOCK failure through an already-finished future, not by raising
+        fut = self.sock.send_multipart(self._encode(msg), flags=zmq.NOBLOCK, copy=False)
+        if fut.done() and fut.exception() is not None:
+            raise fut.exception()
 
 
 class PullSocket(_Base[T, None]):

@@ -57,7 +57,8 @@ def _group_pairs(name, tensors, cfg: ModelConfig, acfg: AdapterConfig) -> dict:
         if module not in TARGET_MODULES or _PARENT[module] != parent:
             raise AdapterError(name, f"target module {parent}.{module} is not supported (tensor {key})")
         if layer >= cfg.num_layers:
-            raise AdapterError(name, f"tensor {key} is for layer {layer}; the model has {cfg.num_layers}")
+            why = f"the base model has {cfg.num_layers} layers (made for another model?)"
+            raise AdapterError(name, f"tensor {key} is for layer {layer}, but {why}")
         if not t.is_floating_point():
             raise AdapterError(name, f"tensor {key} has non-float dtype {t.dtype}")
         if t.dim() != 2:
@@ -88,7 +89,8 @@ def _check_targeted(name, found, cfg: ModelConfig, acfg: AdapterConfig) -> None:
     modules = [(i, m) for i in range(cfg.num_layers) for m in TARGET_MODULES]
     expected = {(i, m) for i, m in modules if acfg.targets(_path(i, m))}
     for layer, module in sorted(expected - found.keys()):
-        raise AdapterError(name, f"missing tensor {_key(layer, module, 'A')} (its module is targeted)")
+        why = "adapter_config.json targets that module"
+        raise AdapterError(name, f"missing tensor {_key(layer, module, 'A')} ({why})")
     for layer, module in sorted(found.keys() - expected):
         raise AdapterError(
             name,

@@ -116,24 +116,26 @@ def test_full_inbox_backpressures_the_sender(tmp_path):
                     await inbox.put(await pull.recv())
 
             receiver = asyncio.create_task(receive())
+            big = _batch(0, payload=50_000)  # ~50 kB bodies fill the kernel socket buffers quickly
             sent = 0
-            big = _batch(0, payload=50_000)  # ~50 kB bodies fill kernel socket buffers quickly
-            while sent < 10_000:
-                try:
-                    push.send_nowait(big)
-                except zmq.Again:
+            while True:
+                # a send that stays pending for 0.2 s is blocked: inbox, receiver, both zmq pipes
+                # and the kernel buffer are all full
+                blocked = asyncio.create_task(push.send(big))
+                await asyncio.wait({blocked}, timeout=0.2)
+                if not blocked.done():
                     break
                 sent += 1
-                await asyncio.sleep(0)  # let the receiver run (it blocks on the full inbox)
-            assert sent < 10_000, "the sender was never blocked"
-            assert inbox.full() and inbox.qsize() == 2
-            blocked = asyncio.create_task(push.send(big))
-            for _ in range(20):
-                await asyncio.sleep(0)
-            assert not blocked.done()
+                assert sent < 1000, "the sender was never blocked"
+            assert inbox.qsize() == inbox.maxsize == 2
+            received = 0
             while not blocked.done():  # consuming unblocks the whole chain
-                await inbox.get()
-                await asyncio.sleep(0)
+                if not inbox.empty():
+                    await inbox.get()
+                    received += 1
+                await asyncio.wait({blocked}, timeout=0.001)
+            assert received <= sent + 1
             receiver.cancel()
+            await asyncio.gather(receiver, return_exceptions=True)
 
     asyncio.run(main())

@@ -18,6 +18,19 @@ from stages.worker.lora.slots import LoraSlots
 MAX_SPLIT_K = 16
 
 
+def workspace_rows(max_tokens: int) -> int:
+    """Token rows of the shrink's fp32 partials buffer: room for split-K on decode-sized batches."""
+    return max(2 * max_tokens, MAX_SPLIT_K * 256)
+
+
+def split_cap(num_tokens: int, ws_rows: int) -> int:
+    """Largest power-of-two split-K (at most MAX_SPLIT_K) whose partials fit `ws_rows` token rows."""
+    cap = 1
+    while cap < MAX_SPLIT_K and 2 * cap * max(1, num_tokens) <= ws_rows:
+        cap *= 2
+    return cap
+
+
 class TritonLoraBackend(LoraBackend):
     name = "triton"
 
@@ -33,7 +46,7 @@ class TritonLoraBackend(LoraBackend):
 
     def _init_workspace(self) -> None:
         # Shrink output (split-K fp32 partials), reused by every apply: allocated once, fixed address.
-        self._ws_rows = max(2 * self.max_tokens, MAX_SPLIT_K * 256)
+        self._ws_rows = workspace_rows(self.max_tokens)
         max_slices = max(g.num_slices for g in self.layout.groups)
         numel = self._ws_rows * max_slices * block_rank_for(self.layout.max_rank)
         self._workspace = torch.empty(numel, dtype=torch.float32, device=self.slots.device)  # [rows*N*R]
@@ -46,9 +59,7 @@ class TritonLoraBackend(LoraBackend):
         used = sorted({s for s in seg_slots if s >= 0})
         max_rank = int(self.slots.host_ranks[used].max()) if used else 0
         info = self._builder.build(seg_indptr, seg_slots, max_rank)
-        max_split = 1
-        while max_split < MAX_SPLIT_K and 2 * max_split * max(1, info.num_tokens) <= self._ws_rows:
-            max_split *= 2
+        max_split = split_cap(info.num_tokens, self._ws_rows)
         self._configs = {
             g.name: (shrink_config(info, g.in_dim, g.num_slices, max_split), expand_config(info, g.out_dims))
             for g in self.layout.groups

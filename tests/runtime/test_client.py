@@ -1,0 +1,268 @@
+"""The client SDK against a fake tokenizer-side ROUTER: results and timings, typed exceptions with the
+server's message, Abort on early stream close and on timeout, the handshake's version check."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from proto.base import PROTOCOL_VERSION
+from proto.client import (
+    Abort,
+    Ack,
+    AdapterEntry,
+    AdapterList,
+    ClientReply,
+    ClientRequest,
+    ErrorReply,
+    GenerateRequest,
+    Health,
+    HealthReply,
+    Hello,
+    ListAdapters,
+    LoadAdapter,
+    StageHealth,
+    TokenChunk,
+    UnloadAdapter,
+    Welcome,
+)
+from runtime.client import (
+    Aborted,
+    AdapterLoadFailed,
+    AsyncClient,
+    Client,
+    InvalidRequest,
+    ProtocolMismatchError,
+    ServerError,
+    Timeout,
+    UnknownAdapter,
+)
+from runtime.sockets import RouterSocket
+
+pytestmark = pytest.mark.timeout(30)
+Handler = Callable[[RouterSocket, bytes, Any], Awaitable[None]]
+
+
+class FakeTokenizer:
+    """Answers Hello itself and hands everything else to `handler`; records every message."""
+
+    def __init__(self, addr: str, handler: Handler, version: int = PROTOCOL_VERSION) -> None:
+        self.addr, self.handler, self.version = addr, handler, version
+        self.seen: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def run(self) -> None:
+        with RouterSocket(self.addr, ClientRequest, ClientReply) as sock:
+            while True:
+                identity, msg = await sock.recv()
+                self.seen.put_nowait(msg)
+                if isinstance(msg, Hello) and self.version == PROTOCOL_VERSION:
+                    await sock.send(
+                        identity, Welcome(request_id=msg.request_id, protocol_version=self.version)
+                    )
+                elif isinstance(msg, Hello):
+                    err = ErrorReply(
+                        request_id=msg.request_id, kind="protocol_mismatch", message="server speaks 99"
+                    )
+                    await sock.send(identity, err)
+                else:
+                    await self.handler(sock, identity, msg)
+
+    async def next_of(self, kind: type) -> Any:
+        while True:
+            msg = await asyncio.wait_for(self.seen.get(), 10)
+            if isinstance(msg, kind):
+                return msg
+
+
+async def _three_chunks(sock: RouterSocket, identity: bytes, msg: Any) -> None:
+    if isinstance(msg, GenerateRequest):
+        for i, (text, last) in enumerate([("a", False), ("b", False), ("cd", True)]):
+            chunk = TokenChunk(
+                request_id=msg.request_id,
+                text=text,
+                token_ids=[i + 1],
+                finished=last,
+                finish_reason="length" if last else None,
+                prompt_tokens=4,
+                arrival_time=10.0,
+                first_token_time=10.25,
+            )
+            await sock.send(identity, chunk)
+
+
+async def _silent(sock: RouterSocket, identity: bytes, msg: Any) -> None:
+    pass
+
+
+def _run(
+    tmp_path, handler: Handler, body: Callable[[AsyncClient, FakeTokenizer], Awaitable[None]], **kw
+) -> None:
+    async def main() -> None:
+        fake = FakeTokenizer(f"ipc://{tmp_path}/client.sock", handler, **kw)
+        server = asyncio.create_task(fake.run())
+        try:
+            async with AsyncClient(fake.addr, timeout=10) as client:
+                await body(client, fake)
+        finally:
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_generate_returns_text_ids_finish_reason_and_timings(tmp_path):
+    async def body(client: AsyncClient, fake: FakeTokenizer) -> None:
+        out = await client.generate([5, 6, 7, 8], adapter="a", max_tokens=3, temperature=0.5)
+        req = await fake.next_of(GenerateRequest)
+        assert req.prompt_ids.tolist() == [5, 6, 7, 8] and req.adapter == "a"
+        assert req.sampling.max_tokens == 3 and req.sampling.temperature == 0.5
+        assert (out.text, out.token_ids, out.finish_reason, out.prompt_tokens) == (
+            "abcd",
+            [1, 2, 3],
+            "length",
+            4,
+        )
+        t = out.timings
+        assert len(t.token_times) == 3 and t.token_times == sorted(t.token_times)
+        assert 0 < t.ttft == t.token_times[0] <= t.e2e and t.server_ttft == pytest.approx(0.25)
+        assert len(t.itl) == 2
+
+    _run(tmp_path, _three_chunks, body)
+
+
+@pytest.mark.parametrize(
+    "kind,exc",
+    [
+        ("invalid_request", InvalidRequest),
+        ("unknown_adapter", UnknownAdapter),
+        ("adapter_load_failed", AdapterLoadFailed),
+        ("server_error", ServerError),
+        ("aborted", Aborted),
+    ],
+)
+def test_error_replies_raise_typed_exceptions_with_the_server_message(tmp_path, kind, exc):
+    async def reply_error(sock: RouterSocket, identity: bytes, msg: Any) -> None:
+        await sock.send(
+            identity, ErrorReply(request_id=msg.request_id, kind=kind, message=f"server says {kind}")
+        )
+
+    async def body(client: AsyncClient, fake: FakeTokenizer) -> None:
+        with pytest.raises(exc, match=f"server says {kind}"):
+            await client.generate("hi")
+        with pytest.raises(exc, match=f"server says {kind}"):
+            await client.load_adapter("a", "/nowhere")
+
+    _run(tmp_path, reply_error, body)
+
+
+def test_closing_a_stream_early_sends_abort(tmp_path):
+    async def body(client: AsyncClient, fake: FakeTokenizer) -> None:
+        async with contextlib.aclosing(client.stream("hello", max_tokens=3)) as chunks:
+            async for chunk in chunks:
+                assert chunk.text == "a" and not chunk.finished
+                break
+        req = await fake.next_of(GenerateRequest)
+        assert (await fake.next_of(Abort)).request_id == req.request_id
+
+    _run(tmp_path, _three_chunks, body)
+
+
+def test_timeout_raises_and_aborts(tmp_path):
+    async def body(client: AsyncClient, fake: FakeTokenizer) -> None:
+        with pytest.raises(Timeout):
+            await client.generate("hello", timeout=0.2)
+        req = await fake.next_of(GenerateRequest)
+        assert (await fake.next_of(Abort)).request_id == req.request_id
+        with pytest.raises(Timeout):
+            await client.list_adapters(timeout=0.2)
+
+    _run(tmp_path, _silent, body)
+
+
+def test_protocol_mismatch_is_refused(tmp_path):
+    async def main() -> None:
+        fake = FakeTokenizer(f"ipc://{tmp_path}/client.sock", _silent, version=99)
+        server = asyncio.create_task(fake.run())
+        client = AsyncClient(fake.addr, timeout=10)
+        try:
+            with pytest.raises(ProtocolMismatchError, match="99"):
+                await client.connect()
+        finally:
+            await client.close()
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_adapter_ops_and_health(tmp_path):
+    entry = AdapterEntry(name="a", path="/ad/a", tier="gpu", slot=0)
+
+    async def ops(sock: RouterSocket, identity: bytes, msg: Any) -> None:
+        rid = msg.request_id
+        match msg:
+            case LoadAdapter():
+                await sock.send(identity, Ack(request_id=rid))
+            case UnloadAdapter(name=name):
+                await sock.send(
+                    identity, ErrorReply(request_id=rid, kind="unknown_adapter", message=f"no {name}")
+                )
+            case ListAdapters():
+                await sock.send(identity, AdapterList(request_id=rid, adapters=[entry]))
+            case Health():
+                stages = [StageHealth(stage="tokenizer", status="ok")]
+                await sock.send(identity, HealthReply(request_id=rid, ok=True, stages=stages))
+
+    async def body(client: AsyncClient, fake: FakeTokenizer) -> None:
+        await client.load_adapter("a", "/ad/a")
+        assert (await fake.next_of(LoadAdapter)).path == "/ad/a"
+        with pytest.raises(UnknownAdapter, match="no b"):
+            await client.unload_adapter("b")
+        assert await client.list_adapters() == [entry]
+        health = await client.health()
+        assert health.ok and health.stages[0].stage == "tokenizer"
+
+    _run(tmp_path, ops, body)
+
+
+def test_bad_sampling_arguments_fail_locally(tmp_path):
+    async def body(client: AsyncClient, fake: FakeTokenizer) -> None:
+        with pytest.raises(InvalidRequest, match="sampling"):
+            await client.generate("x", max_tokens="many")
+        with pytest.raises(InvalidRequest, match="sampling"):
+            await client.generate("x", beam_width=4)
+        with pytest.raises(InvalidRequest, match="int32"):
+            await client.generate([1, 2**40])
+
+    _run(tmp_path, _silent, body)
+
+
+def test_sync_client(tmp_path):
+    fake = FakeTokenizer(f"ipc://{tmp_path}/client.sock", _three_chunks)
+    loop = asyncio.new_event_loop()
+    server = loop.create_task(fake.run())
+
+    def serve() -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            loop.run_until_complete(server)
+        loop.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with Client(fake.addr, timeout=10) as client:
+            out = client.generate("hello")
+            assert out.text == "abcd" and out.token_ids == [1, 2, 3]
+            stream = client.stream("hello")
+            assert next(stream).text == "a"
+            stream.close()  # early close: Abort goes out before close() returns
+            abort = asyncio.run_coroutine_threadsafe(fake.next_of(Abort), loop).result(10)
+            assert abort.request_id
+    finally:
+        loop.call_soon_threadsafe(server.cancel)
+        thread.join(10)
