@@ -38,9 +38,11 @@ class Draining(Message):
 
 
 class Shutdown(Message):
-    """Drain, then exit 0 (the same as SIGTERM)."""
+    """Drain, then exit 0 (the same as SIGTERM). `reason` is set when the pipeline is going down
+    because a stage failed: the tokenizer then fails open requests at once, naming it."""
 
     deadline_s: float = 10.0
+    reason: str = ""
 
 
 class MetricsQuery(Message):

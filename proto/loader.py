@@ -49,6 +49,13 @@ class AdapterFailed(Message):
     message: str
 
 
+class LoaderStarted(Message):
+    """The loader (re)started with an empty host cache: blocks staged before are gone, and every
+    StageAdapter not answered yet must be sent again (what makes a loader restart transparent)."""
+
+    pid: int
+
+
 class Evicted(Message):
     """The host cache dropped `name` (LRU) to make room; the next use must stage it again."""
 
@@ -56,4 +63,4 @@ class Evicted(Message):
 
 
 SchedulerToLoader = edge("scheduler_to_loader", StageAdapter, ReleaseAdapter, DropAdapter)
-LoaderToScheduler = edge("loader_to_scheduler", AdapterStaged, AdapterFailed, Evicted)
+LoaderToScheduler = edge("loader_to_scheduler", LoaderStarted, AdapterStaged, AdapterFailed, Evicted)

@@ -5,7 +5,6 @@ MetricsQuery, FatalError), a parent-death watch and drain on SIGTERM/SIGINT. `se
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -92,7 +91,8 @@ class Actor(Generic[C]):
         self._control: DealerSocket[Any, Any] | None = None
         self._stop_requested = asyncio.Event()
         self._stop_now = asyncio.Event()
-        self._drain_timeout = config.drain_timeout_s
+        self.drain_timeout = config.drain_timeout_s  # Shutdown(deadline_s) may shorten it
+        self.shutdown_reason = ""  # Shutdown(reason): why the pipeline is going down, if a stage failed
 
     # --- building blocks for subclasses -------------------------------------------------------------
     async def setup(self) -> None:
@@ -192,13 +192,13 @@ class Actor(Generic[C]):
         loop = asyncio.get_running_loop()
         code = EXIT_OK
         try:
-            await self.setup()
-            if self.config.control:
+            if self.config.control:  # first, so that a failing setup() is still reported
                 self._control = self.socket(
                     DealerSocket(
                         self.config.control, LauncherToStage, StageToLauncher, identity=self.stage.encode()
                     )
                 )
+            await self.setup()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_drain)
             async with asyncio.TaskGroup() as tg:
@@ -208,8 +208,9 @@ class Actor(Generic[C]):
                 tg.create_task(self._drain_then_stop())
                 if self._control is not None:
                     tg.create_task(self._control_loop())
-                    ready = Ready(stage=self.stage, pid=os.getpid(), protocol_version=PROTOCOL_VERSION)
-                    await self._control.send(ready)
+                    await self._tell_launcher(
+                        Ready(stage=self.stage, pid=os.getpid(), protocol_version=PROTOCOL_VERSION)
+                    )
                 self.log.info("ready (pid %d)", os.getpid())
         except* _Stop:
             code = EXIT_OK
@@ -218,7 +219,7 @@ class Actor(Generic[C]):
             code = EXIT_PARENT_DIED
         except* Exception as group:
             self.log.error("stage failed", exc_info=group.exceptions[0])
-            await self._report_fatal(repr(group.exceptions[0]))
+            await self._tell_launcher(FatalError(stage=self.stage, message=repr(group.exceptions[0])))
             code = EXIT_FATAL
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -234,12 +235,14 @@ class Actor(Generic[C]):
         await self._stop_requested.wait()
         self.draining = True
         self.log.info("draining")
-        if self._control is not None:
-            await self._control.send(Draining(stage=self.stage))
+        await self._tell_launcher(Draining(stage=self.stage))
         drain = asyncio.ensure_future(self.drain())
         stop_now = asyncio.ensure_future(self._stop_now.wait())
         done, _ = await asyncio.wait(
-            {drain, stop_now}, timeout=self._drain_timeout, return_when=asyncio.FIRST_COMPLETED
+            # a floor, so even a zero deadline leaves time to flush what drain() just produced
+            {drain, stop_now},
+            timeout=max(self.drain_timeout, 0.25),
+            return_when=asyncio.FIRST_COMPLETED,
         )
         if drain not in done:
             self.log.warning("drain did not finish; stopping anyway")
@@ -263,19 +266,23 @@ class Actor(Generic[C]):
                 await self.on_malformed("control", exc)
                 continue
             match msg:
-                case Shutdown(deadline_s=deadline):
-                    self._drain_timeout = min(self._drain_timeout, deadline)
+                case Shutdown(deadline_s=deadline, reason=reason):
+                    self.drain_timeout = min(self.drain_timeout, deadline)
+                    self.shutdown_reason = reason
                     self.request_drain()
                 case MetricsQuery(query_id=qid):
                     text = self.metrics.exposition()
                     await self._control.send(MetricsReport(query_id=qid, stage=self.stage, text=text))
 
-    async def _report_fatal(self, message: str) -> None:
+    async def _tell_launcher(self, msg: Any) -> None:
+        """Best effort: a launcher that stopped reading must not wedge the stage."""
         if self._control is None or self._control.sock.closed:
             return
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(1.0):
-                await self._control.send(FatalError(stage=self.stage, message=message))
+        try:
+            async with asyncio.timeout(2.0):
+                await self._control.send(msg)
+        except TimeoutError:
+            self.log.warning("launcher did not take %s", type(msg).__name__)
 
 
 def serve(actor: Actor[Any]) -> int:

@@ -354,7 +354,8 @@ class Client:
                 except StopAsyncIteration:
                     return
         finally:
-            self._run(agen.aclose())
+            if not self._loop.is_closed():
+                self._run(agen.aclose())
 
     def load_adapter(self, name: str, path: str, **kw: Any) -> None:
         self._run(self._client.load_adapter(name, path, **kw))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -23,6 +23,7 @@ MAX_CLIENT_MSG_BYTES = 64 << 20  # ROUTER facing clients: refuse absurd frames b
 
 __all__ = [
     "DealerSocket",
+    "PeerBusy",
     "PeerGone",
     "ProtocolError",
     "PullSocket",
@@ -36,9 +37,17 @@ __all__ = [
 class PeerGone(Exception):
     """A ROUTER send to an identity that is no longer connected (the client went away)."""
 
-    def __init__(self, identity: bytes) -> None:
-        super().__init__(f"peer {identity!r} is gone")
+    def __init__(self, identity: bytes, why: str = "is gone") -> None:
+        super().__init__(f"peer {identity!r} {why}")
         self.identity = identity
+
+
+class PeerBusy(PeerGone):
+    """A ROUTER send to a peer that stopped reading: its queue is at the high-water mark. Raised
+    instead of waiting, so one slow client never stalls replies to the others."""
+
+    def __init__(self, identity: bytes) -> None:
+        super().__init__(identity, "is not reading (queue at its high-water mark)")
 
 
 class _Base(Generic[In, Out]):
@@ -105,7 +114,7 @@ class _Base(Generic[In, Out]):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.addr[len("ipc://") :])
 
-    def __enter__(self):  # noqa: ANN204
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -159,8 +168,9 @@ class DealerSocket(_Base[In, Out]):
 
 
 class RouterSocket(_Base[In, Out]):
-    """Async ROUTER: `recv()` returns (identity, msg); `send(identity, msg)` raises PeerGone when that
-    peer disconnected (ROUTER_MANDATORY) instead of silently dropping the message."""
+    """Async ROUTER: `recv()` returns (identity, msg); `send(identity, msg)` never waits: it raises
+    PeerGone when that peer disconnected and PeerBusy when it is full (ROUTER_MANDATORY), instead of
+    silently dropping the message."""
 
     kind = zmq.ROUTER
 
@@ -179,8 +189,13 @@ class RouterSocket(_Base[In, Out]):
         return identity, self._decode(frames[1:], identity)
 
     async def send(self, identity: bytes, msg: Out) -> None:
+        # NOBLOCK: with ROUTER_MANDATORY a full peer gives EAGAIN, and waiting for POLLOUT would spin
+        # (POLLOUT means "some peer is writable") while blocking every other peer's replies
+        fut = self.sock.send_multipart([identity, *self._encode(msg)], flags=zmq.NOBLOCK, copy=False)
         try:
-            await self.sock.send_multipart([identity, *self._encode(msg)], copy=False)
+            await fut
+        except zmq.Again:
+            raise PeerBusy(identity) from None
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise PeerGone(identity) from None

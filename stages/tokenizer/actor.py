@@ -5,6 +5,7 @@ to_scheduler."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from pathlib import Path
@@ -57,7 +58,9 @@ from runtime.sockets import PeerGone, PullSocket, PushSocket, RouterSocket
 from stages.tokenizer.config import TokenizerConfig
 from stages.tokenizer.detokenizer import IncrementalDetokenizer
 from stages.tokenizer.requests import OpenRequest, RequestTable
-from stages.tokenizer.validate import Rejected, validate_generate
+from stages.tokenizer.validate import Rejected, check_prompt, check_request, encode_prompt
+
+THREAD_TOKENIZE_CHARS = 8192
 
 
 class TokenizerActor(Actor[TokenizerConfig]):
@@ -94,7 +97,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
         from_scheduler = self.socket(PullSocket(ep.scheduler_to_tokenizer, SchedulerToTokenizer))
         from_worker = self.socket(PullSocket(ep.worker_to_tokenizer, WorkerToTokenizer))
         client_requests = self.mailbox("client_requests")
-        scheduler_events = self.mailbox("scheduler_events")
+        self.scheduler_events = scheduler_events = self.mailbox("scheduler_events")
         token_batches = self.mailbox("token_batches")
         self.client_replies = self.mailbox("client_replies")
         self.to_scheduler = self.mailbox("to_scheduler")
@@ -126,7 +129,10 @@ class TokenizerActor(Actor[TokenizerConfig]):
             case ListAdapters():
                 await self._forward_op(identity, msg, lambda op: ListAdaptersOp(op_id=op))
             case Health():
-                await self._forward_op(identity, msg, lambda op: HealthProbe(op_id=op))
+                op_id = await self._forward_op(identity, msg, lambda op: HealthProbe(op_id=op))
+                asyncio.get_running_loop().call_later(
+                    self.config.health_timeout_s, self._health_expired, op_id
+                )
 
     async def on_hello(self, identity: bytes, msg: Hello) -> None:
         if msg.protocol_version != PROTOCOL_VERSION:
@@ -145,19 +151,20 @@ class TokenizerActor(Actor[TokenizerConfig]):
     async def on_generate_request(self, identity: bytes, msg: GenerateRequest) -> None:
         rid = msg.request_id
         if self.draining:
-            return await self._error(identity, rid, "server_error", "the server is shutting down")
+            return await self._error(identity, rid, "server_error", self._shutdown_message())
         if rid in self.requests:
             return await self._error(
                 identity, rid, "invalid_request", f"request_id {rid!r} is already running"
             )
+        cfg = self.config
         try:
-            ids = validate_generate(
-                msg,
-                self.tokenizer,
-                max_model_len=self.config.max_model_len,
-                vocab_size=self.config.vocab_size,
-                adapters=self.adapters,
-            )
+            check_request(msg, vocab_size=cfg.vocab_size, adapters=self.adapters)
+            if msg.prompt is not None and len(msg.prompt) > THREAD_TOKENIZE_CHARS:
+                # long texts: tokenize off the loop (tokenizers drops the GIL) so streaming goes on
+                ids = await asyncio.to_thread(encode_prompt, msg, self.tokenizer)
+            else:
+                ids = encode_prompt(msg, self.tokenizer)
+            check_prompt(ids, msg, max_model_len=cfg.max_model_len, vocab_size=cfg.vocab_size)
         except Rejected as exc:
             self.m_requests.labels(outcome=f"rejected_{exc.kind}").inc()
             return await self._error(identity, rid, exc.kind, exc.message)
@@ -180,10 +187,19 @@ class TokenizerActor(Actor[TokenizerConfig]):
         if req is not None and req.identity == identity:
             await self._abort(msg.request_id, outcome="aborted")
 
-    async def _forward_op(self, identity: bytes, msg: Any, make: Any) -> None:
+    async def _forward_op(self, identity: bytes, msg: Any, make: Any) -> int:
         op_id = next(self._op_ids)
         self.ops[op_id] = (identity, msg)
         await self.to_scheduler.put(make(op_id))
+        return op_id
+
+    def _health_expired(self, op_id: int) -> None:
+        """The scheduler did not answer a probe: report it down ourselves (a late answer is ignored)."""
+        if op_id in self.ops:
+            detail = f"no answer within {self.config.health_timeout_s}s"
+            down = StageHealth(stage="scheduler", status="down", detail=detail)
+            with contextlib.suppress(asyncio.QueueFull):  # overloaded: the client's timeout covers it
+                self.scheduler_events.put_nowait(HealthStatus(op_id=op_id, stages=[down]))
 
     # --- scheduler events -----------------------------------------------------------------------------
     async def handle_scheduler(self, msg: Any) -> None:
@@ -252,7 +268,9 @@ class TokenizerActor(Actor[TokenizerConfig]):
         identity, msg = item
         try:
             await self.client.send(identity, msg)
-        except PeerGone:
+        except PeerGone as exc:  # disconnected, or so far behind that its queue is full (PeerBusy)
+            if identity in self.requests.by_client:
+                self.log.warning("client %s; dropping its requests", exc)
             await self._client_gone(identity)
 
     async def _client_gone(self, identity: bytes) -> None:
@@ -268,18 +286,21 @@ class TokenizerActor(Actor[TokenizerConfig]):
             rid = _peek_request_id(exc.body)
             await self._error(exc.identity, rid, "invalid_request", f"malformed message: {exc}")
 
+    def _shutdown_message(self) -> str:
+        reason = f": {self.shutdown_reason}" if self.shutdown_reason else ""
+        return f"the server is shutting down{reason}"
+
     async def drain(self) -> None:
-        """Refuse new requests (self.draining), let open ones finish, fail those that do not in time."""
-        try:
-            async with asyncio.timeout(self.config.drain_timeout_s * 0.8):
-                await self.requests.idle.wait()
-        except TimeoutError:
-            for rid in list(self.requests.by_id):
-                req = self._drop(rid, outcome="shutdown")
-                assert req is not None
-                await self._error(
-                    req.identity, rid, "server_error", "the server shut down before the request finished"
-                )
+        """Refuse new requests (self.draining) and let open ones finish; fail those that do not in
+        time, or at once when a stage failed (Shutdown.reason), so no client is left waiting."""
+        if not self.shutdown_reason:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.drain_timeout * 0.8):
+                    await self.requests.idle.wait()
+        for rid in list(self.requests.by_id):
+            req = self._drop(rid, outcome="shutdown")
+            assert req is not None
+            await self._error(req.identity, rid, "server_error", self._shutdown_message())
         await super().drain()
 
 

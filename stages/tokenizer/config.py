@@ -19,6 +19,7 @@ class TokenizerConfig(StageConfig, frozen=True, kw_only=True):
     model_name: str = ""
     adapters: tuple[str, ...] = ()  # names registered at start (--adapter NAME=PATH)
     max_client_msg_bytes: int = MAX_CLIENT_MSG_BYTES
+    health_timeout_s: float = 2.0  # a scheduler that does not answer a probe this fast is reported down
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, endpoints: Endpoints, **kw: Any) -> TokenizerConfig:

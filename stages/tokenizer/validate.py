@@ -17,16 +17,9 @@ class Rejected(Exception):
         self.message = message
 
 
-def validate_generate(
-    req: GenerateRequest,
-    tokenizer: Tokenizer,
-    *,
-    max_model_len: int,
-    vocab_size: int,
-    adapters: Mapping[str, str],
-) -> list[int]:
-    """The request's prompt ids, or Rejected naming the first problem. `adapters` maps each known
-    adapter name to "registered" or "unloading"."""
+def check_request(req: GenerateRequest, *, vocab_size: int, adapters: Mapping[str, str]) -> None:
+    """The cheap checks, before tokenizing. `adapters` maps each known adapter name to
+    "registered" or "unloading"."""
     s = req.sampling
     try:
         s.validate()
@@ -43,11 +36,11 @@ def validate_generate(
         raise Rejected("unknown_adapter", f"unknown adapter {req.adapter!r}; load it first")
     if (req.prompt is None) == (req.prompt_ids is None):
         raise Rejected("invalid_request", "give exactly one of prompt (text) or prompt_ids")
-    if req.prompt is not None:
-        ids = tokenizer.encode(req.prompt, add_special_tokens=True).ids
-    else:
-        assert req.prompt_ids is not None
-        ids = req.prompt_ids.tolist()
+
+
+def check_prompt(ids: list[int], req: GenerateRequest, *, max_model_len: int, vocab_size: int) -> None:
+    """The prompt ids (given or tokenized) against the vocabulary and the model's context."""
+    if req.prompt_ids is not None:
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise Rejected(
@@ -55,10 +48,32 @@ def validate_generate(
             )
     if not ids:
         raise Rejected("invalid_request", "the prompt is empty")
-    if len(ids) + s.max_tokens > max_model_len:
+    if len(ids) + req.sampling.max_tokens > max_model_len:
         raise Rejected(
             "invalid_request",
-            f"prompt ({len(ids)} tokens) + max_tokens ({s.max_tokens}) exceeds the model's context "
-            f"of {max_model_len} tokens",
+            f"prompt ({len(ids)} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the model's "
+            f"context of {max_model_len} tokens",
         )
+
+
+def encode_prompt(req: GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    """Prompt ids: given ones as they are, text through the tokenizer (with its BOS template)."""
+    if req.prompt_ids is not None:
+        return req.prompt_ids.tolist()
+    assert req.prompt is not None
+    return tokenizer.encode(req.prompt, add_special_tokens=True).ids
+
+
+def validate_generate(
+    req: GenerateRequest,
+    tokenizer: Tokenizer,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    adapters: Mapping[str, str],
+) -> list[int]:
+    """The request's prompt ids, or Rejected naming the first problem."""
+    check_request(req, vocab_size=vocab_size, adapters=adapters)
+    ids = encode_prompt(req, tokenizer)
+    check_prompt(ids, req, max_model_len=max_model_len, vocab_size=vocab_size)
     return ids

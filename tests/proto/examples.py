@@ -21,7 +21,15 @@ from proto.client import (
     Welcome,
 )
 from proto.control import Draining, FatalError, MetricsQuery, MetricsReport, Ready, Shutdown
-from proto.loader import AdapterFailed, AdapterStaged, DropAdapter, Evicted, ReleaseAdapter, StageAdapter
+from proto.loader import (
+    AdapterFailed,
+    AdapterStaged,
+    DropAdapter,
+    Evicted,
+    LoaderStarted,
+    ReleaseAdapter,
+    StageAdapter,
+)
 from proto.pipeline import (
     AbortRequest,
     AdapterListing,
@@ -155,6 +163,7 @@ EXAMPLES: list[Message] = [
     ),
     AdapterFailed(name="b", message="DoRA adapters are not supported"),
     Evicted(name="a"),
+    LoaderStarted(pid=7),
     Ready(stage="scheduler", pid=42, protocol_version=1),
     FatalError(stage="worker", message="CUDA error"),
     MetricsReport(query_id=1, stage="loader", text="# HELP x\n"),

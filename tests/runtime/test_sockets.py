@@ -15,6 +15,7 @@ from proto.pipeline import TokenBatch, TokenDelta, TokenizedRequest, TokenizerTo
 from runtime.actor import Mailbox
 from runtime.sockets import (
     DealerSocket,
+    PeerBusy,
     PeerGone,
     ProtocolError,
     PullSocket,
@@ -137,5 +138,22 @@ def test_full_inbox_backpressures_the_sender(tmp_path):
             assert received <= sent + 1
             receiver.cancel()
             await asyncio.gather(receiver, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_router_send_to_a_peer_that_stopped_reading_raises_peer_busy(tmp_path):
+    async def main() -> None:
+        addr = f"ipc://{tmp_path}/g.sock"
+        with (
+            RouterSocket(addr, WorkerToTokenizer, WorkerToTokenizer, hwm=2) as router,
+            DealerSocket(addr, WorkerToTokenizer, WorkerToTokenizer, hwm=2) as dealer,
+        ):
+            await dealer.send(_batch(0))
+            identity, _ = await router.recv()
+            big = _batch(0, payload=50_000)
+            with pytest.raises(PeerBusy):
+                for _ in range(1000):  # the dealer never reads: its queues fill, then the send refuses
+                    await router.send(identity, big)
 
     asyncio.run(main())

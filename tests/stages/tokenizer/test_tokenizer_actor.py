@@ -23,6 +23,7 @@ from proto.client import (
     StageHealth,
     TokenChunk,
 )
+from proto.control import LauncherToStage, Shutdown, StageToLauncher, check_ready
 from proto.pipeline import (
     AbortRequest,
     AdapterListing,
@@ -43,7 +44,7 @@ from proto.pipeline import (
 )
 from runtime.client import AdapterLoadFailed, AsyncClient, InvalidRequest, ServerError, UnknownAdapter
 from runtime.endpoints import Endpoints
-from runtime.sockets import DealerSocket, PullSocket, PushSocket
+from runtime.sockets import DealerSocket, PullSocket, PushSocket, RouterSocket
 from stages.tokenizer import TokenizerActor, TokenizerConfig
 
 pytestmark = pytest.mark.timeout(30)
@@ -55,14 +56,24 @@ class Pipeline:
 
     def __init__(self, tmp: Path, model_dir: Path) -> None:
         self.ep = Endpoints.in_run_dir(tmp, client=f"ipc://{tmp}/client.sock")
-        cfg = TokenizerConfig.from_model_dir(model_dir, self.ep, adapters=("a",), drain_timeout_s=5)
+        cfg = TokenizerConfig.from_model_dir(
+            model_dir,
+            self.ep,
+            adapters=("a",),
+            drain_timeout_s=5,
+            health_timeout_s=0.2,
+            control=self.ep.control,
+        )
         self.actor = TokenizerActor(cfg)
 
     async def __aenter__(self) -> Pipeline:
+        self.launcher = RouterSocket(self.ep.control, StageToLauncher, LauncherToStage)
         self.sched_in = PullSocket(self.ep.tokenizer_to_scheduler, TokenizerToScheduler)
         self.sched_out = PushSocket(self.ep.scheduler_to_tokenizer, SchedulerToTokenizer)
         self.worker = PushSocket(self.ep.worker_to_tokenizer, WorkerToTokenizer)
         self.task = asyncio.create_task(self.actor.run())
+        self.identity, ready = await asyncio.wait_for(self.launcher.recv(), 10)
+        check_ready(ready)
         self.client = AsyncClient(self.ep.client, timeout=10)
         await self.client.connect()
         return self
@@ -73,7 +84,7 @@ class Pipeline:
             self.actor.request_drain()
             self.actor.request_drain()  # twice: stop now, whatever is still open
         assert await asyncio.wait_for(self.task, 10) == 0
-        for sock in (self.sched_in, self.sched_out, self.worker):
+        for sock in (self.sched_in, self.sched_out, self.worker, self.launcher):
             sock.close()
 
     async def scheduled(self, kind: type = TokenizedRequest) -> Any:
@@ -151,11 +162,12 @@ def test_bad_requests_get_clear_errors_while_good_ones_complete(tmp_path, model_
 
 def test_abort_and_disconnect_are_forwarded(tmp_path, model_dir, tokenizer):
     async def body(p: Pipeline) -> None:
-        async with contextlib.aclosing(p.client.stream("hello")) as chunks:
-            req = await p.scheduled()
-            await p.tokens(req.request_id, tokenizer.encode("ab", add_special_tokens=False).ids)
-            async for _ in chunks:
-                break
+        chunks = p.client.stream("hello")
+        first = asyncio.create_task(anext(chunks))  # the request goes out on first iteration
+        req = await p.scheduled()
+        await p.tokens(req.request_id, tokenizer.encode("ab", add_special_tokens=False).ids)
+        assert (await first).text == "ab"
+        await chunks.aclose()
         assert await p.scheduled(AbortRequest) == AbortRequest(request_id=req.request_id)
         await p.tokens(req.request_id, [5], "length")  # late tokens of an aborted request are dropped
 
@@ -250,7 +262,28 @@ def test_drain_refuses_new_requests_and_finishes_open_ones(tmp_path, model_dir, 
         await p.emit_text(tokenizer, req.request_id, "done")
         assert (await open_req).text == "done"
         assert await asyncio.wait_for(p.task, 10) == 0
-        assert not any(path.exists() for path in p.ep.ipc_paths() if "tokenizer.sock" not in path.name)
-        assert not Path(p.ep.client[len("ipc://") :]).exists()
+        bound_by_tokenizer = (p.ep.client, p.ep.scheduler_to_tokenizer, p.ep.worker_to_tokenizer)
+        assert not any(Path(a[len("ipc://") :]).exists() for a in bound_by_tokenizer)
+
+    _run(tmp_path, model_dir, body)
+
+
+def test_health_reports_a_silent_scheduler_as_down(tmp_path, model_dir, tokenizer):
+    async def body(p: Pipeline) -> None:
+        reply = await p.client.health()  # nobody answers the HealthProbe
+        assert not reply.ok
+        assert [(s.stage, s.status) for s in reply.stages] == [("tokenizer", "ok"), ("scheduler", "down")]
+
+    _run(tmp_path, model_dir, body)
+
+
+def test_shutdown_after_a_stage_failure_errors_open_requests_at_once(tmp_path, model_dir, tokenizer):
+    async def body(p: Pipeline) -> None:
+        open_req = asyncio.create_task(p.client.generate("hello"))
+        await p.scheduled()
+        await p.launcher.send(p.identity, Shutdown(deadline_s=5, reason="stage 'worker' died (exit 1)"))
+        with pytest.raises(ServerError, match="stage 'worker' died"):
+            await open_req
+        assert await asyncio.wait_for(p.task, 10) == 0
 
     _run(tmp_path, model_dir, body)
