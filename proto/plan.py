@@ -102,5 +102,14 @@ class SlotsReady(Message):
     slot_errors: list[SlotError] = []
 
 
+class WorkerStarted(Message):
+    """The worker's first message to the scheduler: what its KV cache turned out to hold (sized from
+    free device memory), so the scheduler can start planning."""
+
+    num_pages: int
+    page_size: int
+    max_model_len: int
+
+
 SchedulerToWorker = edge("scheduler_to_worker", BatchPlan)
-WorkerToScheduler = edge("worker_to_scheduler", StepResult, SlotsReady)
+WorkerToScheduler = edge("worker_to_scheduler", WorkerStarted, StepResult, SlotsReady)

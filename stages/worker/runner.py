@@ -53,16 +53,8 @@ class ModelRunner:
 
     def _init_model(self) -> None:
         weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
-        m = self.model_cfg
-        self.lora_layout = LoraLayout.build(
-            num_layers=m.num_layers,
-            hidden=m.hidden_size,
-            q_out=m.q_size,
-            kv_out=m.kv_size,
-            intermediate=m.intermediate_size,
-            max_rank=self.cfg.max_lora_rank,
-        )
-        self.model = LlamaModel(m, weights, self.lora_layout)
+        self.lora_layout = LoraLayout.for_model(self.model_cfg, self.cfg.max_lora_rank)
+        self.model = LlamaModel(self.model_cfg, weights, self.lora_layout)
 
     def _init_lora(self) -> None:
         self.slots = LoraSlots(self.lora_layout, self.cfg.max_loras_per_batch, self.dtype, self.device)

@@ -56,6 +56,7 @@ from proto.plan import (
     SlotLoad,
     SlotsReady,
     StepResult,
+    WorkerStarted,
 )
 from proto.sampling import SamplingParams
 
@@ -147,6 +148,7 @@ EXAMPLES: list[Message] = [
         step_time=0.002,
     ),
     SlotsReady(slots_ready=[1]),
+    WorkerStarted(num_pages=128, page_size=16, max_model_len=2048),
     StageAdapter(name="a", path="/ad/a"),
     ReleaseAdapter(name="a"),
     DropAdapter(name="a"),

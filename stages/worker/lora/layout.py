@@ -83,6 +83,18 @@ class LoraLayout:
             )
         return cls(num_layers=num_layers, max_rank=max_rank, groups=tuple(groups), row_elems=off)
 
+    @classmethod
+    def for_model(cls, cfg, max_rank: int) -> LoraLayout:
+        """The layout for a `ModelConfig` (what the loader packs for and the worker's slots hold)."""
+        return cls.build(
+            num_layers=cfg.num_layers,
+            hidden=cfg.hidden_size,
+            q_out=cfg.q_size,
+            kv_out=cfg.kv_size,
+            intermediate=cfg.intermediate_size,
+            max_rank=max_rank,
+        )
+
     def group(self, name: str) -> GroupLayout:
         for g in self.groups:
             if g.name == name:

@@ -12,7 +12,7 @@ from stages.loader.host_cache import ALIGN, HostCache, HostCacheFull
 
 def _check_disjoint(cache: HostCache) -> None:
     spans = sorted((b.offset, b.offset + b.nbytes) for b in cache.blocks.values())
-    for (a0, a1), (b0, _) in zip(spans, spans[1:], strict=False):
+    for (_, a1), (b0, _) in zip(spans, spans[1:], strict=False):
         assert a1 <= b0, "two blocks overlap"
     assert all(0 <= s and e <= cache.capacity for s, e in spans)
     assert all(b.offset % ALIGN == 0 for b in cache.blocks.values())

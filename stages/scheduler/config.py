@@ -1,0 +1,18 @@
+"""The scheduler stage's frozen config, composed by the launcher. KV page counts are not here: the
+worker sizes its cache from free device memory and announces them (`WorkerStarted`)."""
+
+from __future__ import annotations
+
+from runtime.actor import StageConfig
+from runtime.endpoints import Endpoints
+
+
+class SchedulerConfig(StageConfig, frozen=True, kw_only=True):
+    endpoints: Endpoints
+    max_loras_per_batch: int  # device slots
+    max_model_len: int
+    max_running_requests: int = 64
+    max_tokens_per_step: int = 2048
+    adapters: dict[str, str] = {}  # name → path, registered at start (--adapter NAME=PATH)
+    pinned_adapters: tuple[str, ...] = ()  # --pin-adapter: never evicted from their slot
+    max_plans_in_flight: int = 2  # plan step N+1 while step N runs; never let the worker wait on us

@@ -1,0 +1,16 @@
+"""The gpu-worker stage's frozen config, composed by the launcher."""
+
+from __future__ import annotations
+
+from runtime.actor import StageConfig
+from runtime.endpoints import Endpoints
+from stages.worker.runner import RunnerConfig
+
+
+class WorkerConfig(StageConfig, frozen=True, kw_only=True):
+    endpoints: Endpoints
+    runner: RunnerConfig  # model, device, dtype, slots, max rank, backend, KV cache sizing
+    max_model_len: int
+    host_pool_name: str  # the shared-memory host cache the loader packs adapters into
+    host_pool_bytes: int
+    seed: int = 0
