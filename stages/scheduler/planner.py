@@ -4,6 +4,7 @@ pages they get and which adapters must be in which slot. Pure CPU code; never to
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proto.base import TokenIds
@@ -57,8 +58,12 @@ class PlannedRequest:
 
 
 class Planner:
-    def __init__(self, cfg: PlannerConfig):
+    """`adapter_ready(name)` says whether an adapter not in a slot can be copied into one now (the
+    pipeline: its host block is staged and held); the offline engine's host cache always can."""
+
+    def __init__(self, cfg: PlannerConfig, adapter_ready: Callable[[str], bool] = lambda name: True):
         self.cfg = cfg
+        self.adapter_ready = adapter_ready
         self.pages = PageAllocator(cfg.num_pages, cfg.page_size)
         self.slots = SlotTable(cfg.num_slots, cfg.pinned_adapters)
         self.waiting: deque[PlannedRequest] = deque()
@@ -91,6 +96,28 @@ class Planner:
         else:
             self._finish(req)
         return True
+
+    def users_of(self, adapter: str) -> int:
+        """Waiting and running requests that use `adapter`."""
+        return sum(1 for r in self.waiting if r.adapter == adapter) + sum(
+            1 for r in self.running if r.adapter == adapter
+        )
+
+    def adapters_needed(self) -> list[str]:
+        """Adapters of waiting requests that are not in a slot, in queue order (what to stage next)."""
+        seen: dict[str, None] = {}
+        for r in self.waiting:
+            if r.adapter is not None and self.slots.slot_of(r.adapter) is None:
+                seen.setdefault(r.adapter)
+        return list(seen)
+
+    def evict_adapter(self, adapter: str) -> int | None:
+        """Empty the slot holding `adapter` if no running request uses it; returns that slot."""
+        slot = self.slots.slot_of(adapter)
+        if slot is None or self.slots.slots[slot].refs:
+            return None
+        self.slots.clear(slot)
+        return slot
 
     @property
     def has_work(self) -> bool:
@@ -172,6 +199,8 @@ class Planner:
         slot = self.slots.slot_of(adapter)
         if slot is not None:
             return slot, False
+        if not self.adapter_ready(adapter):
+            return None, False
         return self.slots.choose_victim(), True
 
     def _emit(self, req: PlannedRequest, n: int, pages: list[int], new: list, cached: list) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proto.plan import BatchPlan, FinishedRequest, SlotLoad, StepResult
+from proto.plan import BatchPlan, FinishedRequest, RequestError, SlotError, SlotLoad, StepResult
 from proto.pipeline import TokenBatch, TokenDelta
 from proto.sampling import SamplingParams
 from stages.worker.runner import ModelRunner, SeqInput
@@ -42,9 +42,14 @@ class StepExecutor:
         self.requests: dict[str, WorkerRequest] = {}
 
     def execute(self, plan: BatchPlan) -> tuple[StepResult, TokenBatch]:
-        scheduled = self._apply_plan(plan)
+        slots_ready, slot_errors = self._apply_slots(plan)
+        errors: list[RequestError] = []
+        scheduled = self._apply_plan(plan, {e.slot for e in slot_errors}, errors)
         if not scheduled:
-            return StepResult(step=plan.step), TokenBatch(step=plan.step, items=[])
+            return (
+                StepResult(step=plan.step, slots_ready=slots_ready, slot_errors=slot_errors, errors=errors),
+                TokenBatch(step=plan.step, items=[]),
+            )
         seqs = [
             SeqInput(req.token_ids[req.num_computed : req.num_computed + n], req.num_computed, req.pages, req.slot)
             for req, n in scheduled
@@ -66,12 +71,42 @@ class StepExecutor:
                     n_out = len(req.token_ids) - req.prompt_len
                     finished.append(FinishedRequest(request_id=req.request_id, reason=reason, num_output_tokens=n_out))
         num_tokens = sum(n for _, n in scheduled)
-        return (
-            StepResult(step=plan.step, finished=finished, num_tokens=num_tokens),
-            TokenBatch(step=plan.step, items=items),
+        result = StepResult(
+            step=plan.step,
+            finished=finished,
+            errors=errors,
+            slots_ready=slots_ready,
+            slot_errors=slot_errors,
+            num_tokens=num_tokens,
         )
+        return result, TokenBatch(step=plan.step, items=items)
 
-    def _apply_plan(self, plan: BatchPlan) -> list[tuple[WorkerRequest, int]]:
+    def fail_step(self, plan: BatchPlan, message: str) -> StepResult:
+        """The forward itself failed: every request this plan ran is failed and forgotten."""
+        ids = {r.request_id for r in plan.new_requests} | {r.request_id for r in plan.cached_requests}
+        ids |= {rid for rid, r in self.requests.items() if r.active}
+        for rid in ids:
+            self.requests.pop(rid, None)
+            self.sampler.forget(rid)
+        errors = [RequestError(request_id=rid, message=message) for rid in sorted(ids)]
+        return StepResult(step=plan.step, errors=errors)
+
+    def _apply_slots(self, plan: BatchPlan) -> tuple[list[int], list[SlotError]]:
+        for slot in plan.slot_clears:
+            self.runner.slots.clear(slot)
+        ready, failed = [], []
+        for load in plan.slot_loads:
+            try:
+                self._load_adapter(load)
+                ready.append(load.slot)
+            except Exception as e:  # a bad block fails the requests on that slot, not the worker
+                self.runner.slots.clear(load.slot)
+                failed.append(SlotError(slot=load.slot, adapter=load.adapter, message=f"loading into slot: {e}"))
+        return ready, failed
+
+    def _apply_plan(
+        self, plan: BatchPlan, bad_slots: set[int], errors: list[RequestError]
+    ) -> list[tuple[WorkerRequest, int]]:
         """Update request state from the plan; returns (request, tokens to compute) for this step."""
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
@@ -79,17 +114,24 @@ class StepExecutor:
         for rid in plan.preempted_request_ids:
             req = self.requests[rid]
             req.pages, req.num_computed, req.active = [], 0, False
-        for load in plan.slot_loads:
-            self._load_adapter(load)
+        for req in self.requests.values():
+            if req.active and req.slot in bad_slots:
+                req.active = False
+                errors.append(RequestError(request_id=req.request_id, message="its adapter failed to load"))
         counts: dict[str, int] = {}
         for new in plan.new_requests:
+            if new.slot in bad_slots:
+                errors.append(RequestError(request_id=new.request_id, message="its adapter failed to load"))
+                continue
             prompt = new.prompt_ids.tolist()
             self.requests[new.request_id] = WorkerRequest(
                 new.request_id, prompt, len(prompt), new.sampling, new.slot, list(new.page_ids)
             )
             counts[new.request_id] = new.num_scheduled_tokens
         for c in plan.cached_requests:
-            req = self.requests[c.request_id]
+            req = self.requests.get(c.request_id)
+            if req is None or c.slot in bad_slots and c.resumed:
+                continue  # failed above
             if c.resumed:
                 req.pages, req.slot, req.active = list(c.new_page_ids), c.slot, True
             else:

@@ -1,0 +1,112 @@
+"""The gpu-worker stage actor. Sockets: PULL bound for batch plans; PUSHes to the scheduler (step
+results, WorkerStarted) and the tokenizer (token batches). The step itself is synchronous and runs in
+one worker thread, so plans keep arriving (and queue in the bounded `plans` mailbox) while it computes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from proto.pipeline import WorkerToTokenizer
+from proto.plan import BatchPlan, SchedulerToWorker, SlotLoad, WorkerStarted, WorkerToScheduler
+from runtime.actor import Actor
+from runtime.sockets import PullSocket, PushSocket
+from stages.loader.host_pool import attach_pool, close_pool, packed_from_pool, register_pinned, unregister_pinned
+from stages.worker.config import WorkerConfig
+from stages.worker.executor import StepExecutor
+from stages.worker.runner import ModelRunner
+
+
+class WorkerActor(Actor[WorkerConfig]):
+    stage = "worker"
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        self._init_metrics()
+
+    def _init_metrics(self) -> None:
+        m = self.metrics
+        self.m_step = m.histogram(
+            "lorapipe_step_seconds", "Forward + sampling time of one step", (), [2**i / 1e4 for i in range(14)]
+        )
+        self.m_batch = m.histogram("lorapipe_batch_size", "Requests per step", (), [2**i for i in range(10)])
+        self.m_tokens = m.counter("lorapipe_step_tokens", "Tokens computed (prefill + decode)")
+        self.m_loads = m.counter("lorapipe_slot_copies", "Adapter copies into GPU slots", ["result"])
+        self.m_load_s = m.histogram("lorapipe_slot_copy_seconds", "Host-to-device adapter copy (issue to done)")
+        m.gauge("lorapipe_adapters_resident", "LoRA slots holding an adapter").set_function(
+            lambda: sum(n is not None for n in self.runner.slots.names) if hasattr(self, "runner") else 0
+        )
+
+    async def setup(self) -> None:
+        cfg, ep = self.config, self.config.endpoints
+        self.runner = await asyncio.get_running_loop().run_in_executor(self.thread, ModelRunner, cfg.runner)
+        self.pool = attach_pool(cfg.host_pool_name)
+        self.cuda = self.runner.device.type == "cuda"
+        if self.cuda:
+            register_pinned(self.pool)
+            self.load_stream = torch.cuda.Stream(self.runner.device)
+        self.executor = StepExecutor(self.runner, self._load_slot, cfg.max_model_len, seed=cfg.seed)
+        plans = self.mailbox("plans", 4)
+        self.to_scheduler = self.mailbox("to_scheduler")
+        self.to_tokenizer = self.mailbox("to_tokenizer")
+        self.add_receiver("scheduler", self.socket(PullSocket(ep.scheduler_to_worker, SchedulerToWorker)), plans)
+        scheduler = self.socket(PushSocket(ep.worker_to_scheduler, WorkerToScheduler, bind=False))
+        tokenizer = self.socket(PushSocket(ep.worker_to_tokenizer, WorkerToTokenizer, bind=False))
+        self.add_handler("plans", plans, self.on_batch_plan)
+        self.add_sender("scheduler", self.to_scheduler, scheduler.send)
+        self.add_sender("tokenizer", self.to_tokenizer, tokenizer.send)
+        started = WorkerStarted(
+            num_pages=self.runner.num_pages, page_size=self.runner.cfg.page_size, max_model_len=cfg.max_model_len
+        )
+        await self.to_scheduler.put(started)
+
+    async def on_batch_plan(self, plan: BatchPlan) -> None:
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        try:
+            result, tokens = await loop.run_in_executor(self.thread, self.executor.execute, plan)
+        except Exception as e:  # the forward failed: fail this step's requests, keep serving
+            self.log.exception("step %d failed", plan.step)
+            result, tokens = self.executor.fail_step(plan, f"worker step failed: {type(e).__name__}: {e}"), None
+        took = time.perf_counter() - start
+        if result.num_tokens:
+            self.m_step.observe(took)
+            self.m_batch.observe(sum(1 for r in self.executor.requests.values() if r.active) or 1)
+            self.m_tokens.inc(result.num_tokens)
+        if tokens is not None and tokens.items:
+            await self.to_tokenizer.put(tokens)
+        await self.to_scheduler.put(result)
+
+    def _load_slot(self, load: SlotLoad) -> None:
+        """Copy a staged block into its slot. On CUDA the copy runs on the load stream and the compute
+        stream waits for it (only this step needs it); the host block stays pinned until the scheduler
+        hears the slot is ready, which is after this step has synchronised."""
+        start = time.perf_counter()
+        try:
+            packed = packed_from_pool(self.pool, load, self.runner.lora_layout, self.runner.dtype)
+            if self.cuda:
+                compute = torch.cuda.current_stream(self.runner.device)
+                self.load_stream.wait_stream(compute)  # earlier steps may still read the old adapter
+                self.runner.load_adapter(load.slot, packed, stream=self.load_stream)
+                done = torch.cuda.Event()
+                done.record(self.load_stream)
+                compute.wait_event(done)
+            else:
+                self.runner.load_adapter(load.slot, packed)
+        except Exception:
+            self.m_loads.labels(result="failed").inc()
+            raise
+        self.m_loads.labels(result="ok").inc()
+        self.m_load_s.observe(time.perf_counter() - start)
+
+    async def drain(self) -> None:
+        await super().drain()
+        if self.cuda:
+            torch.cuda.synchronize(self.runner.device)
+            unregister_pinned(self.pool)
+        close_pool(self.pool)
+        self.thread.shutdown(wait=True)
