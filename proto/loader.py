@@ -47,6 +47,7 @@ class AdapterFailed(Message):
 
     name: str
     message: str
+    retryable: bool = False  # a transient condition (host cache full of pinned blocks): ask again later
 
 
 class LoaderStarted(Message):

@@ -19,7 +19,11 @@ class HostBlock:
 
 
 class HostCacheFull(RuntimeError):
-    pass
+    """`retryable`: room will come back once pinned blocks are released (else the block can never fit)."""
+
+    def __init__(self, message: str, retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class HostCache:
@@ -52,7 +56,7 @@ class HostCache:
                 break
             victim = next((b for b in self.blocks.values() if b.pins == 0), None)
             if victim is None:
-                raise HostCacheFull(f"no room for adapter {name!r}: every cached adapter is in use")
+                raise HostCacheFull(f"no room for adapter {name!r}: every cached adapter is in use", retryable=True)
             del self.blocks[victim.name]
             evicted.append(victim.name)
         block = HostBlock(name, offset, nbytes)

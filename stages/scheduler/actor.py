@@ -192,7 +192,7 @@ class SchedulerActor(Actor[SchedulerConfig]):
         for se in res.slot_errors:
             self.slot_loads.pop(se.slot, None)
             self.adapters.load_done(se.adapter)
-            await self.to_loader.put(ReleaseAdapter(name=se.adapter))
+            await self._release(se.adapter)
             for r in [r for r in [*self.planner.running, *self.planner.waiting] if r.adapter == se.adapter]:
                 self.planner.abort(r.request_id)
                 await self._fail(r.request_id, "adapter_load_failed", se.message)
@@ -202,7 +202,11 @@ class SchedulerActor(Actor[SchedulerConfig]):
         for slot in slots:
             name = self.slot_loads.pop(slot, None)
             if name is not None and self.adapters.load_done(name):
-                await self.to_loader.put(ReleaseAdapter(name=name))
+                await self._release(name)
+
+    async def _release(self, name: str) -> None:
+        self.adapters.released()
+        await self.to_loader.put(ReleaseAdapter(name=name))
 
     async def _fail(self, request_id: str, kind: str, message: str) -> None:
         self.m_failed.labels(kind=kind).inc()
@@ -241,6 +245,8 @@ class SchedulerActor(Actor[SchedulerConfig]):
         for name in self.planner.adapters_needed():
             if self.adapters.pinned_waiting() >= self.config.max_loras_per_batch:
                 return
+            if self.adapters.held() >= self.config.max_cpu_loras:
+                return
             if self.adapters.needs_stage(name):
                 await self.to_loader.put(StageAdapter(name=name, path=self.adapters.get(name).path))
 
@@ -254,7 +260,7 @@ class SchedulerActor(Actor[SchedulerConfig]):
     async def on_adapter_staged(self, msg: AdapterStaged) -> None:
         e = self.adapters.on_staged(msg)
         if e is None:
-            return await self.to_loader.put(ReleaseAdapter(name=msg.name))
+            return await self._release(msg.name)
         if e.state == "validating":
             e.state = "registered"
             await self.to_tokenizer.put(AdapterUpdate(name=e.name, state="registered"))
@@ -263,9 +269,12 @@ class SchedulerActor(Actor[SchedulerConfig]):
             e.pending_ops = []
         if self.planner is None or e.name not in self.planner.adapters_needed():
             if self.adapters.release_spare_pin(e.name):
-                await self.to_loader.put(ReleaseAdapter(name=e.name))
+                await self._release(e.name)
 
     async def on_adapter_failed(self, msg: AdapterFailed) -> None:
+        if msg.retryable:
+            self.adapters.on_retry_later(msg.name)  # staged again once pinned blocks are released
+            return
         e = self.adapters.on_failed(msg.name, msg.message)
         if e is None:
             return

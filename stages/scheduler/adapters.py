@@ -33,6 +33,7 @@ class AdapterEntry:
 class AdapterRegistry:
     def __init__(self, adapters: dict[str, str]):
         self.entries: dict[str, AdapterEntry] = {n: AdapterEntry(n, p) for n, p in adapters.items()}
+        self._blocked: set[str] = set()  # refused for lack of host room: ask again after a release
 
     def get(self, name: str) -> AdapterEntry | None:
         return self.entries.get(name)
@@ -48,7 +49,7 @@ class AdapterRegistry:
     def needs_stage(self, name: str) -> bool:
         """True when a StageAdapter should be sent now (and marks it outstanding)."""
         e = self.entries.get(name)
-        if e is None or e.staging or e.ready or e.state in ("failed",):
+        if e is None or e.staging or e.ready or e.state == "failed" or name in self._blocked:
             return False
         e.staging = True
         return True
@@ -108,3 +109,17 @@ class AdapterRegistry:
     def pinned_waiting(self) -> int:
         """Adapters staged and held for a slot load that has not been issued yet (bounded prefetch)."""
         return sum(1 for e in self.entries.values() if e.ready or e.staging)
+
+    def held(self) -> int:
+        """Host-cache blocks the scheduler keeps pinned or has asked for: must stay below capacity."""
+        return sum(1 for e in self.entries.values() if e.pins or e.staging)
+
+    def on_retry_later(self, name: str) -> None:
+        e = self.entries.get(name)
+        if e is not None:
+            e.staging = False
+            self._blocked.add(name)
+
+    def released(self) -> None:
+        """A pin went back to the loader: adapters refused for room may be asked for again."""
+        self._blocked.clear()

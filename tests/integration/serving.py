@@ -1,0 +1,96 @@
+"""Runs `lorapipe serve` as a real subprocess for integration tests: free loopback ports, readiness
+by polling health with a deadline, SIGTERM on exit, and the metrics endpoint parsed into numbers."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from runtime.client import Client, LorapipeError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, endpoint: str, metrics_port: int):
+        self.proc, self.endpoint, self.metrics_port = proc, endpoint, metrics_port
+
+    def client(self, timeout: float = 60.0) -> Client:
+        return Client(self.endpoint, timeout=timeout)
+
+    def metrics(self) -> dict[tuple[str, str], float]:
+        """{(sample name, stage): value} for unlabeled-but-stage samples."""
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out[(s.name, s.labels.get("stage", ""), tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def metric(self, name: str, stage: str) -> float:
+        return sum(v for (n, st, _), v in self.metrics().items() if n == name and st == stage)
+
+
+@contextlib.contextmanager
+def serve(
+    model: Path, adapters: dict[str, Path], *flags: str, ready_timeout: float = 120.0
+) -> Iterator[Server]:
+    port, mport = free_port(), free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "runtime.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--device",
+        "cpu",
+        "--endpoint",
+        f"tcp://127.0.0.1:{port}",
+        "--metrics-port",
+        str(mport),
+        *flags,
+    ]
+    for name, path in adapters.items():
+        cmd += ["--adapter", f"{name}={path}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    server = Server(proc, f"tcp://127.0.0.1:{port}", mport)
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            assert proc.poll() is None, f"server exited with {proc.returncode} before it was ready"
+            try:
+                with contextlib.closing(server.client(timeout=2.0)) as c:
+                    if c.health().ok:
+                        break
+            except LorapipeError:
+                pass
+            assert time.monotonic() < deadline, "server not ready in time"
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
