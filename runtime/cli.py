@@ -1,4 +1,5 @@
-"""The `lorapipe` command line: `lorapipe demo` runs a mixed-adapter batch on an embedded tiny model."""
+"""The `lorapipe` command line: `lorapipe serve` runs the multi-process pipeline under the launcher;
+`lorapipe demo` makes a tiny model and adapters, serves them and streams a mixed-adapter workload."""
 
 from __future__ import annotations
 
@@ -8,16 +9,34 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lorapipe", description="Serve one base LLM with many LoRA adapters.")
+    from runtime.serve_args import ServeArgsError, add_serve_arguments, from_namespace, validate
+
+    parser = argparse.ArgumentParser(
+        prog="lorapipe", description="Serve one base LLM with many LoRA adapters."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="generate a tiny model and adapters, run a mixed-adapter batch")
-    demo.add_argument("--dir", type=Path, default=Path(".cache/lorapipe-demo"), help="where the demo files live")
-    demo.add_argument("--device", default="cpu")
+    serve = sub.add_parser(
+        "serve", help="serve a model and its adapters (tokenizer, scheduler, loader, worker)"
+    )
+    add_serve_arguments(serve)
+    demo = sub.add_parser("demo", help="make a tiny model and adapters, serve them, stream mixed requests")
+    demo.add_argument("--dir", type=Path, default=Path(".cache/lorapipe-demo"), help="demo files live here")
+    demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    demo.add_argument("--max-tokens", type=int, default=12)
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            serve_args = from_namespace(args)
+            validate(serve_args)
+        except ServeArgsError as exc:
+            serve.error(str(exc))  # exits 2
+        from runtime.launcher import run_server
+
+        return run_server(serve_args)
     if args.command == "demo":
         from runtime.demo import run_demo
 
-        return run_demo(args.dir, args.device)
+        return run_demo(args.dir, args.device, max_tokens=args.max_tokens)
     return 2
 
 

@@ -1,13 +1,23 @@
-"""`lorapipe demo`: makes a tiny model and a few adapters if absent, runs a mixed-adapter batch
-(every request its own adapter, some none) through the offline engine and prints the completions."""
+"""`lorapipe demo`: makes a tiny model and a few adapters if absent, launches the pipeline (more adapters
+than GPU slots), streams a mixed-adapter set of requests through the SDK, prints the completions and a
+per-stage metrics summary read from `/metrics`, and shuts down."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import socket
 import time
+import urllib.request
+from collections import defaultdict
 from pathlib import Path
 
-from proto.sampling import SamplingParams
-from runtime.offline import LLM
+import uvloop
+from prometheus_client.parser import text_string_to_metric_families
+
+from runtime.client import AsyncClient
+from runtime.launcher import Launcher, LaunchError
+from runtime.serve_args import ServeArgs
 
 PROMPTS = [
     "The river carried the boat",
@@ -17,6 +27,8 @@ PROMPTS = [
     "Numbers: one two three",
     "héllo wörld",
 ]
+# every actor keeps these; the summary shows them as columns, everything else per stage below
+_COMMON = ("lorapipe_queue_", "lorapipe_messages_", "lorapipe_service_seconds", "lorapipe_handler_errors")
 
 
 def ensure_demo_files(root: Path) -> tuple[Path, dict[str, Path]]:
@@ -27,29 +39,134 @@ def ensure_demo_files(root: Path) -> tuple[Path, dict[str, Path]]:
     if not (model / "config.json").exists():
         make_model(model, arch="llama", preset="tiny", seed=0)
     adapters = {}
-    for i, (rank, targets) in enumerate([(8, None), (4, ("q_proj", "v_proj")), (3, ("gate_proj", "up_proj"))]):
+    specs = [(8, None), (4, ("q_proj", "v_proj")), (3, ("gate_proj", "up_proj"))]
+    for i, (rank, targets) in enumerate(specs):
         path = root / "adapters" / f"demo{i}"
         if not (path / "adapter_config.json").exists():
             kw = {"targets": targets} if targets else {}
-            (made,) = make_adapters(model, root / "adapters", n=1, ranks=(rank,), seed=i, prefix=f"demo{i}", **kw)
+            (made,) = make_adapters(
+                model, root / "adapters", n=1, ranks=(rank,), seed=i, prefix=f"demo{i}", **kw
+            )
             made.rename(path)
         adapters[f"demo{i}"] = path
     return model, adapters
 
 
-def run_demo(root: Path, device: str = "cpu") -> int:
+def run_demo(root: Path, device: str = "cpu", max_tokens: int = 12) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model, adapters = ensure_demo_files(root)
-    llm = LLM(model, adapters=adapters, device=device, max_loras_per_batch=2, max_lora_rank=16)
-    names = [*adapters, None, *adapters]
+    args = ServeArgs(
+        model=str(model),
+        adapters=tuple((name, str(path)) for name, path in adapters.items()),
+        device=device,
+        max_loras_per_batch=2,
+        max_cpu_loras=3,
+        max_lora_rank=16,
+        endpoint=f"tcp://127.0.0.1:{_free_port()}",
+        metrics_port=0,
+        log_file=str(root / "serve.log"),
+        drain_timeout_s=10.0,
+    )
+    return uvloop.run(_demo(args, max_tokens))
+
+
+async def _demo(args: ServeArgs, max_tokens: int) -> int:
+    t0 = time.perf_counter()
+    launcher = Launcher(args)
+    try:
+        async with launcher:
+            print(f"pipeline up in {time.perf_counter() - t0:.1f}s: {launcher.banner()}")
+            code = await _workload(launcher, max_tokens)
+    except LaunchError as exc:
+        print(f"the pipeline did not start: {exc} (stage logs: {args.log_file})")
+        return 1
+    if launcher.failure:
+        print(f"the pipeline failed: {launcher.failure} (stage logs: {args.log_file})")
+        return 1
+    print("shut down cleanly")
+    return code
+
+
+async def _workload(launcher: Launcher, max_tokens: int) -> int:
+    args = launcher.args
+    names = [*dict(args.adapters), None]
     mix = [names[i % len(names)] for i in range(len(PROMPTS))]
-    start = time.perf_counter()
-    outs = llm.generate(PROMPTS, adapters=mix, sampling=SamplingParams(max_tokens=12, ignore_eos=True))
-    took = time.perf_counter() - start
-    print(f"model: {model} ({llm.runner.model_cfg.architecture}), {len(adapters)} adapters, 2 slots")
-    print(f"{'adapter':<8} {'finish':<7} prompt → completion")
-    for out, prompt in zip(outs, PROMPTS, strict=True):
-        print(f"{out.adapter or '-':<8} {out.finish_reason:<7} {prompt!r} → {out.text!r}")
-    tokens = sum(len(o.token_ids) for o in outs)
-    s = llm.last_stats
-    print(f"{tokens} tokens in {took:.2f}s, {s.steps} steps, {s.adapter_loads} adapter loads")
-    return 0
+    slots, cached = args.max_loras_per_batch, args.max_cpu_loras
+    print(f"{len(args.adapters)} adapters, {slots} GPU slots, {cached} in the host cache")
+    assert launcher.endpoints is not None
+    async with AsyncClient(launcher.endpoints.client, timeout=60.0) as client:
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(
+            *(_stream(client, p, a, max_tokens) for p, a in zip(PROMPTS, mix, strict=True)),
+            return_exceptions=True,
+        )
+        took = time.perf_counter() - t0
+    print(f"\n{'adapter':<8} {'ttft':>7} {'finish':<7} prompt → completion")
+    failed = 0
+    for prompt, adapter, out in zip(PROMPTS, mix, outs, strict=True):
+        if isinstance(out, BaseException):
+            failed += 1
+            print(f"{adapter or '-':<8} {'':>7} {'ERROR':<7} {prompt!r}: {type(out).__name__}: {out}")
+        else:
+            text, ttft, reason = out
+            print(f"{adapter or '-':<8} {ttft * 1e3:5.0f}ms {reason:<7} {prompt!r} → {text!r}")
+    print(f"{len(PROMPTS) - failed}/{len(PROMPTS)} requests completed in {took:.2f}s")
+    if launcher.metrics_url:
+        print("\n" + summarize(await asyncio.to_thread(_get, launcher.metrics_url)))
+    return 1 if failed else 0
+
+
+async def _stream(
+    client: AsyncClient, prompt: str, adapter: str | None, max_tokens: int
+) -> tuple[str, float, str]:
+    """Streams one request; returns (text, seconds to the first chunk, finish reason)."""
+    parts, ttft, reason = [], 0.0, ""
+    async for chunk in client.stream(prompt, adapter, max_tokens=max_tokens, ignore_eos=True):
+        ttft = ttft or chunk.time
+        parts.append(chunk.text)
+        reason = chunk.finish_reason or reason
+    return "".join(parts), ttft, reason
+
+
+def summarize(exposition: str) -> str:
+    """One block per stage: message counts and handler time, then that stage's own metrics."""
+    common: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    own: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for fam in text_string_to_metric_families(exposition):
+        for s in fam.samples:
+            stage = s.labels.get("stage", "?")
+            if fam.name == "lorapipe_stage_up":
+                common[stage]["up"] = s.value
+            elif fam.name.startswith(_COMMON):
+                if s.name in ("lorapipe_messages_in_total", "lorapipe_messages_out_total"):
+                    common[stage][s.name.split("_")[2]] += s.value
+                elif s.name.startswith("lorapipe_service_seconds_") and not s.name.endswith("_bucket"):
+                    common[stage][s.name.rsplit("_", 1)[1]] += s.value
+            elif fam.type == "histogram" and s.name.endswith(("_count", "_sum")):
+                own[stage][s.name] += s.value
+            elif fam.type in ("counter", "gauge"):
+                own[stage][s.name] += s.value
+    lines = [f"{'stage':<10} {'up':>3} {'msgs in':>8} {'msgs out':>8} {'handled':>8} {'mean handler':>12}"]
+    for stage, c in common.items():
+        if stage == "launcher":  # its only metric (restarts) is shown under each stage
+            continue
+        mean = c["sum"] / c["count"] * 1e3 if c["count"] else 0.0
+        row = (
+            f"{stage:<10} {c['up']:>3.0f} {c['in']:>8.0f} {c['out']:>8.0f} {c['count']:>8.0f} {mean:>10.2f}ms"
+        )
+        lines.append(row)
+        values = [f"{k.removeprefix('lorapipe_')}={v:g}" for k, v in own[stage].items()]
+        for i in range(0, len(values), 4):
+            lines.append("    " + "  ".join(values[i : i + 4]))
+    return "\n".join(lines)
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -42,8 +42,16 @@ def mixed_adapters(model_dir: Path, out_dir: Path) -> dict[str, Path]:
     specs = [
         dict(prefix="full8_", ranks=(8,), targets=None, use_rslora=False, alpha=16),
         dict(prefix="qv5_", ranks=(5,), targets=("q_proj", "v_proj"), use_rslora=False, alpha=7),
-        dict(prefix="mlp1_", ranks=(1,), targets=("gate_proj", "up_proj", "down_proj"), use_rslora=False, alpha=2),
-        dict(prefix="rs12_", ranks=(12,), targets=("k_proj", "o_proj", "down_proj"), use_rslora=True, alpha=6),
+        dict(
+            prefix="mlp1_",
+            ranks=(1,),
+            targets=("gate_proj", "up_proj", "down_proj"),
+            use_rslora=False,
+            alpha=2,
+        ),
+        dict(
+            prefix="rs12_", ranks=(12,), targets=("k_proj", "o_proj", "down_proj"), use_rslora=True, alpha=6
+        ),
     ]
     out = {}
     for i, spec in enumerate(specs):

@@ -56,7 +56,9 @@ class HostCache:
                 break
             victim = next((b for b in self.blocks.values() if b.pins == 0), None)
             if victim is None:
-                raise HostCacheFull(f"no room for adapter {name!r}: every cached adapter is in use", retryable=True)
+                raise HostCacheFull(
+                    f"no room for adapter {name!r}: every cached adapter is in use", retryable=True
+                )
             del self.blocks[victim.name]
             evicted.append(victim.name)
         block = HostBlock(name, offset, nbytes)

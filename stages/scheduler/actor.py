@@ -38,11 +38,19 @@ from proto.pipeline import (
     TokenizerToScheduler,
     UnloadAdapterOp,
 )
-from proto.plan import BatchPlan, SchedulerToWorker, SlotLoad, SlotsReady, StepResult, WorkerStarted, WorkerToScheduler
+from proto.plan import (
+    BatchPlan,
+    SchedulerToWorker,
+    SlotLoad,
+    SlotsReady,
+    StepResult,
+    WorkerStarted,
+    WorkerToScheduler,
+)
 from runtime.actor import Actor
 from runtime.sockets import PullSocket, PushSocket
-from stages.scheduler.adapters import AdapterEntry, AdapterRegistry
 from stages.loader.host_pool import slot_load_for
+from stages.scheduler.adapters import AdapterEntry, AdapterRegistry
 from stages.scheduler.config import SchedulerConfig
 from stages.scheduler.planner import Planner, PlannerConfig
 
@@ -56,9 +64,10 @@ class SchedulerActor(Actor[SchedulerConfig]):
         self.planner: Planner | None = None  # built once the worker says how many KV pages it has
         self.early: list[TokenizedRequest] = []
         self.in_flight: dict[int, BatchPlan] = {}
-        self.slot_loads: dict[int, str] = {}  # slot -> adapter, copies not reported done
+        self.slot_loads: dict[int, tuple[str, int]] = {}  # slot -> (adapter, loader generation), copying
         self.pending_clears: list[int] = []
         self.loader_up = False
+        self.restage: list[str] = []
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -156,7 +165,9 @@ class SchedulerActor(Actor[SchedulerConfig]):
             e = self.adapters.get(req.adapter)
             if e is not None and e.state == "failed":
                 return await self._fail(req.request_id, "adapter_load_failed", e.error)
-            return await self._fail(req.request_id, "unknown_adapter", f"adapter {req.adapter!r} is not loaded")
+            return await self._fail(
+                req.request_id, "unknown_adapter", f"adapter {req.adapter!r} is not loaded"
+            )
         if self.planner is None:
             self.early.append(req)
             return
@@ -189,10 +200,11 @@ class SchedulerActor(Actor[SchedulerConfig]):
         for err in res.errors:
             await self._fail(err.request_id, "server_error", err.message)
         await self._slots_ready(res.slots_ready)
+        await self._restage()
         for se in res.slot_errors:
-            self.slot_loads.pop(se.slot, None)
-            self.adapters.load_done(se.adapter)
-            await self._release(se.adapter)
+            _, gen = self.slot_loads.pop(se.slot, (se.adapter, -1))
+            if self.adapters.load_done(se.adapter, gen):
+                await self._release(se.adapter)
             for r in [r for r in [*self.planner.running, *self.planner.waiting] if r.adapter == se.adapter]:
                 self.planner.abort(r.request_id)
                 await self._fail(r.request_id, "adapter_load_failed", se.message)
@@ -200,8 +212,8 @@ class SchedulerActor(Actor[SchedulerConfig]):
 
     async def _slots_ready(self, slots: list[int]) -> None:
         for slot in slots:
-            name = self.slot_loads.pop(slot, None)
-            if name is not None and self.adapters.load_done(name):
+            name, gen = self.slot_loads.pop(slot, (None, -1))
+            if name is not None and self.adapters.load_done(name, gen):
                 await self._release(name)
 
     async def _release(self, name: str) -> None:
@@ -233,14 +245,19 @@ class SchedulerActor(Actor[SchedulerConfig]):
     def _slot_load(self, load: SlotLoad) -> SlotLoad:
         """The planner names slot and adapter; the host block's whereabouts come from the loader."""
         self.adapters.load_issued(load.adapter)
-        self.slot_loads[load.slot] = load.adapter
+        self.slot_loads[load.slot] = (load.adapter, self.adapters.generation)
         self.m_slot_loads.inc()
         return slot_load_for(self.adapters.get(load.adapter).staged, load.slot)
+
+    def _stale_copies(self) -> bool:
+        """Copies issued under a loader that restarted: their bytes may be reused by the new loader's
+        placements, so nothing is staged until they are done."""
+        return any(gen != self.adapters.generation for _, gen in self.slot_loads.values())
 
     async def _stage_upcoming(self) -> None:
         """Ask the loader for the host blocks of adapters the waiting queue needs next, at most one
         slot's worth each: held blocks are pinned in the host cache, so this stays bounded."""
-        if not self.loader_up:
+        if not self.loader_up or self._stale_copies():
             return
         for name in self.planner.adapters_needed():
             if self.adapters.pinned_waiting() >= self.config.max_loras_per_batch:
@@ -253,7 +270,15 @@ class SchedulerActor(Actor[SchedulerConfig]):
     # --- adapters ---------------------------------------------------------------------------------------
     async def on_loader_started(self) -> None:
         self.loader_up = True
-        for name in self.adapters.on_loader_restart():
+        self.restage = self.adapters.on_loader_restart()
+        await self._restage()
+
+    async def _restage(self) -> None:
+        """Ask a restarted loader again for what the old one never answered (once stale copies end)."""
+        if self._stale_copies():
+            return
+        again, self.restage = self.restage, []
+        for name in again:
             if self.adapters.needs_stage(name):
                 await self.to_loader.put(StageAdapter(name=name, path=self.adapters.get(name).path))
 
@@ -279,7 +304,9 @@ class SchedulerActor(Actor[SchedulerConfig]):
         if e is None:
             return
         for op_id in e.pending_ops:
-            await self.to_tokenizer.put(OpFailed(op_id=op_id, kind="adapter_load_failed", message=msg.message))
+            await self.to_tokenizer.put(
+                OpFailed(op_id=op_id, kind="adapter_load_failed", message=msg.message)
+            )
         if e.pending_ops:  # a load op: nothing was registered
             del self.adapters.entries[e.name]
         await self.to_tokenizer.put(AdapterUpdate(name=e.name, state="removed"))
@@ -298,7 +325,9 @@ class SchedulerActor(Actor[SchedulerConfig]):
                 return await self.to_tokenizer.put(OpDone(op_id=op.op_id))
             text = f"adapter {op.name!r} is already loaded from {e.path}; unload it first"
             return await self.to_tokenizer.put(OpFailed(op_id=op.op_id, kind="invalid_request", message=text))
-        self.adapters.entries[op.name] = AdapterEntry(op.name, op.path, state="validating", pending_ops=[op.op_id])
+        self.adapters.entries[op.name] = AdapterEntry(
+            op.name, op.path, state="validating", pending_ops=[op.op_id]
+        )
         if self.loader_up and self.adapters.needs_stage(op.name):
             await self.to_loader.put(StageAdapter(name=op.name, path=op.path))
 
@@ -328,12 +357,23 @@ class SchedulerActor(Actor[SchedulerConfig]):
         out = []
         for e in self.adapters.entries.values():
             slot = self.planner.slots.slot_of(e.name) if self.planner else None
-            tier = "gpu" if slot is not None else ("host" if e.staged else ("loading" if e.staging else "disk"))
+            tier = (
+                "gpu" if slot is not None else ("host" if e.staged else ("loading" if e.staging else "disk"))
+            )
             state = {"registered": "ready", "validating": "loading"}.get(e.state, e.state)
             users = self.planner.users_of(e.name) if self.planner else 0
             rank = e.staged.rank if e.staged else 0
-            out.append(ListedAdapter(name=e.name, path=e.path, tier=tier, slot=slot, state=state, rank=rank,
-                                     active_requests=users))
+            out.append(
+                ListedAdapter(
+                    name=e.name,
+                    path=e.path,
+                    tier=tier,
+                    slot=slot,
+                    state=state,
+                    rank=rank,
+                    active_requests=users,
+                )
+            )
         return out
 
     def _health(self) -> list[StageHealth]:
@@ -341,6 +381,8 @@ class SchedulerActor(Actor[SchedulerConfig]):
         detail = f"{len(p.waiting)} waiting, {len(p.running)} running" if p else "waiting for the worker"
         return [
             StageHealth(stage="scheduler", status="ok", detail=detail),
-            StageHealth(stage="worker", status="ok" if p else "degraded", detail=f"{len(self.in_flight)} plans queued"),
+            StageHealth(
+                stage="worker", status="ok" if p else "degraded", detail=f"{len(self.in_flight)} plans queued"
+            ),
             StageHealth(stage="loader", status="ok" if self.loader_up else "down"),
         ]

@@ -34,6 +34,7 @@ class AdapterRegistry:
     def __init__(self, adapters: dict[str, str]):
         self.entries: dict[str, AdapterEntry] = {n: AdapterEntry(n, p) for n, p in adapters.items()}
         self._blocked: set[str] = set()  # refused for lack of host room: ask again after a release
+        self.generation = 0  # bumped at every LoaderStarted: pins of an older loader are void
 
     def get(self, name: str) -> AdapterEntry | None:
         return self.entries.get(name)
@@ -79,6 +80,7 @@ class AdapterRegistry:
     def on_loader_restart(self) -> list[str]:
         """The host cache is empty again: forget every block and pin; returns the names that had a
         StageAdapter outstanding (to be sent again)."""
+        self.generation += 1
         again = []
         for e in self.entries.values():
             if e.staging or e.state == "validating":
@@ -89,12 +91,15 @@ class AdapterRegistry:
     def load_issued(self, name: str) -> None:
         self.entries[name].loads_in_flight += 1
 
-    def load_done(self, name: str) -> bool:
-        """The worker copied the block: spend the pin. True when a ReleaseAdapter must be sent."""
+    def load_done(self, name: str, generation: int) -> bool:
+        """The worker copied the block: spend the pin. True when a ReleaseAdapter must be sent (not
+        for a load issued under a loader that has since restarted: the new one holds no such pin)."""
         e = self.entries.get(name)
         if e is None or e.loads_in_flight == 0:
             return False
         e.loads_in_flight -= 1
+        if generation != self.generation:
+            return False
         e.pins -= 1
         return True
 

@@ -28,12 +28,14 @@ class PlannerConfig:
         if self.max_model_len > self.num_pages * self.page_size:
             # One request must always fit alone, or preemption could cycle forever.
             raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the KV cache's {self.num_pages * self.page_size} "
-                "tokens; lower max_model_len or give the cache more pages"
+                f"max_model_len {self.max_model_len} exceeds the KV cache's "
+                f"{self.num_pages * self.page_size} tokens; lower max_model_len or give the cache more pages"
             )
         if self.max_tokens_per_step < self.max_running_requests:
-            raise ValueError("max_tokens_per_step must be >= max_running_requests (every running request "
-                             "gets at least one token per step)")
+            raise ValueError(
+                "max_tokens_per_step must be >= max_running_requests (every running request "
+                "gets at least one token per step)"
+            )
 
 
 @dataclass
@@ -73,13 +75,17 @@ class Planner:
         self._step = 0
         self.stats = PlannerStats()
 
-    def add(self, request_id: str, prompt_ids: list[int], adapter: str | None, sampling: SamplingParams) -> None:
+    def add(
+        self, request_id: str, prompt_ids: list[int], adapter: str | None, sampling: SamplingParams
+    ) -> None:
         if request_id in self._by_id:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt_ids:
             raise ValueError("prompt is empty")
         if len(prompt_ids) >= self.cfg.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the limit is {self.cfg.max_model_len - 1}")
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; the limit is {self.cfg.max_model_len - 1}"
+            )
         req = PlannedRequest(request_id, list(prompt_ids), adapter, sampling, num_tokens=len(prompt_ids))
         self._by_id[request_id] = req
         self.waiting.append(req)

@@ -14,7 +14,13 @@ from proto.pipeline import WorkerToTokenizer
 from proto.plan import BatchPlan, SchedulerToWorker, SlotLoad, WorkerStarted, WorkerToScheduler
 from runtime.actor import Actor
 from runtime.sockets import PullSocket, PushSocket
-from stages.loader.host_pool import attach_pool, close_pool, packed_from_pool, register_pinned, unregister_pinned
+from stages.loader.host_pool import (
+    attach_pool,
+    close_pool,
+    packed_from_pool,
+    register_pinned,
+    unregister_pinned,
+)
 from stages.worker.config import WorkerConfig
 from stages.worker.executor import StepExecutor
 from stages.worker.runner import ModelRunner
@@ -31,12 +37,17 @@ class WorkerActor(Actor[WorkerConfig]):
     def _init_metrics(self) -> None:
         m = self.metrics
         self.m_step = m.histogram(
-            "lorapipe_step_seconds", "Forward + sampling time of one step", (), [2**i / 1e4 for i in range(14)]
+            "lorapipe_step_seconds",
+            "Forward + sampling time of one step",
+            (),
+            [2**i / 1e4 for i in range(14)],
         )
         self.m_batch = m.histogram("lorapipe_batch_size", "Requests per step", (), [2**i for i in range(10)])
         self.m_tokens = m.counter("lorapipe_step_tokens", "Tokens computed (prefill + decode)")
         self.m_loads = m.counter("lorapipe_slot_copies", "Adapter copies into GPU slots", ["result"])
-        self.m_load_s = m.histogram("lorapipe_slot_copy_seconds", "Host-to-device adapter copy (issue to done)")
+        self.m_load_s = m.histogram(
+            "lorapipe_slot_copy_seconds", "Host-to-device adapter copy (issue to done)"
+        )
         m.gauge("lorapipe_adapters_resident", "LoRA slots holding an adapter").set_function(
             lambda: sum(n is not None for n in self.runner.slots.names) if hasattr(self, "runner") else 0
         )
@@ -53,14 +64,18 @@ class WorkerActor(Actor[WorkerConfig]):
         plans = self.mailbox("plans", 4)
         self.to_scheduler = self.mailbox("to_scheduler")
         self.to_tokenizer = self.mailbox("to_tokenizer")
-        self.add_receiver("scheduler", self.socket(PullSocket(ep.scheduler_to_worker, SchedulerToWorker)), plans)
+        self.add_receiver(
+            "scheduler", self.socket(PullSocket(ep.scheduler_to_worker, SchedulerToWorker)), plans
+        )
         scheduler = self.socket(PushSocket(ep.worker_to_scheduler, WorkerToScheduler, bind=False))
         tokenizer = self.socket(PushSocket(ep.worker_to_tokenizer, WorkerToTokenizer, bind=False))
         self.add_handler("plans", plans, self.on_batch_plan)
         self.add_sender("scheduler", self.to_scheduler, scheduler.send)
         self.add_sender("tokenizer", self.to_tokenizer, tokenizer.send)
         started = WorkerStarted(
-            num_pages=self.runner.num_pages, page_size=self.runner.cfg.page_size, max_model_len=cfg.max_model_len
+            num_pages=self.runner.num_pages,
+            page_size=self.runner.cfg.page_size,
+            max_model_len=cfg.max_model_len,
         )
         await self.to_scheduler.put(started)
 
@@ -71,7 +86,10 @@ class WorkerActor(Actor[WorkerConfig]):
             result, tokens = await loop.run_in_executor(self.thread, self.executor.execute, plan)
         except Exception as e:  # the forward failed: fail this step's requests, keep serving
             self.log.exception("step %d failed", plan.step)
-            result, tokens = self.executor.fail_step(plan, f"worker step failed: {type(e).__name__}: {e}"), None
+            result, tokens = (
+                self.executor.fail_step(plan, f"worker step failed: {type(e).__name__}: {e}"),
+                None,
+            )
         took = time.perf_counter() - start
         if result.num_tokens:
             self.m_step.observe(took)

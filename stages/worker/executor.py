@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proto.plan import BatchPlan, FinishedRequest, RequestError, SlotError, SlotLoad, StepResult
 from proto.pipeline import TokenBatch, TokenDelta
+from proto.plan import BatchPlan, FinishedRequest, RequestError, SlotError, SlotLoad, StepResult
 from proto.sampling import SamplingParams
 from stages.worker.runner import ModelRunner, SeqInput
 from stages.worker.sampler import Sampler
@@ -51,7 +51,9 @@ class StepExecutor:
                 TokenBatch(step=plan.step, items=[]),
             )
         seqs = [
-            SeqInput(req.token_ids[req.num_computed : req.num_computed + n], req.num_computed, req.pages, req.slot)
+            SeqInput(
+                req.token_ids[req.num_computed : req.num_computed + n], req.num_computed, req.pages, req.slot
+            )
             for req, n in scheduled
         ]
         logits = self.runner.execute(seqs)  # [B, V]
@@ -61,7 +63,9 @@ class StepExecutor:
         finished, items = [], []
         if rows:
             reqs = [scheduled[i][0] for i in rows]
-            tokens = self.sampler.sample(logits[rows], [r.request_id for r in reqs], [r.sampling for r in reqs])
+            tokens = self.sampler.sample(
+                logits[rows], [r.request_id for r in reqs], [r.sampling for r in reqs]
+            )
             for req, tok in zip(reqs, tokens, strict=True):
                 req.token_ids.append(tok)
                 reason = self._finish_reason(req, tok)
@@ -69,7 +73,9 @@ class StepExecutor:
                 if reason is not None:
                     req.active = False
                     n_out = len(req.token_ids) - req.prompt_len
-                    finished.append(FinishedRequest(request_id=req.request_id, reason=reason, num_output_tokens=n_out))
+                    finished.append(
+                        FinishedRequest(request_id=req.request_id, reason=reason, num_output_tokens=n_out)
+                    )
         num_tokens = sum(n for _, n in scheduled)
         result = StepResult(
             step=plan.step,
@@ -101,7 +107,9 @@ class StepExecutor:
                 ready.append(load.slot)
             except Exception as e:  # a bad block fails the requests on that slot, not the worker
                 self.runner.slots.clear(load.slot)
-                failed.append(SlotError(slot=load.slot, adapter=load.adapter, message=f"loading into slot: {e}"))
+                failed.append(
+                    SlotError(slot=load.slot, adapter=load.adapter, message=f"loading into slot: {e}")
+                )
         return ready, failed
 
     def _apply_plan(

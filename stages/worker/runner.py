@@ -64,7 +64,11 @@ class ModelRunner:
     def _init_kv_cache(self) -> None:
         m, ps = self.model_cfg, self.cfg.page_size
         per_page = KVCache.bytes_per_page(
-            num_layers=m.num_layers, page_size=ps, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=self.dtype
+            num_layers=m.num_layers,
+            page_size=ps,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            dtype=self.dtype,
         )
         num_pages = self.cfg.num_pages
         if num_pages is None and self.device.type == "cuda":
@@ -91,7 +95,9 @@ class ModelRunner:
     def num_pages(self) -> int:
         return self.kv.num_pages
 
-    def load_adapter(self, slot: int, adapter: PackedAdapter, stream: torch.cuda.Stream | None = None) -> None:
+    def load_adapter(
+        self, slot: int, adapter: PackedAdapter, stream: torch.cuda.Stream | None = None
+    ) -> None:
         self.slots.load(slot, adapter, stream)
 
     @torch.inference_mode()

@@ -29,9 +29,7 @@ class Sampler:
             self._gens[request_id] = gen
         return gen
 
-    def sample(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
-    ) -> list[int]:
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
         """logits: [B, V] float32. Returns one token id per row (one device→host read)."""
         tokens = logits.argmax(dim=-1)  # [B]
         sampled = [i for i, p in enumerate(params) if not p.greedy]

@@ -180,3 +180,23 @@ def test_dynamic_load_and_unload(server, llama_adapters):
     with pytest.raises(UnknownAdapter, match="late"):
         c.generate("hi there", "late", max_tokens=3)
     assert "late" not in {e.name for e in c.list_adapters()}
+
+
+def test_unload_lets_running_requests_finish_and_refuses_new_ones(server, llama_adapters):
+    async def main():
+        async with AsyncClient(server.endpoint, timeout=60) as c:
+            await c.load_adapter("busy", str(llama_adapters["full8"]))
+            stream = c.stream("The river carried", "busy", max_tokens=40, ignore_eos=True)
+            async with contextlib.aclosing(stream):
+                first = await anext(stream)
+                await c.unload_adapter("busy")  # while the request above is running
+                with pytest.raises(UnknownAdapter, match="busy"):
+                    await c.generate("new request", "busy", max_tokens=2)
+                rest = [chunk async for chunk in stream]
+            ids = first.token_ids + [t for chunk in rest for t in chunk.token_ids]
+            assert len(ids) == 40 and rest[-1].finish_reason == "length"
+
+    asyncio.run(main())
+    wait_for(
+        lambda: "busy" not in {e.name for e in server.client().list_adapters()}, "the adapter to be removed"
+    )

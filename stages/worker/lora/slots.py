@@ -32,7 +32,9 @@ class LoraSlots:
         """Copy a packed adapter into `slot`, one contiguous copy per layer (on `stream` when given).
         The caller orders later reads of the slot after this copy (event or same stream)."""
         if adapter.rank > self.layout.max_rank:
-            raise ValueError(f"adapter {adapter.name!r}: rank {adapter.rank} > max_lora_rank {self.layout.max_rank}")
+            raise ValueError(
+                f"adapter {adapter.name!r}: rank {adapter.rank} > max_lora_rank {self.layout.max_rank}"
+            )
         if adapter.block.dtype != self.dtype or adapter.block.shape[2] != self.layout.row_elems:
             raise ValueError(f"adapter {adapter.name!r} was packed for another model layout or dtype")
         r = adapter.rank
@@ -51,4 +53,3 @@ class LoraSlots:
         self.ranks[slot].zero_()
         self.host_ranks[slot].zero_()
         self.names[slot] = None
-

@@ -64,7 +64,9 @@ class ModelConfig:
         try:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
-            raise ModelConfigError(f"{model_dir}: no config.json (expected a Hugging Face checkpoint directory)")
+            raise ModelConfigError(
+                f"{model_dir}: no config.json (expected a Hugging Face checkpoint directory)"
+            ) from None
         except (OSError, ValueError) as e:
             raise ModelConfigError(f"{path}: unreadable config ({e})") from e
         return cls.from_dict(raw)
@@ -84,7 +86,9 @@ class ModelConfig:
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         kv_heads = c.get("num_key_value_heads") or heads
         if heads % kv_heads:
-            raise ModelConfigError(f"num_attention_heads {heads} not a multiple of num_key_value_heads {kv_heads}")
+            raise ModelConfigError(
+                f"num_attention_heads {heads} not a multiple of num_key_value_heads {kv_heads}"
+            )
         eos = c.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         is_qwen = arch == "Qwen2ForCausalLM"

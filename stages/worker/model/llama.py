@@ -51,7 +51,9 @@ class LlamaModel:
         cos = self.cos[fb.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[fb.positions].unsqueeze(1)
         for i, lw in enumerate(self.w.layers):
-            h = h + self._attention(i, lw, rms_norm(h, lw.input_norm, cfg.rms_norm_eps), fb, kv, lora, cos, sin)
+            h = h + self._attention(
+                i, lw, rms_norm(h, lw.input_norm, cfg.rms_norm_eps), fb, kv, lora, cos, sin
+            )
             h = h + self._mlp(i, lw, rms_norm(h, lw.post_norm, cfg.rms_norm_eps), lora)
         last = rms_norm(h[fb.logits_indices], self.w.norm, cfg.rms_norm_eps)  # [B, H]
         return F.linear(last, self.w.lm_head).float()

@@ -51,7 +51,9 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     raise ModelConfigError(f"{model_dir}: no *.safetensors weights found")
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+def load_weights(
+    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> ModelWeights:
     model_dir = Path(model_dir)
     handles = {}
     where: dict[str, Path] = {}

@@ -28,8 +28,13 @@ class FakeWorker:
         for n in plan.new_requests:
             prompt = n.prompt_ids.tolist()
             self.state[n.request_id] = dict(
-                tokens=len(prompt), prompt=len(prompt), computed=0, active=True, pages=list(n.page_ids),
-                max_tokens=n.sampling.max_tokens, slot=n.slot,
+                tokens=len(prompt),
+                prompt=len(prompt),
+                computed=0,
+                active=True,
+                pages=list(n.page_ids),
+                max_tokens=n.sampling.max_tokens,
+                slot=n.slot,
             )
             counts[n.request_id] = n.num_scheduled_tokens
         for c in plan.cached_requests:
@@ -54,7 +59,10 @@ class FakeWorker:
                 assert planner.slots.slots[st["slot"]].refs > 0, "a step uses an unreferenced slot"
             if st["computed"] == st["tokens"]:
                 st["tokens"] += 1
-                if st["tokens"] - st["prompt"] >= st["max_tokens"] or st["tokens"] >= planner.cfg.max_model_len:
+                if (
+                    st["tokens"] - st["prompt"] >= st["max_tokens"]
+                    or st["tokens"] >= planner.cfg.max_model_len
+                ):
                     st["active"] = False
                     finished.append(FinishedRequest(request_id=rid, reason="length", num_output_tokens=0))
         assert len(slots_in_step) <= planner.cfg.num_slots
@@ -102,7 +110,9 @@ def test_random_workloads_keep_invariants(seed):
 
 
 def test_decodes_need_no_plan_entries():
-    planner = Planner(PlannerConfig(num_slots=1, num_pages=64, page_size=16, max_tokens_per_step=64, max_model_len=256))
+    planner = Planner(
+        PlannerConfig(num_slots=1, num_pages=64, page_size=16, max_tokens_per_step=64, max_model_len=256)
+    )
     for i in range(8):
         planner.add(f"r{i}", [1, 2, 3], None, SamplingParams(max_tokens=5))
     first = planner.schedule()
@@ -112,14 +122,20 @@ def test_decodes_need_no_plan_entries():
 
 
 def test_adapter_waits_for_a_free_slot_while_others_run():
-    planner = Planner(PlannerConfig(num_slots=1, num_pages=64, page_size=16, max_tokens_per_step=64, max_model_len=256))
+    planner = Planner(
+        PlannerConfig(num_slots=1, num_pages=64, page_size=16, max_tokens_per_step=64, max_model_len=256)
+    )
     planner.add("x", [1, 2], "a", SamplingParams(max_tokens=3))
     planner.add("y", [1, 2], "b", SamplingParams(max_tokens=3))
     planner.add("z", [1, 2], None, SamplingParams(max_tokens=3))
     plan = planner.schedule()
     assert [r.request_id for r in plan.new_requests] == ["x", "z"]
     assert [(lo.slot, lo.adapter) for lo in plan.slot_loads] == [(0, "a")]
-    planner.update(StepResult(step=plan.step, finished=[FinishedRequest(request_id="x", reason="stop", num_output_tokens=1)]))
+    planner.update(
+        StepResult(
+            step=plan.step, finished=[FinishedRequest(request_id="x", reason="stop", num_output_tokens=1)]
+        )
+    )
     plan = planner.schedule()
     assert [r.request_id for r in plan.new_requests] == ["y"]
     assert [(lo.slot, lo.adapter) for lo in plan.slot_loads] == [(0, "b")]
@@ -129,7 +145,9 @@ def test_adapter_waits_for_a_free_slot_while_others_run():
 def test_rejects_configs_and_prompts_that_cannot_fit():
     with pytest.raises(ValueError, match="exceeds the KV cache"):
         PlannerConfig(num_slots=1, num_pages=2, page_size=4, max_tokens_per_step=64, max_model_len=100)
-    planner = Planner(PlannerConfig(num_slots=1, num_pages=2, page_size=4, max_tokens_per_step=64, max_model_len=8))
+    planner = Planner(
+        PlannerConfig(num_slots=1, num_pages=2, page_size=4, max_tokens_per_step=64, max_model_len=8)
+    )
     with pytest.raises(ValueError, match="limit is 7"):
         planner.add("big", [1] * 8, None, SamplingParams())
     with pytest.raises(ValueError, match="empty"):

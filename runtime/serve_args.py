@@ -1,0 +1,311 @@
+"""`lorapipe serve` arguments: parsing, up-front validation with clear errors, and the composition of
+the four frozen stage configs (tokenizer, scheduler, gpu-worker, adapter-loader) from them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from runtime.endpoints import DEFAULT_CLIENT_PORT, Endpoints
+
+if TYPE_CHECKING:  # torch-importing modules load lazily: `lorapipe --help` stays fast
+    from runtime.actor import StageConfig
+    from stages.worker.model.config import ModelConfig
+
+DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"
+DEFAULT_METRICS_PORT = DEFAULT_CLIENT_PORT + 1
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")
+
+
+class ServeArgsError(ValueError):
+    """A `lorapipe serve` argument is wrong; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    model: str
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, path), in command-line order
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str = "auto"
+    max_loras_per_batch: int = 4
+    max_cpu_loras: int = 8
+    max_lora_rank: int = 64
+    max_running_requests: int = 64
+    max_tokens_per_step: int = 2048
+    max_model_len: int | None = None  # None: the model's context, capped by a known KV size
+    page_size: int = 16
+    num_pages: int | None = None
+    lora_backend: str | None = None  # None: triton on cuda, torch on cpu
+    pinned_adapters: tuple[str, ...] = ()
+    endpoint: str = DEFAULT_ENDPOINT
+    metrics_port: int = DEFAULT_METRICS_PORT  # 0: any free port; -1: no metrics endpoint
+    log_level: str = "info"
+    log_file: str | None = None  # stage output goes here instead of the launcher's stderr
+    startup_timeout_s: float = 600.0  # the worker loads weights before it is Ready
+    drain_timeout_s: float = 30.0  # SIGTERM: how long open requests may take to finish
+    seed: int = 0
+
+    @property
+    def adapter_paths(self) -> dict[str, str]:
+        return dict(self.adapters)
+
+    def resolved_device(self) -> str:
+        if self.device is not None:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    d = ServeArgs(model="")
+    p.add_argument(
+        "--model", required=True, metavar="DIR", help="Hugging Face checkpoint directory of the base model"
+    )
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="register an adapter")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+    p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="serving dtype (auto: the checkpoint's)")
+    p.add_argument(
+        "--max-loras-per-batch",
+        type=int,
+        metavar="N",
+        default=d.max_loras_per_batch,
+        help="GPU adapter slots",
+    )
+    p.add_argument(
+        "--max-cpu-loras", type=int, metavar="N", default=d.max_cpu_loras, help="adapters in the host cache"
+    )
+    p.add_argument("--max-lora-rank", type=int, metavar="R", default=d.max_lora_rank)
+    p.add_argument("--max-running-requests", type=int, metavar="N", default=d.max_running_requests)
+    p.add_argument("--max-tokens-per-step", type=int, metavar="N", default=d.max_tokens_per_step)
+    p.add_argument(
+        "--max-model-len", type=int, metavar="N", default=None, help="default: the model's context length"
+    )
+    p.add_argument("--page-size", type=int, metavar="N", default=d.page_size, help="KV cache tokens per page")
+    p.add_argument(
+        "--num-pages", type=int, metavar="N", default=None, help="KV cache pages (default: sized from memory)"
+    )
+    p.add_argument("--lora-backend", choices=("torch", "triton"), default=None)
+    p.add_argument("--pin-adapter", action="append", default=[], metavar="NAME", help="keep in its slot")
+    p.add_argument(
+        "--endpoint",
+        metavar="ADDR",
+        default=d.endpoint,
+        help="client endpoint: tcp://HOST:PORT or ipc:///PATH",
+    )
+    p.add_argument(
+        "--metrics-port", type=int, metavar="P", default=d.metrics_port, help="0: any free port, -1: none"
+    )
+    p.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level)
+    p.add_argument("--log-file", metavar="PATH", default=None, help="write the stages' output here")
+    p.add_argument("--startup-timeout", type=float, metavar="S", default=d.startup_timeout_s)
+    p.add_argument("--drain-timeout", type=float, metavar="S", default=d.drain_timeout_s)
+    p.add_argument("--seed", type=int, metavar="N", default=d.seed)
+
+
+def from_namespace(ns: argparse.Namespace) -> ServeArgs:
+    """ServeArgs from parsed arguments; raises ServeArgsError (nothing is checked on disk yet)."""
+    fields = {f.name for f in dataclasses.fields(ServeArgs)}
+    kw = {_RENAMED.get(k, k): v for k, v in vars(ns).items() if _RENAMED.get(k, k) in fields}
+    kw["adapters"] = tuple(parse_adapter(a) for a in kw["adapters"])
+    kw["pinned_adapters"] = tuple(kw["pinned_adapters"])
+    return ServeArgs(**kw)
+
+
+_RENAMED = {  # argparse dest → ServeArgs field
+    "adapter": "adapters",
+    "pin_adapter": "pinned_adapters",
+    "startup_timeout": "startup_timeout_s",
+    "drain_timeout": "drain_timeout_s",
+}
+
+
+def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
+    """Parse and validate `lorapipe serve` arguments (argparse exits on syntax; ServeArgsError after)."""
+    parser = argparse.ArgumentParser(prog="lorapipe serve")
+    add_serve_arguments(parser)
+    args = from_namespace(parser.parse_args(list(argv)))
+    validate(args)
+    return args
+
+
+def parse_adapter(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ServeArgsError(f"--adapter {spec!r}: expected NAME=PATH")
+    if not _ADAPTER_NAME.fullmatch(name):
+        raise ServeArgsError(f"--adapter {spec!r}: name {name!r} use letters, digits, '.', '_', '-'")
+    return name, path
+
+
+def validate(args: ServeArgs) -> ModelConfig:
+    """Check everything that can be checked before spawning; returns the model's config."""
+    from stages.worker.model.config import ModelConfig as _ModelConfig
+    from stages.worker.model.config import ModelConfigError
+
+    model = Path(args.model)
+    if not model.is_dir():
+        raise ServeArgsError(f"--model {args.model}: not a directory")
+    try:
+        model_cfg = _ModelConfig.from_dir(model)
+    except (ModelConfigError, KeyError, TypeError) as exc:
+        raise ServeArgsError(f"--model {args.model}: {exc}") from None
+    if not (model / "tokenizer.json").is_file():
+        raise ServeArgsError(f"--model {args.model}: no tokenizer.json")
+    seen: set[str] = set()
+    for name, path in args.adapters:
+        if name in seen:
+            raise ServeArgsError(f"--adapter {name}: the name is given twice")
+        seen.add(name)
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise ServeArgsError(f"--adapter {name}={path}: no adapter_config.json (not a PEFT adapter)")
+    for name in args.pinned_adapters:
+        if name not in seen:
+            raise ServeArgsError(f"--pin-adapter {name}: no --adapter registers that name")
+    if len(set(args.pinned_adapters)) > args.max_loras_per_batch:
+        raise ServeArgsError(
+            f"--pin-adapter: {len(set(args.pinned_adapters))} pinned adapters but only "
+            f"{args.max_loras_per_batch} slots (--max-loras-per-batch)"
+        )
+    _check_numbers(args, model_cfg)
+    _check_device(args)
+    _check_endpoint(args.endpoint)
+    return model_cfg
+
+
+def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
+    for flag, value in [
+        ("--max-loras-per-batch", args.max_loras_per_batch),
+        ("--max-cpu-loras", args.max_cpu_loras),
+        ("--max-lora-rank", args.max_lora_rank),
+        ("--max-running-requests", args.max_running_requests),
+        ("--max-tokens-per-step", args.max_tokens_per_step),
+        ("--page-size", args.page_size),
+        ("--num-pages", args.num_pages),
+        ("--max-model-len", args.max_model_len),
+        ("--startup-timeout", args.startup_timeout_s),
+    ]:
+        if value is not None and value <= 0:
+            raise ServeArgsError(f"{flag} must be positive, got {value}")
+    if args.drain_timeout_s < 0:
+        raise ServeArgsError(f"--drain-timeout must not be negative, got {args.drain_timeout_s}")
+    if not -1 <= args.metrics_port <= 65535:
+        raise ServeArgsError(f"--metrics-port {args.metrics_port}: not a port (0: any free port, -1: none)")
+    if args.max_model_len is not None and args.max_model_len > model_cfg.max_position_embeddings:
+        raise ServeArgsError(
+            f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings "
+            f"{model_cfg.max_position_embeddings}"
+        )
+
+
+def _check_device(args: ServeArgs) -> None:
+    device = args.resolved_device()
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ServeArgsError("--device cuda: no CUDA device is available")
+    if args.lora_backend == "triton" and device != "cuda":
+        raise ServeArgsError("--lora-backend triton needs --device cuda")
+
+
+def _check_endpoint(endpoint: str) -> None:
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ServeArgsError(f"--endpoint {endpoint}: expected tcp://HOST:PORT")
+    elif endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://") :]
+        if not path or len(path) > 107:
+            raise ServeArgsError(f"--endpoint {endpoint}: expected ipc:///PATH (at most 107 bytes)")
+        if not Path(path).parent.is_dir():
+            raise ServeArgsError(f"--endpoint {endpoint}: directory {Path(path).parent} does not exist")
+    else:
+        raise ServeArgsError(f"--endpoint {endpoint}: expected tcp://HOST:PORT or ipc:///PATH")
+
+
+def max_model_len(args: ServeArgs, model_cfg: ModelConfig) -> int:
+    """--max-model-len, else the model's context capped by the KV cache when its size is known here
+    (on CUDA without --num-pages the worker sizes it from free memory, after start-up)."""
+    if args.max_model_len is not None:
+        return args.max_model_len
+    from stages.worker.runner import RunnerConfig
+
+    kv_tokens = None
+    if args.num_pages is not None:
+        kv_tokens = args.num_pages * args.page_size
+    elif args.resolved_device() == "cpu":
+        kv_tokens = RunnerConfig(model_dir=args.model).cpu_kv_tokens
+    limit = model_cfg.max_position_embeddings
+    return min(limit, kv_tokens) if kv_tokens else limit
+
+
+def serving_dtype(args: ServeArgs, model_cfg: ModelConfig) -> str:
+    """The dtype every stage uses, resolved once here ("auto" → the checkpoint's)."""
+    from stages.loader.host_pool import dtype_name
+    from stages.worker.model.config import parse_dtype
+
+    return dtype_name(parse_dtype(args.dtype, model_cfg.dtype))
+
+
+def stage_configs(
+    args: ServeArgs, model_cfg: ModelConfig, endpoints: Endpoints, pool_name: str, pool_bytes: int
+) -> dict[str, StageConfig]:
+    """The four frozen stage configs, keyed by stage name."""
+    from stages.loader.config import LoaderConfig
+    from stages.scheduler.config import SchedulerConfig
+    from stages.tokenizer.config import TokenizerConfig
+    from stages.worker.config import WorkerConfig
+    from stages.worker.runner import RunnerConfig
+
+    common: dict[str, Any] = {"control": endpoints.control, "endpoints": endpoints}
+    context = max_model_len(args, model_cfg)
+    dtype = serving_dtype(args, model_cfg)
+    pool = {"host_pool_name": pool_name, "host_pool_bytes": pool_bytes}
+    tokenizer = TokenizerConfig.from_model_dir(
+        args.model, adapters=tuple(name for name, _ in args.adapters), **common
+    )
+    runner = RunnerConfig(
+        model_dir=args.model,
+        device=args.resolved_device(),
+        dtype=dtype,
+        max_loras_per_batch=args.max_loras_per_batch,
+        max_lora_rank=args.max_lora_rank,
+        lora_backend=args.lora_backend,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_tokens_per_step=args.max_tokens_per_step,
+    )
+    return {
+        "tokenizer": msgspec.structs.replace(
+            tokenizer, max_model_len=context, drain_timeout_s=args.drain_timeout_s
+        ),
+        "scheduler": SchedulerConfig(
+            max_loras_per_batch=args.max_loras_per_batch,
+            max_cpu_loras=args.max_cpu_loras,
+            max_model_len=context,
+            max_running_requests=args.max_running_requests,
+            max_tokens_per_step=args.max_tokens_per_step,
+            adapters=args.adapter_paths,
+            pinned_adapters=tuple(dict.fromkeys(args.pinned_adapters)),
+            **common,
+        ),
+        "worker": WorkerConfig(runner=runner, max_model_len=context, seed=args.seed, **pool, **common),
+        "loader": LoaderConfig(
+            model_dir=args.model,
+            dtype=dtype,
+            max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras,
+            **pool,
+            **common,
+        ),
+    }

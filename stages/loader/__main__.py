@@ -1,0 +1,8 @@
+"""`python -m stages.loader CONFIG.json`: run the adapter-loader stage (the launcher writes the config)."""
+
+from runtime.actor import stage_main
+from stages.loader.actor import LoaderActor
+from stages.loader.config import LoaderConfig
+
+if __name__ == "__main__":
+    stage_main(LoaderActor, LoaderConfig)

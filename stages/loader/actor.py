@@ -1,0 +1,260 @@
+"""The adapter-loader stage actor. Sockets: PULL from the scheduler (bound), PUSH to the scheduler.
+Mailboxes: scheduler_requests (StageAdapter/ReleaseAdapter/DropAdapter) → loads (misses, read and packed
+by `load_threads` loops in a thread pool) → to_scheduler (LoaderStarted, AdapterStaged/Failed, Evicted)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from proto.loader import (
+    AdapterFailed,
+    AdapterStaged,
+    DropAdapter,
+    Evicted,
+    LoaderStarted,
+    LoaderToScheduler,
+    ReleaseAdapter,
+    SchedulerToLoader,
+    StageAdapter,
+)
+from runtime.actor import Actor, StageFatal
+from runtime.sockets import PullSocket, PushSocket
+from stages.loader.adapter_config import AdapterError
+from stages.loader.adapter_reader import read_adapter
+from stages.loader.config import LoaderConfig
+from stages.loader.host_cache import HostCache, HostCacheFull
+from stages.loader.host_pool import attach_pool, block_tensor, close_pool, dtype_name
+from stages.worker.lora.layout import LoraLayout
+from stages.worker.lora.packed import PackedAdapter
+from stages.worker.model.config import ModelConfig, parse_dtype
+
+LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+@dataclass
+class _Load:
+    """One read of one adapter from disk; StageAdapters for the same name meanwhile join it."""
+
+    name: str
+    path: str
+    waiters: int = 1  # StageAdapters it answers (each answer pins the block once)
+    released: int = 0  # ReleaseAdapters that came before the answer (their pins are already given back)
+    dropped: bool = False  # DropAdapter came meanwhile: free the block once written, answer failed
+
+
+class LoaderActor(Actor[LoaderConfig]):
+    stage = "loader"
+
+    def __init__(self, config: LoaderConfig) -> None:
+        super().__init__(config)
+        self.cache = HostCache(config.host_pool_bytes, config.max_cpu_loras)
+        self.staged: dict[str, AdapterStaged] = {}  # blocks fully written (what a cache hit answers)
+        self.loading: dict[str, _Load] = {}
+        self.doomed: set[str] = set()  # dropped while pinned: freed on the last ReleaseAdapter
+        self.restage: dict[str, list[str]] = {}  # StageAdapter paths waiting for a dropped name to go
+        self.executor = ThreadPoolExecutor(config.load_threads, thread_name_prefix="loader")
+        self._init_metrics()
+
+    def _init_metrics(self) -> None:
+        m, cache = self.metrics, self.cache
+        self.m_loads = m.counter("lorapipe_adapter_loads", "Adapter loads from disk by result", ["result"])
+        self.m_load_bytes = m.counter("lorapipe_adapter_load_bytes", "Packed bytes written to the host cache")
+        self.m_load_seconds = m.histogram(
+            "lorapipe_adapter_load_seconds", "Disk to host cache: read, check, pack, write", (), LOAD_BUCKETS
+        )
+        self.m_hits = m.counter("lorapipe_host_cache_hits", "StageAdapter answered from the host cache")
+        self.m_misses = m.counter("lorapipe_host_cache_misses", "StageAdapter that needed a load from disk")
+        self.m_evictions = m.counter("lorapipe_host_cache_evictions", "Blocks evicted (LRU) to make room")
+        resident = m.gauge("lorapipe_host_cache_adapters", "Adapters in the host cache", ["state"])
+        resident.labels(state="resident").set_function(lambda: len(cache.blocks))
+        resident.labels(state="pinned").set_function(lambda: sum(b.pins > 0 for b in cache.blocks.values()))
+        resident.labels(state="loading").set_function(lambda: len(self.loading))
+        m.gauge("lorapipe_host_cache_bytes_used", "Bytes of packed blocks in the host cache").set_function(
+            lambda: sum(b.nbytes for b in cache.blocks.values())
+        )
+        m.gauge("lorapipe_host_cache_capacity_bytes", "Size of the host-cache pool").set(cache.capacity)
+
+    async def setup(self) -> None:
+        cfg, ep = self.config, self.config.endpoints
+        try:
+            self.model_cfg = ModelConfig.from_dir(cfg.model_dir)
+            self.dtype = parse_dtype(cfg.dtype, self.model_cfg.dtype)
+            self.layout = LoraLayout.for_model(self.model_cfg, cfg.max_lora_rank)
+            self.pool = attach_pool(cfg.host_pool_name)
+        except (OSError, ValueError) as exc:
+            raise StageFatal(f"loader cannot start: {exc}") from exc
+        if self.pool.size < cfg.host_pool_bytes:
+            size, want = self.pool.size, cfg.host_pool_bytes
+            raise StageFatal(f"host pool {cfg.host_pool_name} holds {size} bytes, the config says {want}")
+        from_scheduler = self.socket(PullSocket(ep.scheduler_to_loader, SchedulerToLoader))
+        to_scheduler = self.socket(PushSocket(ep.loader_to_scheduler, LoaderToScheduler))
+        requests = self.mailbox("scheduler_requests")
+        self.loads = self.mailbox("loads")
+        self.to_scheduler = self.mailbox("to_scheduler")
+        self.add_receiver("scheduler", from_scheduler, requests)
+        self.add_handler("scheduler_requests", requests, self.handle_scheduler)
+        for i in range(cfg.load_threads):
+            self.add_loop(f"load:{i}", self._load_loop)
+        self.add_sender("scheduler", self.to_scheduler, to_scheduler.send)
+        await self.to_scheduler.put(LoaderStarted(pid=os.getpid()))  # first out, whatever the scheduler sent
+
+    # --- scheduler requests ---------------------------------------------------------------------------
+    async def handle_scheduler(self, msg: Any) -> None:
+        match msg:
+            case StageAdapter():
+                await self.on_stage_adapter(msg)
+            case ReleaseAdapter(name=name):
+                await self.on_release_adapter(name)
+            case DropAdapter(name=name):
+                await self.on_drop_adapter(name)
+
+    async def on_stage_adapter(self, msg: StageAdapter) -> None:
+        name = msg.name
+        job = self.loading.get(name)
+        if (job is not None and job.dropped) or name in self.doomed:
+            self.restage.setdefault(name, []).append(msg.path)  # after the old block is gone
+        elif job is not None:
+            job.waiters += 1
+        elif name in self.staged:
+            self.cache.get(name)  # most recently used
+            self.cache.pin(name)
+            self.m_hits.inc()
+            staged = msgspec.structs.replace(self.staged[name], load_time=0.0, cache_hit=True)
+            await self.to_scheduler.put(staged)
+        else:
+            await self._start_load(name, msg.path, waiters=1)
+
+    async def on_release_adapter(self, name: str) -> None:
+        job = self.loading.get(name)
+        if job is not None:  # released before its answer: that answer pins one time less
+            job.released += 1
+            return
+        self.cache.unpin(name)
+        block = self.cache.blocks.get(name)
+        if name in self.doomed and (block is None or block.pins == 0):
+            self.doomed.discard(name)
+            await self._free(name)
+
+    async def on_drop_adapter(self, name: str) -> None:
+        waiting = self.restage.pop(name, [])  # StageAdapters between two DropAdapters: answered failed
+        job = self.loading.get(name)
+        block = self.cache.blocks.get(name)
+        if job is not None:
+            job.dropped = True
+        elif block is not None and block.pins > 0:
+            self.staged.pop(name, None)
+            self.doomed.add(name)  # the worker may be copying from it right now
+        else:
+            self.staged.pop(name, None)
+            self.cache.drop(name)
+        gone = AdapterFailed(name=name, message=f"adapter {name!r} was unloaded")
+        for _ in waiting:
+            await self.to_scheduler.put(gone)
+
+    async def _free(self, name: str) -> None:
+        """Drop `name`'s block, then stage it again if StageAdapters came after the DropAdapter."""
+        self.cache.drop(name)
+        self.staged.pop(name, None)
+        paths = self.restage.pop(name, [])
+        if paths:
+            await self._start_load(name, paths[-1], waiters=len(paths))
+
+    async def _start_load(self, name: str, path: str, waiters: int) -> None:
+        self.m_misses.inc(waiters)
+        job = _Load(name, path, waiters)
+        self.loading[name] = job
+        await self.loads.put(job)
+
+    # --- loads: disk → packed block in the pool -------------------------------------------------------
+    async def _load_loop(self) -> None:
+        while True:
+            job = await self.loads.get()
+            try:
+                await self._load(job)
+            except Exception as exc:  # a bad adapter (or a bug in one load) must not stop the stage
+                self.log.exception("load of adapter %r failed", job.name)
+                if self.loading.get(job.name) is job:
+                    message = f"adapter {job.name!r}: {type(exc).__name__}: {exc}"
+                    await self._finish(job, AdapterFailed(name=job.name, message=message))
+            finally:
+                self.loads.task_done()
+
+    async def _load(self, job: _Load) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        try:
+            packed = await loop.run_in_executor(self.executor, self._read, job)
+            block, evicted = self.cache.reserve(job.name, packed.nbytes)
+        except (AdapterError, HostCacheFull) as exc:
+            retry = getattr(exc, "retryable", False)  # room comes back once pinned blocks are released
+            return await self._finish(job, AdapterFailed(name=job.name, message=str(exc), retryable=retry))
+        self.cache.pin(job.name)  # the write's own pin: never evicted while half written
+        for victim in evicted:
+            self.staged.pop(victim, None)
+        self.m_evictions.inc(len(evicted))
+        for victim in evicted:
+            await self.to_scheduler.put(Evicted(name=victim))
+        try:
+            await loop.run_in_executor(self.executor, self._write, block.offset, packed)
+        except BaseException:
+            self.cache.drop(job.name)
+            raise
+        load_time = time.perf_counter() - t0
+        self.m_load_bytes.inc(packed.nbytes)
+        self.m_load_seconds.observe(load_time)
+        self.cache.unpin(job.name)  # the write's pin; _finish pins once per answer, with no await between
+        await self._finish(job, self._staged_msg(packed, block.offset, load_time))
+
+    async def _finish(self, job: _Load, answer: AdapterStaged | AdapterFailed) -> None:
+        """Answer every StageAdapter the load served; a load dropped meanwhile frees its block instead."""
+        del self.loading[job.name]
+        self.m_loads.labels(result="staged" if isinstance(answer, AdapterStaged) else "failed").inc()
+        if isinstance(answer, AdapterFailed):
+            self.log.warning("%s", answer.message)
+        if job.dropped:
+            answer = AdapterFailed(name=job.name, message=f"adapter {job.name!r} was unloaded while loading")
+            await self._free(job.name)
+        elif isinstance(answer, AdapterStaged):
+            self.staged[job.name] = answer
+            for _ in range(max(0, job.waiters - job.released)):
+                self.cache.pin(job.name)
+        for _ in range(job.waiters):
+            await self.to_scheduler.put(answer)
+
+    def _read(self, job: _Load) -> PackedAdapter:
+        return read_adapter(job.name, job.path, self.model_cfg, self.layout, self.dtype)
+
+    def _write(self, offset: int, packed: PackedAdapter) -> None:
+        # one memcpy into the pool (read_adapter owns the packing and packs into its own tensor first)
+        block_tensor(self.pool, offset, packed.rank, self.layout, self.dtype).copy_(packed.block)
+
+    def _staged_msg(self, packed: PackedAdapter, offset: int, load_time: float) -> AdapterStaged:
+        itemsize = packed.block.element_size()
+        return AdapterStaged(
+            name=packed.name,
+            shm_name=self.pool.name,
+            offset=offset,
+            nbytes=packed.nbytes,
+            rank=packed.rank,
+            layer_nbytes=packed.rank * self.layout.row_elems * itemsize,
+            dtype=dtype_name(self.dtype),
+            slice_ranks=packed.ranks.flatten().tolist(),  # [num_layers * NUM_SLICES], layer-major
+            slice_scalings=packed.scalings.flatten().tolist(),
+            load_time=load_time,
+            cache_hit=False,
+        )
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        super().teardown()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        pool = getattr(self, "pool", None)
+        if pool is not None and not close_pool(pool):
+            self.log.info("host pool still mapped by a running copy; the exit unmaps it")
