@@ -30,6 +30,20 @@ class Server:
     def __init__(self, proc: subprocess.Popen, endpoint: str, metrics_port: int):
         self.proc, self.endpoint, self.metrics_port = proc, endpoint, metrics_port
 
+    def stage_pid(self, stage: str) -> int | None:
+        """The pid of the launcher's child running `python -m stages.<stage>` (None if there is none)."""
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                cmd = (proc / "cmdline").read_bytes().split(b"\0")
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == self.proc.pid and f"stages.{stage}".encode() in cmd:
+                return int(proc.name)
+        return None
+
     def client(self, timeout: float = 60.0) -> Client:
         return Client(self.endpoint, timeout=timeout)
 

@@ -200,3 +200,26 @@ def test_unload_lets_running_requests_finish_and_refuses_new_ones(server, llama_
     wait_for(
         lambda: "busy" not in {e.name for e in server.client().list_adapters()}, "the adapter to be removed"
     )
+
+
+def test_loader_killed_mid_run_restarts_and_every_request_completes(server, workload, reference):
+    """Last in this module: it kills the module server's loader (which the launcher restarts)."""
+    import os
+    import signal
+
+    old = server.stage_pid("loader")
+    assert old is not None
+
+    async def main():
+        async with AsyncClient(server.endpoint, timeout=120) as c:
+            tasks = [
+                asyncio.ensure_future(c.generate(p, a, max_tokens=MAX_TOKENS, ignore_eos=True)) for p, a in workload
+            ]
+            os.kill(old, signal.SIGKILL)  # adapters are being staged and swapped for these requests
+            return await asyncio.gather(*tasks)
+
+    outs = asyncio.run(main())
+    for (p, a), out in zip(workload, outs, strict=True):
+        assert out.token_ids == reference[(p, a)], f"adapter {a} prompt {p!r}"
+    wait_for(lambda: server.stage_pid("loader") not in (None, old), "a new loader process")
+    assert server.metric("lorapipe_stage_restarts_total", "loader") >= 1
