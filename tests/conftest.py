@@ -3,10 +3,16 @@ written once per test session so transformers, PEFT and lorapipe all load the ve
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run under the interpreter on the CPU; it must be chosen before triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:

@@ -72,15 +72,21 @@ def check_against_peft(model_dir, adapters, recorded, *, max_loras_per_batch, lo
     return llm.last_stats
 
 
-def test_mixed_adapters_match_peft_llama(tiny_llama, llama_adapters, recorded_logits):
-    check_against_peft(tiny_llama, llama_adapters, recorded_logits, max_loras_per_batch=4)
+BACKENDS = pytest.mark.parametrize("backend", ["torch", "triton"])
 
 
-def test_mixed_adapters_match_peft_qwen2_tied(tiny_qwen2, qwen2_adapters, recorded_logits):
-    check_against_peft(tiny_qwen2, qwen2_adapters, recorded_logits, max_loras_per_batch=4)
+@BACKENDS
+def test_mixed_adapters_match_peft_llama(tiny_llama, llama_adapters, recorded_logits, backend):
+    check_against_peft(tiny_llama, llama_adapters, recorded_logits, max_loras_per_batch=4, lora_backend=backend)
 
 
-def test_more_adapters_than_slots_swaps_and_matches(tiny_llama, llama_adapters, recorded_logits):
+@BACKENDS
+def test_mixed_adapters_match_peft_qwen2_tied(tiny_qwen2, qwen2_adapters, recorded_logits, backend):
+    check_against_peft(tiny_qwen2, qwen2_adapters, recorded_logits, max_loras_per_batch=4, lora_backend=backend)
+
+
+@BACKENDS
+def test_more_adapters_than_slots_swaps_and_matches(tiny_llama, llama_adapters, recorded_logits, backend):
     # Two slots for four adapters, small pages and a tight token budget: swaps, chunked prefill, preemption.
     stats = check_against_peft(
         tiny_llama,
@@ -91,6 +97,7 @@ def test_more_adapters_than_slots_swaps_and_matches(tiny_llama, llama_adapters, 
         num_pages=24,
         max_tokens_per_step=16,
         max_running_requests=4,
+        lora_backend=backend,
     )
     assert stats.adapter_loads > 4, "adapters were never swapped"
     assert stats.preemptions > 0, "KV pressure never preempted a request"
