@@ -213,7 +213,8 @@ def test_loader_killed_mid_run_restarts_and_every_request_completes(server, work
     async def main():
         async with AsyncClient(server.endpoint, timeout=120) as c:
             tasks = [
-                asyncio.ensure_future(c.generate(p, a, max_tokens=MAX_TOKENS, ignore_eos=True)) for p, a in workload
+                asyncio.ensure_future(c.generate(p, a, max_tokens=MAX_TOKENS, ignore_eos=True))
+                for p, a in workload
             ]
             os.kill(old, signal.SIGKILL)  # adapters are being staged and swapped for these requests
             return await asyncio.gather(*tasks)

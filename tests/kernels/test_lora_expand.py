@@ -22,7 +22,8 @@ from tests.kernels.conftest import (
 
 
 def make_v(gen, indptr, seg_slots, ranks, splits, block_rank):
-    """fp32 partials [splits, T, N, block_rank]: random where the shrink writes, NaN elsewhere."""
+    """fp32 partials [splits, T, N, block_rank] as the shrink leaves them: random below the rank, zeros
+    up to the next multiple of 16, NaN (never written) elsewhere."""
     T, num_slices = indptr[-1], ranks.shape[1]
     v = torch.full((splits, T, num_slices, block_rank), float("nan"))
     for i, slot in enumerate(seg_slots):
@@ -30,6 +31,7 @@ def make_v(gen, indptr, seg_slots, ranks, splits, block_rank):
         for s in range(num_slices):
             r = int(ranks[slot, s]) if slot >= 0 else 0
             v[:, lo:hi, s, :r] = torch.randn((splits, hi - lo, r), generator=gen)
+            v[:, lo:hi, s, r : (r + 15) // 16 * 16] = 0.0
     return v
 
 

@@ -21,7 +21,7 @@ from tests.kernels.conftest import (
 
 
 def expected_shrink(x, a, ranks, indptr, seg_slots, block_rank):
-    """float64 v [T, N, block_rank] and the mask of entries the kernel must write."""
+    """float64 v [T, N, block_rank] and the mask of entries below each rank (the kernel must write)."""
     T, num_slices = x.shape[0], a.shape[2]
     v = torch.zeros((T, num_slices, block_rank), dtype=torch.float64)
     written = torch.zeros((T, num_slices, block_rank), dtype=torch.bool)
@@ -61,9 +61,17 @@ def run_case(device, dtype, group_name, lengths, seg_slots, block_m, config, see
     v = lora_shrink(x_cpu.to(device), a, ranks, info, out=out, config=config).cpu()
 
     ref, written = expected_shrink(x_cpu, a_cpu, ranks_cpu, indptr, seg_slots, info.block_rank)
+    adapter_rows = written.any(dim=(1, 2))
+    zero_pad = torch.zeros_like(written)  # the expand reads v in 16-column groups
+    for t, s in written.any(dim=2).nonzero().tolist():
+        r = int(written[t, s].sum())
+        zero_pad[t, s, r : (r + 15) // 16 * 16] = True
     assert torch.isfinite(v[:, written]).all(), "an entry the kernel must write is missing or NaN"
     if config is not None:
-        assert torch.isnan(v[:, ~written]).all(), "the kernel wrote outside adapter tokens / real ranks"
+        rest = v[:, ~written]
+        assert ((rest == 0) | torch.isnan(rest)).all(), "the kernel wrote nonzeros outside the real ranks"
+        assert torch.isnan(v[:, ~adapter_rows]).all(), "the kernel wrote rows of base-only tokens"
+        assert (v[:, zero_pad] == 0).all(), "columns past a rank, up to a multiple of 16, must hold zeros"
     err = rel_err(v.sum(0)[written], ref[written])
     assert err < TOL[dtype], err
     # The plain torch reference computes the same function.

@@ -87,8 +87,9 @@ def test_planner_merges_and_splits():
     tiles = plan_tiles(runs, 16)
     assert tiles[:, :3].tolist() == [[0, 9, 3], [10, 26, 0], [26, 30, 0]]
     info = BatchInfoBuilder(64, "cpu").build([0, 2, 2, 5, 9, 10, 30], [3, 1, 3, 3, -1, 0], 5)
-    assert (info.num_tiles, info.max_len, info.block_m, info.block_rank) == (2, 20, 32, 16)
-    assert info.meta[:3].tolist() == [[2, 30, 20, 32], [0, 9, 3, 0], [10, 30, 0, 0]]
+    assert (info.num_tiles, info.max_len, info.block_m, info.block_rank) == (3, 20, 16, 16)
+    assert info.meta[:4].tolist() == [[3, 30, 20, 16], [0, 9, 3, 0], [10, 26, 0, 0], [26, 30, 0, 0]]
+    assert BatchInfoBuilder(1024, "cpu").build([0, 600, 700], [1, 2], 64).block_m == 64  # prefill-sized
     with pytest.raises(ValueError, match="max_tokens"):
         BatchInfoBuilder(8, "cpu").build([0, 9], [0], 1)
 

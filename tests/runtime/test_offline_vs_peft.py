@@ -77,12 +77,16 @@ BACKENDS = pytest.mark.parametrize("backend", ["torch", "triton"])
 
 @BACKENDS
 def test_mixed_adapters_match_peft_llama(tiny_llama, llama_adapters, recorded_logits, backend):
-    check_against_peft(tiny_llama, llama_adapters, recorded_logits, max_loras_per_batch=4, lora_backend=backend)
+    check_against_peft(
+        tiny_llama, llama_adapters, recorded_logits, max_loras_per_batch=4, lora_backend=backend
+    )
 
 
 @BACKENDS
 def test_mixed_adapters_match_peft_qwen2_tied(tiny_qwen2, qwen2_adapters, recorded_logits, backend):
-    check_against_peft(tiny_qwen2, qwen2_adapters, recorded_logits, max_loras_per_batch=4, lora_backend=backend)
+    check_against_peft(
+        tiny_qwen2, qwen2_adapters, recorded_logits, max_loras_per_batch=4, lora_backend=backend
+    )
 
 
 @BACKENDS
