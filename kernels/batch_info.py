@@ -28,13 +28,12 @@ def block_rank_for(max_rank: int) -> int:
     return max(MIN_BLOCK, next_pow2(max_rank))
 
 
-def choose_block_m(max_len: int) -> int:
-    """Token tile: decode-like batches (short segments) use the smallest tile, prefill a wide one."""
-    if max_len <= 16:
-        return 16
-    if max_len <= 32:
-        return 32
-    return 64
+def choose_block_m(max_len: int, num_tokens: int) -> int:
+    """Token tile: 16 (many small tiles, so little split-K is needed) unless the batch is prefill-sized
+    with long runs, where a wide tile cuts the re-reads of each adapter's A and B."""
+    if num_tokens >= 512 and max_len >= 128:
+        return 64
+    return 16
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ class BatchInfoBuilder:
             raise ValueError(f"batch has {num_tokens} tokens, more than max_tokens={self.capacity}")
         runs = plan_runs(seg_indptr, seg_slots)
         max_len = int((runs[1] - runs[0]).max()) if runs[0].size else 0
-        block_m = block_m or choose_block_m(max_len)
+        block_m = block_m or choose_block_m(max_len, num_tokens)
         tiles = plan_tiles(runs, block_m)
         n = tiles.shape[0]
         i = self._next

@@ -14,6 +14,24 @@ from kernels.batch_info import META_COLS, BatchInfo, interpreting, read_tiles
 
 
 @triton.jit
+def _rank_step(
+    v_ptrs, b_ptrs, k, r, r16, m_ok, n_ok, offs_r, stride_vp, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr
+):
+    """One rank chunk: v[:, k:k+BLOCK_K] (summed over the split-K partials) @ B[k:k+BLOCK_K, :]."""
+    k_ok = (k + offs_r) < r
+    bt = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+    v_ok = m_ok[:, None] & ((k + offs_r) < r16)[None, :]
+    vt = tl.load(v_ptrs, mask=v_ok, other=0.0)  # [BLOCK_M, BLOCK_K] fp32
+    for p in tl.static_range(1, NUM_SPLITS):
+        vt += tl.load(v_ptrs + p * stride_vp, mask=v_ok, other=0.0)
+    vt = vt.to(bt.dtype)  # same rounding of v as a plain dtype matmul chain
+    if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
+        vt = vt.to(tl.float32)
+        bt = bt.to(tl.float32)
+    return tl.dot(vt, bt)
+
+
+@triton.jit
 def _lora_expand_kernel(
     v_ptr,
     b_ptr,
@@ -72,27 +90,24 @@ def _lora_expand_kernel(
     m_ok = offs_m < end
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < width
+    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + (off + offs_n)[None, :]
+    o_mask = m_ok[:, None] & n_ok[None, :]
+    o = tl.load(o_ptrs, mask=o_mask, other=0.0)  # issued early: its latency hides behind the rank loop
+
+    # The shrink wrote v in whole 16-column groups (zeros past the rank), so v loads need no rank mask
+    # below r16; B rows past the real rank are stale and are never read.
+    r16 = tl.cdiv(r, 16) * 16
     offs_r = tl.arange(0, BLOCK_K)
     b_ptrs = b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + (off + offs_n)[None, :]
     v_ptrs = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + s * stride_vi + offs_r[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, r, BLOCK_K):
-        k_ok = (k + offs_r) < r  # rows past the real rank are stale: never read
-        bt = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        vt = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for p in tl.static_range(NUM_SPLITS):  # sum the shrink's split-K partials
-            vt += tl.load(v_ptrs + p * stride_vp, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        vt = vt.to(bt.dtype)  # same rounding of v as a plain dtype matmul chain
-        if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
-            acc += tl.dot(vt.to(tl.float32), bt.to(tl.float32))
-        else:
-            acc += tl.dot(vt, bt)
-        b_ptrs += BLOCK_K * stride_br
-        v_ptrs += BLOCK_K
-
-    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + (off + offs_n)[None, :]
-    o_mask = m_ok[:, None] & n_ok[None, :]
-    o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    if BLOCK_K == BLOCK_R and NUM_SPLITS == 1:  # one step, loads straight to registers (no pipeline)
+        acc = _rank_step(v_ptrs, b_ptrs, 0, r, r16, m_ok, n_ok, offs_r, stride_vp, NUM_SPLITS, UPCAST)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, r, BLOCK_K):
+            acc += _rank_step(v_ptrs, b_ptrs, k, r, r16, m_ok, n_ok, offs_r, stride_vp, NUM_SPLITS, UPCAST)
+            b_ptrs += BLOCK_K * stride_br
+            v_ptrs += BLOCK_K
     tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=o_mask)
 
 
@@ -104,12 +119,16 @@ class ExpandConfig:
     num_stages: int = 2
 
 
-def expand_config(info: BatchInfo, out_dims: Sequence[int]) -> ExpandConfig:
-    """Heuristic block shape from host-known sizes: wide column tiles and many programs; the rank loop
-    takes the whole (real) rank at once."""
-    if info.block_m <= 16:
-        return ExpandConfig(block_n=256, block_k=min(info.block_rank, 64), num_warps=4, num_stages=2)
-    return ExpandConfig(block_n=128, block_k=min(info.block_rank, 64), num_warps=4, num_stages=2)
+def expand_config(info: BatchInfo, out_dims: Sequence[int], split_k: int = 1) -> ExpandConfig:
+    """Heuristic block shape from host-known sizes (tuned on an H100, see docs/kernels.md): wide column
+    tiles for small ranks; the whole rank (up to 64) per step unless many split-K partials would make
+    the pipelined v tiles too large, then 16 rank rows per step."""
+    br, bm = info.block_rank, info.block_m
+    block_k = min(br, 64)
+    if split_k * bm * block_k * 4 > 32 * 1024:
+        block_k = 16
+    block_n = 256 if bm <= 16 and br <= 16 else 128
+    return ExpandConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=2)
 
 
 def _check(v, b, ranks, scalings, out, out_offsets, out_dims, info) -> tuple[int, int]:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.batch_info import META_COLS, BatchInfo, interpreting, read_tiles
+from kernels.batch_info import META_COLS, BatchInfo, interpreting, next_pow2, read_tiles
 
 
 @triton.jit
@@ -81,7 +81,9 @@ def _lora_shrink_kernel(
     v_ptrs = (
         v_ptr + pid_k * stride_vp + offs_m[:, None].to(tl.int64) * stride_vt + (sl * stride_vi + rk)[None, :]
     )
-    tl.store(v_ptrs, acc, mask=m_ok[:, None] & col_ok[None, :])
+    # Columns past the rank hold zeros (their A rows were masked): written too, so that the expand can
+    # read whole 16-column groups with wide loads.
+    tl.store(v_ptrs, acc, mask=m_ok[:, None] & in_group[None, :])
 
 
 @dataclass(frozen=True)
@@ -101,18 +103,27 @@ def _num_sms(device: torch.device) -> int:
 
 
 def shrink_config(info: BatchInfo, in_dim: int, num_slices: int, max_split: int = 16) -> ShrinkConfig:
-    """Heuristic block shape from host-known sizes: enough programs to fill the GPU, split-K when the
-    batch has few tiles (decode), one slice per program (x tiles are shared through L2)."""
-    br = info.block_rank
-    block_n = 16 if info.block_m <= 16 else br  # decode: narrow rank chunks, more programs
-    block_k = 256 if info.block_m <= 16 else 64
-    programs = max(1, info.num_tiles) * triton.cdiv(num_slices * br, block_n)
-    target = 2 * _num_sms(info.meta.device)
+    """Heuristic block shape from host-known sizes (tuned on an H100, see docs/kernels.md): enough
+    programs to fill the GPU, split-K when the batch has few tiles (decode), all slices of a small
+    rank in one program so that x is read once."""
+    br, bm = info.block_rank, info.block_m
+    cols = num_slices * br  # flattened (slice, rank) columns
+    sms = _num_sms(info.meta.device)
+    tiles = max(1, info.num_tiles)
+    block_k = 128
+    split_cap = max(1, min(max_split, 256 // bm, in_dim // (2 * block_k)))
+    target = sms  # more split-K helps the shrink a little but costs the expand more (partials)
+    if bm <= 16:
+        block_n = min(64, next_pow2(cols))
+        if tiles * triton.cdiv(cols, block_n) * split_cap < target:
+            block_n = 16  # tiny batches: more, narrower programs
+    else:
+        block_n = next_pow2(cols) if next_pow2(cols) <= 128 else br
+    programs = tiles * triton.cdiv(cols, block_n)
     split = 1
-    while split < max_split and programs * split < target and in_dim // (split * 2) >= 2 * block_k:
+    while split < split_cap and programs * split < target:
         split *= 2
-    warps = 4 if info.block_m <= 16 else 4
-    return ShrinkConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=warps, num_stages=3)
+    return ShrinkConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3)
 
 
 def lora_shrink(
@@ -126,8 +137,8 @@ def lora_shrink(
 ) -> torch.Tensor:
     """x [T, K]; a [num_slots, max_rank, num_slices, K] (A rows, strided view, last dim contiguous);
     ranks [num_slots, num_slices] int32 (device). Returns fp32 partial sums v [split_k, T, num_slices,
-    block_rank] whose sum over dim 0 is x @ A^T per slice; only rows of adapter tokens and columns
-    below each slot's rank are written."""
+    block_rank] whose sum over dim 0 is x @ A^T per slice. Only rows of adapter tokens are written, in
+    whole 16-column groups (zeros past each rank); everything else is left untouched."""
     if x.dim() != 2 or a.dim() != 4 or ranks.dim() != 2:
         raise ValueError(
             f"expected x [T, K], a [S, R, N, K], ranks [S, N]; got {x.shape}, {a.shape}, {ranks.shape}"

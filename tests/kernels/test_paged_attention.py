@@ -235,4 +235,5 @@ def test_cuda_path_never_syncs(monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(fb.derived) == 1  # one plan (one host-to-device copy) for both layers
-    assert torch.equal(outs[0], first) and torch.equal(outs[1], first)
+    for out in outs:  # both layers hold the same cache; the last 2 rows belong to no sequence
+        assert torch.equal(out[:-2], first[:-2])

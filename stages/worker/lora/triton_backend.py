@@ -60,10 +60,10 @@ class TritonLoraBackend(LoraBackend):
         max_rank = int(self.slots.host_ranks[used].max()) if used else 0
         info = self._builder.build(seg_indptr, seg_slots, max_rank)
         max_split = split_cap(info.num_tokens, self._ws_rows)
-        self._configs = {
-            g.name: (shrink_config(info, g.in_dim, g.num_slices, max_split), expand_config(info, g.out_dims))
-            for g in self.layout.groups
-        }
+        self._configs = {}
+        for g in self.layout.groups:
+            shrink_cfg = shrink_config(info, g.in_dim, g.num_slices, max_split)
+            self._configs[g.name] = (shrink_cfg, expand_config(info, g.out_dims, shrink_cfg.split_k))
         self._info = info
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:

@@ -1,13 +1,25 @@
-"""Attention over the paged KV cache. One entry point, `paged_attention`, so a fused GPU kernel can
-replace the plain torch path without touching the model."""
+"""Attention over the paged KV cache. One entry point, `paged_attention`: the Triton varlen kernel on CUDA
+(`kernels/paged_attention.py`), the plain torch loop below on the CPU and as the reference."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 
 from stages.worker.model.forward_batch import ForwardBatch
 from stages.worker.model.kv_cache import KVCache
+
+# None: the Triton kernel for CUDA tensors unless LORAPIPE_ATTENTION=torch; True/False force one path
+# (True also runs the kernel on CPU tensors, under TRITON_INTERPRET=1: for tests).
+USE_TRITON: bool | None = None
+
+
+def use_triton(q: torch.Tensor) -> bool:
+    if USE_TRITON is not None:
+        return USE_TRITON
+    return q.is_cuda and os.environ.get("LORAPIPE_ATTENTION", "").lower() != "torch"
 
 
 def paged_attention(
@@ -19,6 +31,46 @@ def paged_attention(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context. Returns [T, H * D]."""
+    if use_triton(q):
+        return triton_paged_attention(q, kv, layer, fb, scale, sliding_window)
+    return torch_paged_attention(q, kv, layer, fb, scale, sliding_window)
+
+
+def triton_paged_attention(
+    q: torch.Tensor, kv: KVCache, layer: int, fb: ForwardBatch, scale: float, sliding_window: int | None
+) -> torch.Tensor:
+    """One kernel launch for the whole batch; no host-device synchronisation. The block plan is built on
+    the first layer's call (one host-to-device copy) and kept in `fb.derived` for the other layers."""
+    from kernels import paged_attention as kernel  # here: triton is only a dependency on Linux
+
+    num_heads, num_kv_heads = q.shape[1], kv.k.shape[2]
+    key = f"paged_attention_plan:{num_heads}:{num_kv_heads}"
+    plan = fb.derived.get(key)
+    if plan is None:
+        plan = fb.derived[key] = kernel.plan_attention(
+            [s.q_start for s in fb.seqs],
+            [s.q_len for s in fb.seqs],
+            [s.ctx_len for s in fb.seqs],
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            device=q.device,
+        )
+    return kernel.paged_attention(
+        q,
+        kv.k[layer],
+        kv.v[layer],
+        fb.page_table,
+        plan,
+        page_size=kv.page_size,
+        scale=scale,
+        sliding_window=sliding_window,
+    )
+
+
+def torch_paged_attention(
+    q: torch.Tensor, kv: KVCache, layer: int, fb: ForwardBatch, scale: float, sliding_window: int | None
+) -> torch.Tensor:
+    """The plain path: one SDPA call per sequence over its gathered context. Returns [T, H * D]."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty((num_tokens, num_heads * head_dim), dtype=q.dtype, device=q.device)
     k_rows, v_rows = kv.k[layer], kv.v[layer]  # [pages * page_size, KVH, D]

@@ -3,7 +3,7 @@ built by the runner from host-side lists and handed to every layer as an argumen
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,9 @@ class ForwardBatch:
     page_table: torch.Tensor  # [B, max_pages] int64 (rows padded with 0 past each sequence's pages)
     logits_indices: torch.Tensor  # [B] int64: the last new token of each sequence
     seqs: tuple[SeqExtent, ...]
+    # Per-forward values that layers derive from the fields above on first use and share (e.g. the
+    # attention kernel's block plan: one host-to-device copy per forward, not per layer).
+    derived: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
