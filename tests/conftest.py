@@ -75,3 +75,21 @@ def llama_adapters(tiny_llama, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def qwen2_adapters(tiny_qwen2, tmp_path_factory) -> dict[str, Path]:
     return mixed_adapters(tiny_qwen2, tmp_path_factory.mktemp("qwen2_adapters"))
+
+
+@pytest.fixture
+def recorded_logits(monkeypatch) -> dict[str, list[torch.Tensor]]:
+    """Float32 CPU logits of every row the engine samples, per request id, in step order (recorded at
+    the sampler, so tests compare exactly what the engine decided on)."""
+    from stages.worker.sampler import Sampler
+
+    seen: dict[str, list[torch.Tensor]] = {}
+    original = Sampler.sample
+
+    def sample(self, logits, request_ids, params):
+        for row, rid in zip(logits, request_ids, strict=True):
+            seen.setdefault(rid, []).append(row.detach().float().cpu().clone())
+        return original(self, logits, request_ids, params)
+
+    monkeypatch.setattr(Sampler, "sample", sample)
+    return seen

@@ -10,23 +10,14 @@ import torch
 from proto.sampling import SamplingParams
 from runtime.offline import LLM
 from stages.worker.runner import SeqInput
-from stages.worker.sampler import Sampler
 from tests.peft_reference import PeftReference
 from tests.runtime.test_offline_vs_peft import PROMPTS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def test_bf16_triton_engine_matches_peft_bf16(tiny_llama, llama_adapters, monkeypatch):
-    seen: dict[str, list[torch.Tensor]] = {}
-    original = Sampler.sample
-
-    def sample(self, logits, request_ids, params):
-        for row, rid in zip(logits, request_ids, strict=True):
-            seen.setdefault(rid, []).append(row.detach().float().cpu())
-        return original(self, logits, request_ids, params)
-
-    monkeypatch.setattr(Sampler, "sample", sample)
+def test_bf16_triton_engine_matches_peft_bf16(tiny_llama, llama_adapters, recorded_logits):
+    seen = recorded_logits
     names = list(llama_adapters)
     mix = [names[i % len(names)] if i % 3 != 2 else None for i in range(len(PROMPTS))]
     llm = LLM(

@@ -9,7 +9,6 @@ import torch
 
 from proto.sampling import SamplingParams
 from runtime.offline import LLM
-from stages.worker.sampler import Sampler
 from tests.peft_reference import PeftReference
 
 PROMPTS = [
@@ -21,21 +20,6 @@ PROMPTS = [
     "The",
     "The engine hummed while the train crossed the long bridge over the valley at dawn",
 ]
-
-
-@pytest.fixture
-def recorded_logits(monkeypatch):
-    """Logits of every sampled row, per request, in step order (recorded at the sampler)."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    original = Sampler.sample
-
-    def sample(self, logits, request_ids, params):
-        for row, rid in zip(logits, request_ids, strict=True):
-            seen.setdefault(rid, []).append(row.detach().clone())
-        return original(self, logits, request_ids, params)
-
-    monkeypatch.setattr(Sampler, "sample", sample)
-    return seen
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

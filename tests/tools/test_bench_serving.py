@@ -13,7 +13,7 @@ import pytest
 from tests.integration.serving import serve
 from tools import bench_peft, bench_serving
 from tools import workload as wl
-from tools.bench_report import markdown_table, percentiles
+from tools.bench_report import format_table, markdown_table, percentiles
 
 ADAPTERS = "full8,qv5,mlp1,rs12"  # the llama_adapters fixture's names
 FLAGS = ("--max-loras-per-batch", "2", "--max-lora-rank", "16", "--log-level", "warning")
@@ -48,6 +48,7 @@ def check_report(report: dict, workload: list[wl.WorkloadRequest]) -> None:
     assert s["ttft"]["p50"] <= s["ttft"]["p99"] and s["output_throughput"] > 0
     for key in ("host_cache_hit_rate", "gpu_slot_hit_rate"):
         assert s.get(key) is None or 0.0 <= s[key] <= 1.0
+    assert "TTFT" in format_table(report)
 
 
 def check_server_counters(report: dict) -> None:

@@ -18,7 +18,6 @@ from stages.loader.adapter_config import AdapterError
 from stages.loader.adapter_reader import read_adapter
 from stages.worker.lora.layout import TARGET_MODULES, LoraLayout
 from stages.worker.model.config import ModelConfig
-from stages.worker.sampler import Sampler
 from tests.peft_reference import PeftReference
 from tools.make_adapters import make_adapters
 
@@ -311,16 +310,8 @@ def test_packed_ranks_and_scalings_match_peft(base, tiny_llama, peft_adapters, n
     assert len(want) == (14 if name == "patterns" else 3)
 
 
-def test_patterns_and_regex_adapters_generate_like_peft(tiny_llama, peft_adapters, monkeypatch):
-    seen: dict[str, list[torch.Tensor]] = {}
-    original = Sampler.sample
-
-    def sample(self, logits, request_ids, params):
-        for row, rid in zip(logits, request_ids, strict=True):
-            seen.setdefault(rid, []).append(row.detach().clone())
-        return original(self, logits, request_ids, params)
-
-    monkeypatch.setattr(Sampler, "sample", sample)
+def test_patterns_and_regex_adapters_generate_like_peft(tiny_llama, peft_adapters, recorded_logits):
+    seen = recorded_logits
     adapters = {k: peft_adapters[k] for k in ("patterns", "regex_excl")}
     llm = LLM(tiny_llama, adapters=adapters, max_lora_rank=MAX_RANK, lora_backend="torch")
     names = ["patterns", "regex_excl", "patterns", "regex_excl"]
