@@ -26,7 +26,7 @@ from stages.worker.lora.layout import LoraLayout  # noqa: E402
 from stages.worker.lora.triton_backend import split_cap, workspace_rows  # noqa: E402
 
 HBM_BYTES_PER_S = 3.0e12  # measured device-to-device copy (read + write) on the H100
-NUM_SLOTS, NUM_LAYERS, MAX_RANK, MAX_TOKENS = 128, 2, 64, 4096
+NUM_SLOTS, NUM_LAYERS, MAX_RANK, MAX_TOKENS = 64, 16, 64, 4096
 DECODE = [(1, 1), (16, 1), (16, 8), (64, 1), (64, 8), (64, 64), (256, 1), (256, 8), (256, 64)]
 PREFILL = [(4096, 8)]
 TARGET = {"shrink": 60.0, "expand": 50.0}
@@ -56,30 +56,31 @@ def floor_bytes(kind: str, g, r: int, T: int, n_ad: int) -> int:
 
 
 class Case:
-    """One (group, rank, tokens, adapters) problem with rotated replicas (distinct layer/slot sets)."""
+    """One (group, rank, tokens, adapters) problem, replicated over layers as in a forward: the replicas
+    share one batch metadata buffer (hot, like every layer of a real forward) and read distinct layers'
+    weights and inputs (cold: the graph touches each layer once after do_bench flushes L2)."""
 
     def __init__(self, slots_mem, layout, g, r, T, n_ad, device):
         self.g, self.r, self.T, self.n_ad, self.layout = g, r, T, n_ad, layout
         per = T // n_ad
         self.indptr = [a * per for a in range(n_ad + 1)]
+        self.seg_slots = list(range(n_ad))
         smallest = min(floor_bytes(k, g, r, T, n_ad) for k in ("shrink", "expand"))
-        self.reps = 1 if device.type != "cuda" else max(2, min(32, math.ceil(256e6 / smallest)))
+        self.reps = 1 if device.type != "cuda" else max(2, min(NUM_LAYERS, math.ceil(256e6 / smallest)))
         self.replicas = []
         for j in range(self.reps):
-            base = (j // NUM_LAYERS) * n_ad
-            seg_slots = [(base + a) % slots_mem.shape[0] for a in range(n_ad)]
             x = torch.randn((T, g.in_dim), device=device, dtype=slots_mem.dtype)  # [T, K]
             out = torch.randn((T, g.out_total), device=device, dtype=slots_mem.dtype)  # [T, D]
-            self.replicas.append(dict(layer=j % NUM_LAYERS, seg_slots=seg_slots, x=x, out=out, builders={}))
+            self.replicas.append(dict(layer=j % NUM_LAYERS, seg_slots=self.seg_slots, x=x, out=out))
         self.mem = slots_mem
+        self._infos = {}
 
     def info(self, j: int, block_m: int | None):
-        rep = self.replicas[j]
         key = block_m or 0
-        if key not in rep["builders"]:
-            b = BatchInfoBuilder(MAX_TOKENS, self.mem.device)
-            rep["builders"][key] = b.build(self.indptr, rep["seg_slots"], self.r, block_m=block_m)
-        return rep["builders"][key]
+        if key not in self._infos:
+            builder = BatchInfoBuilder(MAX_TOKENS, self.mem.device)
+            self._infos[key] = builder.build(self.indptr, self.seg_slots, self.r, block_m=block_m)
+        return self._infos[key]
 
     def views(self, j: int, ranks, scalings):
         rep, g = self.replicas[j], self.g
@@ -89,7 +90,7 @@ class Case:
         return a, b, ranks[:, rep["layer"], sl], scalings[:, rep["layer"], sl]
 
 
-def graph_us(launches, device) -> float:
+def graph_us(launches, device, rep_ms: int = 40) -> float:
     """Median µs per launch: one CUDA graph of all launches, replayed (L2 flushed by do_bench)."""
     for f in launches:
         f()
@@ -103,7 +104,7 @@ def graph_us(launches, device) -> float:
     with torch.cuda.graph(graph):
         for f in launches:
             f()
-    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=40, return_mode="median")
+    ms = triton.testing.do_bench(graph.replay, warmup=rep_ms // 4, rep=rep_ms, return_mode="median")
     del graph
     return ms * 1e3 / len(launches)
 
@@ -122,7 +123,7 @@ def shrink_launches(case, ranks, scalings, block_m, cfg):
     return launches, vs
 
 
-def run_shrink(case, ranks, scalings, block_m, cfg):
+def run_shrink(case, ranks, scalings, block_m, cfg, rep_ms=40):
     """Time one shrink config over all replicas; returns (µs, rel. error vs torch on replica 0, vs)."""
     launches, vs = shrink_launches(case, ranks, scalings, block_m, cfg)
     launches[0]()
@@ -134,10 +135,10 @@ def run_shrink(case, ranks, scalings, block_m, cfg):
         lo, hi = case.indptr[i], case.indptr[i + 1]
         ref[lo:hi] = torch.einsum("tk,rsk->tsr", rep["x"][lo:hi].float(), a[slot, : case.r].float())
     err = float((got - ref).norm() / ref.norm())
-    return graph_us(launches, case.mem.device), err, vs
+    return graph_us(launches, case.mem.device, rep_ms), err, vs
 
 
-def run_expand(case, ranks, scalings, block_m, cfg, vs):
+def run_expand(case, ranks, scalings, block_m, cfg, vs, rep_ms=40):
     launches = []
     for j, rep in enumerate(case.replicas):
         info = case.info(j, block_m)
@@ -150,6 +151,7 @@ def run_expand(case, ranks, scalings, block_m, cfg, vs):
         )
     rep, g = case.replicas[0], case.g
     _, b, _, _ = case.views(0, ranks, scalings)
+    rep["out"].normal_()  # earlier timings accumulated into it
     before = rep["out"].float()
     launches[0]()
     vsum = vs[0].sum(0)[..., : case.r].to(b.dtype).float()  # [T, N, r]
@@ -159,7 +161,7 @@ def run_expand(case, ranks, scalings, block_m, cfg, vs):
         for s, (off, w) in enumerate(zip(g.out_offsets, g.out_dims, strict=True)):
             delta[lo:hi, off : off + w] = 2.0 * vsum[lo:hi, s] @ b[slot, : case.r, off : off + w].float()
     err = float((rep["out"].float() - before - delta).norm() / delta.norm())
-    return graph_us(launches, case.mem.device), err
+    return graph_us(launches, case.mem.device, rep_ms), err
 
 
 def run_peft(case, ranks, scalings) -> float:
@@ -189,39 +191,35 @@ def run_peft(case, ranks, scalings) -> float:
 
 
 def default_configs(case):
+    """The backend's choice for this case: token tile, shrink and expand configs."""
     info = case.info(0, None)
     cap = split_cap(case.T, workspace_rows(MAX_TOKENS))
-    return (
-        info.block_m,
-        shrink_config(info, case.g.in_dim, case.g.num_slices, cap),
-        expand_config(info, case.g.out_dims),
-    )
+    sc = shrink_config(info, case.g.in_dim, case.g.num_slices, cap)
+    return info.block_m, sc, expand_config(info, case.g.out_dims, sc.split_k)
 
 
-def sweep_candidates(case, num_sms: int):
-    """(block_m, config) lists around the heuristic: block shapes and split-K (phase 1)."""
-    g, r, T, n_ad = case.g, case.r, case.T, case.n_ad
-    max_len, br = T // n_ad, max(16, triton.next_power_of_2(r))
-    bms = [bm for bm in (16, 32, 64, 128) if bm <= max(16, triton.next_power_of_2(max_len))][-3:]
-    ncols, shrink, expand = g.num_slices * br, [], []
-    for bm in bms:
-        tiles = n_ad * triton.cdiv(max_len, bm)
-        bns = sorted({br, min(256, triton.next_power_of_2(ncols))} | ({16} if bm <= 32 else set()))
-        for bn in bns:
-            progs = tiles * triton.cdiv(ncols, bn)
-            for split in (1, 2, 4, 8, 16):
-                if split > 1 and (progs * split > 8 * num_sms or g.in_dim // split < 256):
-                    continue
-                for bk in (128, 256) if bm <= 32 else (64, 128):
+def sweep_candidates(case):
+    """(block_m, config) lists around the heuristic's choice: block shapes and split-K (phase 1)."""
+    bm, sc, _ = default_configs(case)
+    g, br = case.g, max(16, triton.next_power_of_2(case.r))
+    cols = g.num_slices * br
+    shrink, expand = {}, {}
+    for b in [bm] + ([128] if bm >= 64 else []):
+        bns = {16, sc.block_n, min(64, triton.next_power_of_2(cols)), min(256, triton.next_power_of_2(cols))}
+        for bn in sorted(x for x in bns if (x % br == 0 if x > br else br % x == 0)):
+            for bk in (128, 256) if b <= 16 else (64, 128):
+                for split in {max(1, sc.split_k // 2), sc.split_k, min(16, sc.split_k * 2)}:
                     if g.in_dim // split >= bk:
-                        shrink.append((bm, ShrinkConfig(bn, bk, split, 4, 3)))
-        for bn in (64, 128, 256) + ((512,) if bm <= 32 else ()):
+                        for w in (4, 8) if b * bn >= 64 * 256 else (4,):
+                            shrink[(b, ShrinkConfig(bn, bk, split, w, 3))] = None
+        for bn in (64, 128, 256, 512):
             for bk in sorted({16, min(br, 64)}):
-                expand.append((bm, ExpandConfig(bn, bk, 4, 2)))
-    return shrink, expand
+                for w in (2, 4) if b <= 16 else (4, 8):
+                    expand[(b, ExpandConfig(bn, bk, w, 2))] = None
+    return list(shrink), list(expand)
 
 
-def refine(results, kind: str, top: int = 2):
+def refine(results, kind: str, top: int = 1):
     """Phase 2: warps and pipeline depth around the `top` fastest phase-1 configs."""
     best = sorted((x for x in results if x["kind"] == kind and x["us"] is not None), key=lambda x: x["us"])[
         :top
@@ -247,28 +245,33 @@ def _compile_worker(tasks) -> int:
     layout = llama3_8b_layout()
     mem = torch.zeros((2, NUM_LAYERS, MAX_RANK, layout.row_elems), dtype=torch.bfloat16, device=device)
     done = 0
-    for gname, r, T, n_ad, bm, kind, cfg, split in tasks:
-        g = layout.group(gname)
-        ranks = torch.full((2, NUM_LAYERS, 7), r, dtype=torch.int32, device=device)
-        scal = torch.ones((2, NUM_LAYERS, 7), device=device)
-        per = T // n_ad
-        info = BatchInfoBuilder(MAX_TOKENS, device).build(
-            [a * per for a in range(n_ad + 1)], [a % 2 for a in range(n_ad)], r, block_m=bm
-        )
-        sl = slice(g.first_slice, g.first_slice + g.num_slices)
-        v = torch.zeros((split, T, g.num_slices, info.block_rank), device=device)
-        if kind == "shrink":
-            x = torch.zeros((T, g.in_dim), dtype=mem.dtype, device=device)
-            lora_shrink(x, LoraLayout.a_view(mem, 0, g), ranks[:, 0, sl], info, out=v, config=cfg)
-        else:
-            out = torch.zeros((T, g.out_total), dtype=mem.dtype, device=device)
-            b = LoraLayout.b_view(mem, 0, g)
-            lora_expand(
-                v, b, ranks[:, 0, sl], scal[:, 0, sl], out, g.out_offsets, g.out_dims, info, config=cfg
-            )
-        done += 1
+    for t in tasks:
+        try:
+            _compile_one(device, layout, mem, *t)
+            done += 1
+        except Exception as e:  # noqa: BLE001 - a config that cannot compile is reported when timed
+            print(f"compile failed {t}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     torch.cuda.synchronize()
     return done
+
+
+def _compile_one(device, layout, mem, gname, r, T, n_ad, bm, kind, cfg, split) -> None:
+    g = layout.group(gname)
+    ranks = torch.full((2, NUM_LAYERS, 7), r, dtype=torch.int32, device=device)
+    scal = torch.ones((2, NUM_LAYERS, 7), device=device)
+    per = T // n_ad
+    info = BatchInfoBuilder(MAX_TOKENS, device).build(
+        [a * per for a in range(n_ad + 1)], [a % 2 for a in range(n_ad)], r, block_m=bm
+    )
+    sl = slice(g.first_slice, g.first_slice + g.num_slices)
+    v = torch.zeros((split, T, g.num_slices, info.block_rank), device=device)
+    if kind == "shrink":
+        x = torch.zeros((T, g.in_dim), dtype=mem.dtype, device=device)
+        lora_shrink(x, LoraLayout.a_view(mem, 0, g), ranks[:, 0, sl], info, out=v, config=cfg)
+    else:
+        out = torch.zeros((T, g.out_total), dtype=mem.dtype, device=device)
+        b = LoraLayout.b_view(mem, 0, g)
+        lora_expand(v, b, ranks[:, 0, sl], scal[:, 0, sl], out, g.out_offsets, g.out_dims, info, config=cfg)
 
 
 def precompile(tasks, workers: int) -> None:
@@ -284,9 +287,21 @@ def precompile(tasks, workers: int) -> None:
 
     t0 = time.time()
     chunks = [tasks[i::workers] for i in range(min(workers, len(tasks)))]
-    with ProcessPoolExecutor(len(chunks), mp_context=mp.get_context("spawn")) as pool:
-        n = sum(pool.map(_compile_worker, chunks))
+    try:
+        with ProcessPoolExecutor(len(chunks), mp_context=mp.get_context("spawn")) as pool:
+            n = sum(pool.map(_compile_worker, chunks))
+    except Exception as e:  # noqa: BLE001 - compiling ahead is only an optimisation
+        print(f"precompile failed ({type(e).__name__}: {e}); compiling on first use", flush=True)
+        return
     print(f"precompiled {n} kernels in {time.time() - t0:.1f}s on {len(chunks)} processes", flush=True)
+
+
+def guarded(fn, *args, **kw):
+    """Run one timing; a config that fails (e.g. out of shared memory) gives (None, error text, None)."""
+    try:
+        return fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {str(e)[:160]}", None
 
 
 def task(case, bm, kind, cfg, split):
@@ -301,6 +316,8 @@ def verdict(kind: str, us: float, floor_us: float, T: int, launch_us: float) -> 
 
 def measure(case, kind, us, err, bm, cfg, launch_us):
     fl = floor_bytes(kind, case.g, case.r, case.T, case.n_ad) / HBM_BYTES_PER_S * 1e6
+    if us is None:
+        return dict(us=None, floor_us=fl, pct=None, err=err, block_m=bm, config=asdict(cfg), met=False)
     return dict(
         us=us,
         floor_us=fl,
@@ -317,6 +334,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs/bench_kernels.json")
     ap.add_argument("--sweep", action="store_true", help="also time block-shape variants (tuning data)")
     ap.add_argument("--sweep-budget-s", type=float, default=240.0)
+    ap.add_argument("--deadline-s", type=float, default=1e9, help="stop sweeping this long after start")
     ap.add_argument("--workers", type=int, default=12, help="processes compiling kernels ahead")
     ap.add_argument("--groups", default="qkv,o,gate_up,down")
     ap.add_argument("--ranks", default="16,64")
@@ -326,9 +344,10 @@ def main() -> None:
     global DECODE, PREFILL
     if args.smoke:
         DECODE, PREFILL = [(1, 1), (16, 8)], [(64, 2)]
+    t_start = time.time()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    layout = llama3_8b_layout()
+    layout = llama3_8b_layout(args.smoke)
     mem = torch.empty(
         (NUM_SLOTS, NUM_LAYERS, MAX_RANK, layout.row_elems), dtype=torch.bfloat16, device=device
     )
@@ -357,10 +376,7 @@ def main() -> None:
     groups = [layout.group(n) for n in args.groups.split(",")]
     rank_list = [int(r) for r in args.ranks.split(",")]
     specs = [(g, r, T, n) for g in groups for r in rank_list for T, n in DECODE + PREFILL]
-    sweep_specs = [s for s in specs if s[0].name == "qkv"]
-    sweep_specs += [
-        s for s in specs if s[0].name in ("gate_up", "down") and (s[2], s[3]) in ((64, 64), (4096, 8))
-    ]
+    sweep_specs = [s for s in specs if s[0].name == "qkv" or (s[2], s[3]) in ((64, 64), (4096, 8))]
 
     def make_case(spec):
         g, r, T, n = spec
@@ -374,36 +390,41 @@ def main() -> None:
         bm, sc, ec = default_configs(c)
         tasks += [task(c, bm, "shrink", sc, sc.split_k), task(c, bm, "expand", ec, sc.split_k)]
         if args.sweep and spec in sweep_specs:
-            sh, ex = sweep_candidates(c, num_sms)
+            sh, ex = sweep_candidates(c)
             phase1[spec] = (sh, ex, sc.split_k, bm)
             tasks += [task(c, b, "shrink", cfg, cfg.split_k) for b, cfg in sh]
             tasks += [task(c, b, "expand", cfg, sc.split_k) for b, cfg in ex]
     precompile(tasks, args.workers)
 
     rows, sweep = [], []
+
+    def save() -> None:
+        meta = dict(command=" ".join(sys.argv), device=dev_name, torch=torch.__version__, num_sms=num_sms)
+        meta.update(triton=triton.__version__, launch_us=launch_us, copy_tbps=copy_tbps)
+        result = dict(**meta, hbm_bytes_per_s=HBM_BYTES_PER_S, rows=rows, sweep=sweep)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
     for spec in specs:
         case = make_case(spec)
         bm, sc, ec = default_configs(case)
-        s_us, s_err, vs = run_shrink(case, ranks, scalings, bm, sc)
-        e_us, e_err = run_expand(case, ranks, scalings, bm, ec, vs)
-        peft = None if args.no_peft else run_peft(case, ranks, scalings)
-        row = dict(
-            group=case.g.name,
-            rank=case.r,
-            tokens=case.T,
-            adapters=case.n_ad,
-            reps=case.reps,
-            shrink=measure(case, "shrink", s_us, s_err, bm, sc, launch_us),
-            expand=measure(case, "expand", e_us, e_err, bm, ec, launch_us),
-            peft_us=peft,
-        )
+        row = dict(group=case.g.name, rank=case.r, tokens=case.T, adapters=case.n_ad, reps=case.reps)
+        s_us, s_err, vs = guarded(run_shrink, case, ranks, scalings, bm, sc)
+        row["shrink"] = measure(case, "shrink", s_us, s_err, bm, sc, launch_us)
+        e_us, e_err = guarded(run_expand, case, ranks, scalings, bm, ec, vs)[:2] if vs else (None, "no v")
+        row["expand"] = measure(case, "expand", e_us, e_err, bm, ec, launch_us)
+        peft = None if args.no_peft else guarded(run_peft, case, ranks, scalings)
+        row["peft_us"] = peft if isinstance(peft, float) else None
         rows.append(row)
         print(fmt_row(row), flush=True)
         del case, vs
+    save()
 
     if args.sweep:
-        t_end = time.time() + args.sweep_budget_s
+        t0 = time.time()
         for phase in (1, 2):
+            budget = min(args.sweep_budget_s, t_start + args.deadline_s - t0)
+            t_end = t0 + budget * (0.6 if phase == 1 else 1.0)
             if phase == 2:
                 refined = {}
                 for spec in phase1:
@@ -435,15 +456,16 @@ def main() -> None:
                 case = make_case(spec)
                 key = spec_key(spec)
                 for b, cfg in sh:
-                    us, err, _ = run_shrink(case, ranks, scalings, b, cfg)
+                    us, err, _ = guarded(run_shrink, case, ranks, scalings, b, cfg, rep_ms=25)
                     sweep.append(dict(spec=key, kind="shrink", block_m=b, config=asdict(cfg), us=us, err=err))
                 launches, vs = shrink_launches(case, ranks, scalings, bm0, default_configs(case)[1])
                 for f in launches:
                     f()
                 for b, cfg in ex:  # v does not depend on the token tile, only on the split
-                    us, err = run_expand(case, ranks, scalings, b, cfg, vs)
+                    us, err = guarded(run_expand, case, ranks, scalings, b, cfg, vs, rep_ms=25)[:2]
                     sweep.append(dict(spec=key, kind="expand", block_m=b, config=asdict(cfg), us=us, err=err))
                 print(f"sweep phase {phase} {spec_key(spec)}: {best_line(sweep, spec_key(spec))}", flush=True)
+                save()
                 del case
 
     print(
@@ -453,20 +475,7 @@ def main() -> None:
     print(HEADER)
     for row in rows:
         print(fmt_row(row))
-    result = dict(
-        command=" ".join(sys.argv),
-        device=dev_name,
-        torch=torch.__version__,
-        triton=triton.__version__,
-        num_sms=num_sms,
-        launch_us=launch_us,
-        copy_tbps=copy_tbps,
-        hbm_bytes_per_s=HBM_BYTES_PER_S,
-        rows=rows,
-        sweep=sweep,
-    )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    save()
     print(f"wrote {args.out}")
 
 
@@ -481,7 +490,7 @@ class _Shape:
 
     def info(self, j, block_m):
         if self._info is None:
-            self._info = BatchInfoBuilder(MAX_TOKENS, "cpu").build(
+            self._info = BatchInfoBuilder(MAX_TOKENS, self.device).build(
                 self.indptr, list(range(self.n_ad)), self.r
             )
         return self._info
@@ -495,7 +504,7 @@ def spec_key(spec) -> str:
 def best_line(sweep, key) -> str:
     parts = []
     for kind in ("shrink", "expand"):
-        xs = [x for x in sweep if x["spec"] == key and x["kind"] == kind]
+        xs = [x for x in sweep if x["spec"] == key and x["kind"] == kind and x["us"] is not None]
         if xs:
             b = min(xs, key=lambda x: x["us"])
             parts.append(f"{kind} {b['us']:.1f}us bm{b['block_m']} {tuple(b['config'].values())}")
@@ -508,16 +517,19 @@ HEADER = (
 )
 
 
+def _num(x, width: int, prec: int = 1) -> str:
+    return f"{x:{width}.{prec}f}" if x is not None else f"{'fail':>{width}}"
+
+
 def fmt_row(row) -> str:
-    s, e = row["shrink"], row["expand"]
-    lora = s["us"] + e["us"]
-    peft = row["peft_us"]
-    ps = f"{peft:9.1f}{peft / lora:6.1f}" if peft else f"{'-':>9}{'-':>6}"
+    s, e, peft = row["shrink"], row["expand"], row["peft_us"]
+    lora = s["us"] + e["us"] if s["us"] is not None and e["us"] is not None else None
+    speedup = peft / lora if peft and lora else None
     met = ("S" if s["met"] else "s") + ("E" if e["met"] else "e")
     return (
-        f"{row['group']:8}{row['rank']:>3}{row['tokens']:>6}{row['adapters']:>4} | {s['us']:9.1f}"
-        f"{s['floor_us']:7.1f}{s['pct']:5.0f} | {e['us']:9.1f}{e['floor_us']:7.1f}{e['pct']:5.0f} | "
-        f"{lora:8.1f}{ps} | {met}"
+        f"{row['group']:8}{row['rank']:>3}{row['tokens']:>6}{row['adapters']:>4} | {_num(s['us'], 9)}"
+        f"{s['floor_us']:7.1f}{_num(s['pct'], 5, 0)} | {_num(e['us'], 9)}{e['floor_us']:7.1f}"
+        f"{_num(e['pct'], 5, 0)} | {_num(lora, 8)}{_num(peft, 9)}{_num(speedup, 6)} | {met}"
     )
 
 

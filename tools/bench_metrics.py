@@ -1,0 +1,109 @@
+"""Server counters for bench_serving: scrapes the launcher's Prometheus `/metrics` (all stages merged),
+keeps the adapter-movement counters, samples them on a thread for the timeline, and derives hit rates."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# report key -> (family, sample labels to match); values are summed over stages and other labels.
+COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
+    "adapter_loads": ("lorapipe_adapter_loads", {"result": "staged"}),  # disk → host cache
+    "adapter_load_failures": ("lorapipe_adapter_loads", {"result": "failed"}),
+    "bytes_loaded": ("lorapipe_adapter_load_bytes", {}),
+    "host_cache_hits": ("lorapipe_host_cache_hits", {}),
+    "host_cache_misses": ("lorapipe_host_cache_misses", {}),
+    "slot_loads": ("lorapipe_slot_loads", {}),  # host → GPU slot copies the scheduler issued
+    "slot_copies": ("lorapipe_slot_copies", {"result": "ok"}),
+    "slot_hits": ("lorapipe_slot_lookups", {"result": "hit"}),  # absent until the scheduler has it
+    "slot_misses": ("lorapipe_slot_lookups", {"result": "miss"}),
+    "plans": ("lorapipe_plans", {}),
+    "step_tokens": ("lorapipe_step_tokens", {}),
+    "output_tokens": ("lorapipe_output_tokens", {}),
+}
+
+
+def scrape(url: str, timeout: float = 10.0) -> dict[str, float | None]:
+    """The COUNTERS now; None for a family the server does not expose."""
+    text = urllib.request.urlopen(url, timeout=timeout).read().decode()
+    values: dict[str, float | None] = dict.fromkeys(COUNTERS)
+    wanted = {fam: [k for k, (f, _) in COUNTERS.items() if f == fam] for fam, _ in COUNTERS.values()}
+    for fam in text_string_to_metric_families(text):
+        for key in wanted.get(fam.name, []):
+            labels = COUNTERS[key][1]
+            values[key] = sum(
+                s.value
+                for s in fam.samples
+                if s.name == fam.name + "_total" and all(s.labels.get(k) == v for k, v in labels.items())
+            )
+    return values
+
+
+def delta(start: dict[str, float | None], end: dict[str, float | None]) -> dict[str, float | None]:
+    return {
+        k: None if start.get(k) is None or end.get(k) is None else end[k] - start[k]  # type: ignore[operator]
+        for k in COUNTERS
+    }
+
+
+def _rate(hits: float | None, misses: float | None) -> float | None:
+    if hits is None or misses is None or hits + misses <= 0:
+        return None
+    return hits / (hits + misses)
+
+
+def derive(d: dict[str, float | None], adapter_requests: int) -> dict[str, Any]:
+    """Summary entries from counter deltas. The GPU-slot hit rate comes from the scheduler's
+    `lorapipe_slot_lookups_total{result}` when it exists; otherwise it is estimated as
+    1 - slot loads / requests with an adapter (exact unless requests were preempted and re-admitted)."""
+    out: dict[str, Any] = {
+        "adapter_loads": d["adapter_loads"],
+        "adapter_load_failures": d["adapter_load_failures"],
+        "bytes_loaded": d["bytes_loaded"],
+        "host_cache_hit_rate": _rate(d["host_cache_hits"], d["host_cache_misses"]),
+        "slot_loads": d["slot_loads"],
+        "server_output_tokens": d["output_tokens"],
+    }
+    if d["slot_hits"] is not None and d["slot_misses"] is not None:
+        out["gpu_slot_hit_rate"] = _rate(d["slot_hits"], d["slot_misses"])
+        out["gpu_slot_hit_rate_source"] = "lorapipe_slot_lookups_total"
+    elif d["slot_loads"] is not None and adapter_requests > 0:
+        out["gpu_slot_hit_rate"] = min(1.0, max(0.0, 1.0 - d["slot_loads"] / adapter_requests))
+        out["gpu_slot_hit_rate_source"] = "estimate: 1 - slot_loads / adapter requests"
+    else:
+        out["gpu_slot_hit_rate"] = None
+        out["gpu_slot_hit_rate_source"] = None
+    return out
+
+
+class MetricsSampler:
+    """Scrapes every `interval` seconds on a daemon thread; `timeline` holds {"t": seconds since
+    `t0`, **counters}. Scrape failures are skipped (the run goes on)."""
+
+    def __init__(self, url: str, interval: float, t0: float) -> None:
+        self.url, self.interval, self.t0 = url, interval, t0
+        self.timeline: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="metrics-sampler", daemon=True)
+
+    def start(self) -> MetricsSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[dict[str, Any]]:
+        self._stop.set()
+        self._thread.join()
+        return self.timeline
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic() - self.t0
+            try:
+                self.timeline.append({"t": round(t, 4), **scrape(self.url, timeout=max(self.interval, 1.0))})
+            except OSError:
+                pass
+            self._stop.wait(self.interval)
