@@ -5,6 +5,7 @@ the same records, summary table and JSON as bench_serving. `--no-adapters`: plai
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -168,6 +169,11 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     missing = {r.adapter for r in workload if r.adapter is not None} - set(adapters)
     if missing and not ns.no_adapters:
         raise SystemExit(f"the workload uses adapters with no --adapter/--adapter-dir: {sorted(missing)}")
+    if any(r.sampling.get("temperature") for r in workload):
+        print(
+            "bench_peft: the workload asks for sampling; this baseline always decodes greedily",
+            file=sys.stderr,
+        )
     model = load_model(ns.model, adapters, ns.device, ns.dtype, ns.attn_implementation)
     cfg = model.config if not adapters else model.base_model.model.config
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (cfg.eos_token_id or 0)

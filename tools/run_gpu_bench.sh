@@ -12,6 +12,7 @@ num=${NUM_PROMPTS:-500}
 nad=${NUM_ADAPTERS:-32}
 peft_batches=${PEFT_BATCHES:-"8 32 64"}
 peft_limit=${PEFT_LIMIT:-}             # e.g. 128: PEFT runs only the first N requests (it is slow)
+parts=${PARTS:-"lorapipe peft"}        # run a subset (e.g. one per call); tables use whatever results exist
 port=${PORT:-28000}
 seed=${SEED:-0}
 server_flags=${SERVER_FLAGS:-"--max-loras-per-batch 32 --max-cpu-loras 32 --max-lora-rank 16 --max-model-len 2048"}
@@ -33,58 +34,72 @@ done
 "$py" -m tools.workload --out "$out/workload_base.jsonl" "${gen[@]}" --request-rate inf --base-share 1.0
 
 # --- lorapipe -----------------------------------------------------------------------------------------
-adapter_args=()
-for ((i = 0; i < nad; i++)); do adapter_args+=(--adapter "adapter$i=$adir/adapter$i"); done
-# shellcheck disable=SC2086  # server_flags is a list of flags
-"$py" -m runtime.cli serve --model "$model" --device "$device" --dtype "$dtype" $server_flags \
-  --endpoint "$endpoint" --metrics-port $((port + 1)) "${adapter_args[@]}" >"$out/server.log" 2>&1 &
-server=$!
-stop_server() { if kill -0 "$server" 2>/dev/null; then kill -TERM "$server"; wait "$server" || true; fi; }
-trap stop_server EXIT
-for ((i = 0; ; i++)); do
-  kill -0 "$server" 2>/dev/null || { echo "lorapipe serve exited; see $out/server.log" >&2; exit 1; }
-  "$py" -c "import sys; from runtime.client import Client
+run_lorapipe() {
+  local adapter_args=() i r plot
+  for ((i = 0; i < nad; i++)); do adapter_args+=(--adapter "adapter$i=$adir/adapter$i"); done
+  # shellcheck disable=SC2086  # server_flags is a list of flags
+  "$py" -m runtime.cli serve --model "$model" --device "$device" --dtype "$dtype" $server_flags \
+    --endpoint "$endpoint" --metrics-port $((port + 1)) "${adapter_args[@]}" >"$out/server.log" 2>&1 &
+  server=$!
+  for ((i = 0; ; i++)); do
+    kill -0 "$server" 2>/dev/null || { echo "lorapipe serve exited; see $out/server.log" >&2; exit 1; }
+    "$py" -c "import sys; from runtime.client import Client
 with Client(sys.argv[1], timeout=2.0) as c: sys.exit(0 if c.health().ok else 1)" "$endpoint" 2>/dev/null && break
-  [ "$i" -lt 900 ] || { echo "lorapipe serve not ready after 900 s" >&2; exit 1; }
-  sleep 1
-done
-bench=("$py" -m tools.bench_serving --endpoint "$endpoint" --metrics-url "$metrics")
-"${bench[@]}" --num-prompts 64 --input-len 256 --output-len 16 --num-adapters "$nad" --quiet --label warmup
-runs=()
-for r in $rates; do
-  plot=()
-  [ -z "$has_mpl" ] || plot=(--plot "$out/lorapipe_r$r.png")
-  "${bench[@]}" --workload "$out/workload_r$r.jsonl" --label "lorapipe r=$r" --out "$out/lorapipe_r$r.json" "${plot[@]}"
-  runs+=("$out/lorapipe_r$r.json")
-done
-"${bench[@]}" --workload "$out/workload_base.jsonl" --label "lorapipe base-only" --out "$out/lorapipe_base.json"
-stop_server  # frees the GPU for PEFT
+    [ "$i" -lt 900 ] || { echo "lorapipe serve not ready after 900 s" >&2; exit 1; }
+    sleep 1
+  done
+  local bench=("$py" -m tools.bench_serving --endpoint "$endpoint" --metrics-url "$metrics")
+  "${bench[@]}" --num-prompts 64 --input-len 256 --output-len 128 --num-adapters "$nad" --quiet --seed 999
+  for r in $rates; do
+    plot=()
+    [ -z "$has_mpl" ] || plot=(--plot "$out/lorapipe_r$r.png")
+    "${bench[@]}" --workload "$out/workload_r$r.jsonl" --label "lorapipe r=$r" --out "$out/lorapipe_r$r.json" "${plot[@]}"
+  done
+  "${bench[@]}" --workload "$out/workload_base.jsonl" --label "lorapipe base-only" --out "$out/lorapipe_base.json"
+  stop_server # frees the GPU for PEFT
+}
+server=
+stop_server() { if [ -n "$server" ] && kill -0 "$server" 2>/dev/null; then kill -TERM "$server"; wait "$server" || true; fi; }
+trap stop_server EXIT
 
 # --- transformers + PEFT on the saturating workload (every request arrives at 0) ----------------------
-peft=("$py" -m tools.bench_peft --workload "$out/workload_rinf.jsonl" --model "$model" --device "$device"
-  --dtype "$dtype" ${peft_limit:+--limit "$peft_limit"})
-peft_runs=()
-for b in $peft_batches; do
-  "${peft[@]}" --adapter-dir "$adir" --batch-size "$b" --out "$out/peft_bs$b.json"
-  peft_runs+=("$out/peft_bs$b.json")
-done
-"${peft[@]}" --no-adapters --batch-size 32 --out "$out/transformers_base_bs32.json"
+run_peft() {
+  local b peft=("$py" -m tools.bench_peft --workload "$out/workload_rinf.jsonl" --model "$model"
+    --device "$device" --dtype "$dtype" ${peft_limit:+--limit "$peft_limit"})
+  for b in $peft_batches; do
+    "${peft[@]}" --adapter-dir "$adir" --batch-size "$b" --out "$out/peft_bs$b.json"
+  done
+  "${peft[@]}" --no-adapters --batch-size 32 --out "$out/transformers_base_bs32.json"
+}
 
-# --- tables ---------------------------------------------------------------------------------------------
-table() { "$py" -m tools.bench_report "$@"; }
+case " $parts " in *" lorapipe "*) run_lorapipe ;; esac
+case " $parts " in *" peft "*) run_peft ;; esac
+
+# --- tables (from whatever results exist) ---------------------------------------------------------------
+existing() { local f; for f in "$@"; do [ ! -f "$f" ] || echo "$f"; done; }
+table() { # JSON files..., then the baseline (used only if it exists)
+  local base=${*: -1} files
+  mapfile -t files < <(existing "${@:1:$#-1}")
+  [ "${#files[@]}" -gt 0 ] || { echo "_no results_"; return; }
+  "$py" -m tools.bench_report "${files[@]}" $([ -f "$base" ] && echo --baseline "$base")
+}
+sweep=()
+for r in $rates; do sweep+=("$out/lorapipe_r$r.json"); done
+baselines=("$out/lorapipe_r${rates##* }.json" "$out/lorapipe_base.json")
+for b in $peft_batches; do baselines+=("$out/peft_bs$b.json"); done
 {
   echo "# lorapipe vs PEFT: $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /' || true
   "$py" -c "import torch, transformers, peft; print(f'torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"
+  echo "PEFT requests: ${peft_limit:-all $num}; server flags: $server_flags"
   echo
   echo "## Rate sweep ($nad adapters, uniform, 256 in / 128 out, $num requests); × = output tok/s over lorapipe base-only"
   echo
-  table "${runs[@]}" "$out/lorapipe_base.json" --baseline "$out/lorapipe_base.json"
+  table "${sweep[@]}" "$out/lorapipe_base.json" "$out/lorapipe_base.json"
   echo
   echo "## Baselines; × = output tok/s over plain transformers generate at batch 32"
   echo
-  table "$out/lorapipe_r${rates##* }.json" "$out/lorapipe_base.json" "${peft_runs[@]}" \
-    "$out/transformers_base_bs32.json" --baseline "$out/transformers_base_bs32.json"
+  table "${baselines[@]}" "$out/transformers_base_bs32.json" "$out/transformers_base_bs32.json"
 } >"$out/results.md"
 cat "$out/results.md"

@@ -90,6 +90,11 @@ class SchedulerActor(Actor[SchedulerConfig]):
         self.m_plans = m.counter("lorapipe_plans", "Batch plans sent to the worker")
         self.m_slot_loads = m.counter("lorapipe_slot_loads", "Adapter copies into GPU slots issued")
         self.m_preemptions = m.counter("lorapipe_preemptions", "Requests preempted for KV pages")
+        self.m_lookups = m.counter(
+            "lorapipe_slot_lookups",
+            "Admissions of adapter requests: adapter already in a slot or not",
+            ["result"],
+        )
         self.m_failed = m.counter("lorapipe_requests_failed", "Requests failed by the scheduler", ["kind"])
 
     async def setup(self) -> None:
@@ -230,9 +235,12 @@ class SchedulerActor(Actor[SchedulerConfig]):
         planner = self.planner
         while planner is not None and len(self.in_flight) < self.config.max_plans_in_flight:
             await self._stage_upcoming()
-            before = planner.stats.preemptions
+            st = planner.stats
+            before = (st.preemptions, st.slot_hits, st.slot_misses)
             plan = planner.schedule()
-            self.m_preemptions.inc(planner.stats.preemptions - before)
+            self.m_preemptions.inc(st.preemptions - before[0])
+            self.m_lookups.labels(result="hit").inc(st.slot_hits - before[1])
+            self.m_lookups.labels(result="miss").inc(st.slot_misses - before[2])
             if not (planner.running or plan.finished_request_ids or plan.slot_loads or self.pending_clears):
                 return
             loads = [self._slot_load(load) for load in plan.slot_loads]

@@ -43,6 +43,8 @@ class PlannerStats:
     steps: int = 0
     adapter_loads: int = 0
     preemptions: int = 0
+    slot_hits: int = 0  # admissions whose adapter was already in a slot
+    slot_misses: int = 0  # admissions that had to load their adapter into a slot
 
 
 @dataclass
@@ -169,6 +171,9 @@ class Planner:
                 self.slots.assign(slot, req.adapter)
                 loads.append(SlotLoad(slot=slot, adapter=req.adapter))
                 self.stats.adapter_loads += 1
+                self.stats.slot_misses += 1
+            elif slot >= 0:
+                self.stats.slot_hits += 1
             if slot >= 0:
                 self.slots.acquire(slot)
             req.slot = slot

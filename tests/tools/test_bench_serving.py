@@ -168,6 +168,21 @@ def test_bursty_closed_loop(server, tmp_path):
     assert plot is None or plot.stat().st_size > 10_000
 
 
+@pytest.mark.timeout(60)
+def test_failed_requests_are_counted_once(server, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    reqs = [
+        wl.WorkloadRequest(arrival=0.0, adapter=a, max_tokens=3, input_len=5) for a in ("qv5", "nope") * 2
+    ]
+    wl.write_workload(path, reqs)
+    report = bench(server, "--workload", str(path))
+    s = report["summary"]
+    assert (s["num_requests"], s["completed"], s["failed"]) == (4, 2, 2)
+    assert [r["error"] is None for r in report["requests"]] == [True, False, True, False]
+    assert all("UnknownAdapter" in r["error"] for r in report["requests"][1::2])
+    assert s["output_tokens"] == s["server_output_tokens"] == 6
+
+
 # --- the PEFT baseline on the same workload ----------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_peft_baseline_matches_serving(server, tiny_llama, llama_adapters, tmp_path):
