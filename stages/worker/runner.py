@@ -72,9 +72,11 @@ class ModelRunner:
         )
         num_pages = self.cfg.num_pages
         if num_pages is None and self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            # Leave room for activations of a full step: a generous 64 KiB per token.
-            spare = total * self.cfg.gpu_memory_utilization - torch.cuda.memory_allocated(self.device)
+            # What is free now (other engines and processes count), less the share left unused and
+            # room for a full step's activations (a generous 64 KiB per token).
+            free, total = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            spare = free - total * (1 - self.cfg.gpu_memory_utilization)
             spare -= self.cfg.max_tokens_per_step * 65536
             num_pages = int(spare // per_page)
         elif num_pages is None:

@@ -27,6 +27,7 @@ def test_bf16_triton_engine_matches_peft_bf16(tiny_llama, llama_adapters, record
         dtype="bfloat16",
         max_lora_rank=16,
         lora_backend="triton",
+        num_pages=512,
         max_loras_per_batch=2,
     )
     outs = llm.generate(PROMPTS, adapters=mix, sampling=SamplingParams(max_tokens=6, ignore_eos=True))
@@ -61,6 +62,7 @@ def test_mixed_forward_has_no_host_device_sync(tiny_llama, llama_adapters):
         dtype="bfloat16",
         max_lora_rank=16,
         lora_backend="triton",
+        num_pages=512,
         max_loras_per_batch=4,
     )
     r = llm.runner
