@@ -33,7 +33,9 @@ def test_bf16_triton_engine_matches_peft_bf16(tiny_llama, llama_adapters, record
     outs = llm.generate(PROMPTS, adapters=mix, sampling=SamplingParams(max_tokens=6, ignore_eos=True))
     ref = PeftReference(tiny_llama, llama_adapters, dtype=torch.bfloat16)
     ref.model.to("cuda")
-    for out, name, steps in zip(outs, mix, seen.values(), strict=True):
+    for out, name, steps in zip(
+        outs, mix, [seen[r] for r in sorted(seen, key=lambda r: int(r[1:]))], strict=True
+    ):
         full = out.prompt_token_ids + out.token_ids[:-1]
         with torch.no_grad():
             ids = torch.tensor([full], device="cuda")

@@ -40,7 +40,7 @@ def check_against_peft(model_dir, adapters, recorded, *, max_loras_per_batch, lo
     sampling = SamplingParams(max_tokens=6, ignore_eos=True)
     outs = llm.generate(PROMPTS, adapters=mix, sampling=sampling)
     ref = PeftReference(model_dir, adapters)
-    request_logits = list(recorded.values())  # requests are numbered in prompt order
+    request_logits = [recorded[rid] for rid in sorted(recorded, key=lambda rid: int(rid[1:]))]  # r0, r1, ...
     assert len(request_logits) == len(PROMPTS)
     worst = 0.0
     for out, name, steps in zip(outs, mix, request_logits, strict=True):

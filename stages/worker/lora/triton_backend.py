@@ -38,11 +38,26 @@ class TritonLoraBackend(LoraBackend):
         super().__init__(slots, max_tokens)
         self._init_metadata()
         self._init_workspace()
+        self._init_views()
+
+    def _init_views(self) -> None:
+        """Every (layer, group)'s A/B views and rank/scaling columns, made once: the slot tensors never
+        move, and building views per call was a measurable share of a decode step's host time."""
+        mem, self._views = self.slots.mem, {}
+        for layer in range(self.layout.num_layers):
+            for g in self.layout.groups:
+                sl = slice(g.first_slice, g.first_slice + g.num_slices)
+                self._views[layer, g.name] = (
+                    LoraLayout.a_view(mem, layer, g),  # [num_slots, max_rank, n, in_dim]
+                    LoraLayout.b_view(mem, layer, g),  # [num_slots, max_rank, out_total]
+                    self.slots.ranks[:, layer, sl],  # [num_slots, n] int32
+                    self.slots.scalings[:, layer, sl],  # [num_slots, n] fp32
+                )
 
     def _init_metadata(self) -> None:
         self._builder = BatchInfoBuilder(self.max_tokens, self.slots.device)
         self._info: BatchInfo | None = None
-        self._configs: dict[str, tuple[ShrinkConfig, ExpandConfig]] = {}
+        self._configs: dict[str, tuple[ShrinkConfig, ExpandConfig, torch.Tensor]] = {}
 
     def _init_workspace(self) -> None:
         # Shrink output (split-K fp32 partials), reused by every apply: allocated once, fixed address.
@@ -63,7 +78,9 @@ class TritonLoraBackend(LoraBackend):
         self._configs = {}
         for g in self.layout.groups:
             shrink_cfg = shrink_config(info, g.in_dim, g.num_slices, max_split)
-            self._configs[g.name] = (shrink_cfg, expand_config(info, g.out_dims, shrink_cfg.split_k))
+            shape = (shrink_cfg.split_k, info.num_tokens, g.num_slices, info.block_rank)
+            v = self._workspace[: shape[0] * shape[1] * shape[2] * shape[3]].view(shape)  # shrink partials
+            self._configs[g.name] = (shrink_cfg, expand_config(info, g.out_dims, shrink_cfg.split_k), v)
         self._info = info
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:
@@ -72,23 +89,7 @@ class TritonLoraBackend(LoraBackend):
             raise RuntimeError("TritonLoraBackend.apply called before prepare")
         if info.num_tiles == 0:
             return
-        shrink_cfg, expand_cfg = self._configs[group.name]
-        n = group.num_slices
-        sl = slice(group.first_slice, group.first_slice + n)
-        ranks = self.slots.ranks[:, layer, sl]  # [num_slots, n] int32, strided view
-        scalings = self.slots.scalings[:, layer, sl]  # [num_slots, n] fp32, strided view
-        shape = (shrink_cfg.split_k, info.num_tokens, n, info.block_rank)
-        v = self._workspace[: shape[0] * shape[1] * shape[2] * shape[3]].view(shape)
-        mem = self.slots.mem
-        lora_shrink(x, LoraLayout.a_view(mem, layer, group), ranks, info, out=v, config=shrink_cfg)
-        lora_expand(
-            v,
-            LoraLayout.b_view(mem, layer, group),
-            ranks,
-            scalings,
-            out,
-            group.out_offsets,
-            group.out_dims,
-            info,
-            config=expand_cfg,
-        )
+        shrink_cfg, expand_cfg, v = self._configs[group.name]
+        a, b, ranks, scalings = self._views[layer, group.name]
+        lora_shrink(x, a, ranks, info, out=v, config=shrink_cfg)
+        lora_expand(v, b, ranks, scalings, out, group.out_offsets, group.out_dims, info, config=expand_cfg)
