@@ -45,7 +45,12 @@ class LLM:
         max_tokens_per_step: int = 2048,
         max_model_len: int | None = None,
         seed: int = 0,
+        overlap_loading: bool = True,
+        prefetch_depth: int = 8,
+        pinned_adapters: tuple[str, ...] = (),
     ):
+        """`overlap_loading` and `prefetch_depth` drive the same planner logic as `lorapipe serve`;
+        here copies are synchronous, and a slot is reported ready in the result of its load's step."""
         self.runner = ModelRunner(
             RunnerConfig(
                 model_dir=str(model),
@@ -76,6 +81,9 @@ class LLM:
             max_running_requests=max_running_requests,
             max_tokens_per_step=max_tokens_per_step,
             max_model_len=self.max_model_len,
+            pinned_adapters=tuple(pinned_adapters),
+            overlap_loading=overlap_loading,
+            prefetch_depth=prefetch_depth,
         )
         tok_file = Path(model) / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.exists() else None
@@ -114,7 +122,13 @@ class LLM:
 
         planner = Planner(self.planner_cfg)
         # Slots start empty for each call; a fresh executor gets a fresh seed stream.
-        executor = StepExecutor(self.runner, self._load_slot, self.max_model_len, seed=self._seed)
+        executor = StepExecutor(
+            self.runner,
+            self._load_slot,
+            self.max_model_len,
+            seed=self._seed,
+            overlap_loading=self.planner_cfg.overlap_loading,
+        )
         rids = [f"r{next(self._ids)}" for _ in range(n)]
         for rid, ids, name, p in zip(rids, prompt_ids, names, params, strict=True):
             planner.add(rid, ids, name, p)

@@ -46,6 +46,8 @@ class ServeArgs:
     num_pages: int | None = None
     lora_backend: str | None = None  # None: triton on cuda, torch on cpu
     pinned_adapters: tuple[str, ...] = ()
+    overlap_loading: bool = True  # slot loads run beside steps that do not need them
+    prefetch_depth: int = 8  # waiting requests looked ahead at for slot loads (0: off)
     endpoint: str = DEFAULT_ENDPOINT
     metrics_port: int = DEFAULT_METRICS_PORT  # 0: any free port; -1: no metrics endpoint
     log_level: str = "info"
@@ -96,6 +98,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--lora-backend", choices=("torch", "triton"), default=None)
     p.add_argument("--pin-adapter", action="append", default=[], metavar="NAME", help="keep in its slot")
+    p.add_argument(
+        "--overlap-loading",
+        action=argparse.BooleanOptionalAction,
+        default=d.overlap_loading,
+        help="copy adapters into slots beside steps that do not use them (off: the step waits)",
+    )
+    p.add_argument(
+        "--prefetch-depth",
+        type=int,
+        metavar="N",
+        default=d.prefetch_depth,
+        help="waiting requests looked ahead at for slot loads (0: off)",
+    )
     p.add_argument(
         "--endpoint",
         metavar="ADDR",
@@ -196,6 +211,8 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
     ]:
         if value is not None and value <= 0:
             raise ServeArgsError(f"{flag} must be positive, got {value}")
+    if args.prefetch_depth < 0:
+        raise ServeArgsError(f"--prefetch-depth must not be negative, got {args.prefetch_depth}")
     if args.drain_timeout_s < 0:
         raise ServeArgsError(f"--drain-timeout must not be negative, got {args.drain_timeout_s}")
     if not -1 <= args.metrics_port <= 65535:
@@ -297,9 +314,18 @@ def stage_configs(
             max_tokens_per_step=args.max_tokens_per_step,
             adapters=args.adapter_paths,
             pinned_adapters=tuple(dict.fromkeys(args.pinned_adapters)),
+            overlap_loading=args.overlap_loading,
+            prefetch_depth=args.prefetch_depth,
             **common,
         ),
-        "worker": WorkerConfig(runner=runner, max_model_len=context, seed=args.seed, **pool, **common),
+        "worker": WorkerConfig(
+            runner=runner,
+            max_model_len=context,
+            seed=args.seed,
+            overlap_loading=args.overlap_loading,
+            **pool,
+            **common,
+        ),
         "loader": LoaderConfig(
             model_dir=args.model,
             dtype=dtype,

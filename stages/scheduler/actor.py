@@ -96,6 +96,21 @@ class SchedulerActor(Actor[SchedulerConfig]):
             ["result"],
         )
         self.m_failed = m.counter("lorapipe_requests_failed", "Requests failed by the scheduler", ["kind"])
+        tiers = m.gauge("lorapipe_adapters_by_tier", "Registered adapters by where they are", ["tier"])
+        for tier in ("gpu", "loading", "host", "disk"):
+            tiers.labels(tier=tier).set_function(lambda tier=tier: self._tier_counts()[tier])
+        self.m_host_lookups = m.counter(
+            "lorapipe_host_lookups",
+            "Adapters needed for a slot: block already in the host cache (hit) or read from disk (miss)",
+            ["result"],
+        )
+        self.m_adapter_wait = m.histogram(
+            "lorapipe_adapter_wait_seconds",
+            "Arrival to admission of requests that waited for their adapter to load",
+            (),
+            [2**i / 1e3 for i in range(16)],
+        )
+        self._host_looked: set[str] = set()  # adapters counted in host lookups since their last slot load
 
     async def setup(self) -> None:
         self.idle = asyncio.Event()
@@ -191,6 +206,8 @@ class SchedulerActor(Actor[SchedulerConfig]):
             max_tokens_per_step=c.max_tokens_per_step,
             max_model_len=min(c.max_model_len, msg.max_model_len),
             pinned_adapters=c.pinned_adapters,
+            overlap_loading=c.overlap_loading,
+            prefetch_depth=c.prefetch_depth,
         )
         self.planner = Planner(cfg, adapter_ready=self.adapters.ready)
         early, self.early = self.early, []
@@ -217,6 +234,8 @@ class SchedulerActor(Actor[SchedulerConfig]):
 
     async def _slots_ready(self, slots: list[int]) -> None:
         for slot in slots:
+            if self.planner is not None:
+                self.planner.slot_ready(slot)
             name, gen = self.slot_loads.pop(slot, (None, -1))
             if name is not None and self.adapters.load_done(name, gen):
                 await self._release(name)
@@ -241,6 +260,9 @@ class SchedulerActor(Actor[SchedulerConfig]):
             self.m_preemptions.inc(st.preemptions - before[0])
             self.m_lookups.labels(result="hit").inc(st.slot_hits - before[1])
             self.m_lookups.labels(result="miss").inc(st.slot_misses - before[2])
+            for waited in planner.adapter_waits:
+                self.m_adapter_wait.observe(waited)
+            planner.adapter_waits.clear()
             if not (planner.running or plan.finished_request_ids or plan.slot_loads or self.pending_clears):
                 return
             loads = [self._slot_load(load) for load in plan.slot_loads]
@@ -253,6 +275,7 @@ class SchedulerActor(Actor[SchedulerConfig]):
     def _slot_load(self, load: SlotLoad) -> SlotLoad:
         """The planner names slot and adapter; the host block's whereabouts come from the loader."""
         self.adapters.load_issued(load.adapter)
+        self._host_looked.discard(load.adapter)
         self.slot_loads[load.slot] = (load.adapter, self.adapters.generation)
         self.m_slot_loads.inc()
         return slot_load_for(self.adapters.get(load.adapter).staged, load.slot)
@@ -268,12 +291,32 @@ class SchedulerActor(Actor[SchedulerConfig]):
         if not self.loader_up or self._stale_copies():
             return
         for name in self.planner.adapters_needed():
+            self._count_host_lookup(name)
             if self.adapters.pinned_waiting() >= self.config.max_loras_per_batch:
                 return
             if self.adapters.held() >= self.config.max_cpu_loras:
                 return
             if self.adapters.needs_stage(name):
                 await self.to_loader.put(StageAdapter(name=name, path=self.adapters.get(name).path))
+
+    def _count_host_lookup(self, name: str) -> None:
+        if name in self._host_looked or self.adapters.get(name) is None:
+            return
+        self._host_looked.add(name)
+        e = self.adapters.get(name)
+        self.m_host_lookups.labels(result="hit" if e.staged is not None else "miss").inc()
+
+    def _tier_counts(self) -> dict[str, int]:
+        """Registered adapters by their fastest tier: a settled GPU slot, a slot being copied into,
+        the host cache, or only on disk."""
+        counts = dict.fromkeys(("gpu", "loading", "host", "disk"), 0)
+        for e in self.adapters.entries.values():
+            slot = self.planner.slots.slot_of(e.name) if self.planner else None
+            if slot is not None:
+                counts["loading" if self.planner.slots.is_loading(slot) else "gpu"] += 1
+            else:
+                counts["host" if e.staged is not None else "disk"] += 1
+        return counts
 
     # --- adapters ---------------------------------------------------------------------------------------
     async def on_loader_started(self) -> None:

@@ -17,3 +17,5 @@ class SchedulerConfig(StageConfig, frozen=True, kw_only=True):
     adapters: dict[str, str] = {}  # name → path, registered at start (--adapter NAME=PATH)
     pinned_adapters: tuple[str, ...] = ()  # --pin-adapter: never evicted from their slot
     max_plans_in_flight: int = 2  # plan step N+1 while step N runs; never let the worker wait on us
+    overlap_loading: bool = True  # loads go out without the requests that need them (see Planner)
+    prefetch_depth: int = 8  # waiting requests looked ahead at for slot loads (0: off)

@@ -3,6 +3,7 @@ pages they get and which adapters must be in which slot. Pure CPU code; never to
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from proto.base import TokenIds
 from proto.plan import BatchPlan, CachedRequestData, NewRequestData, SlotLoad, StepResult
 from proto.sampling import SamplingParams
 from stages.scheduler.page_allocator import PageAllocator
+from stages.scheduler.residency import Place, Residency
 from stages.scheduler.slot_table import SlotTable
 
 
@@ -23,6 +25,10 @@ class PlannerConfig:
     max_tokens_per_step: int = 2048
     max_model_len: int = 4096
     pinned_adapters: tuple[str, ...] = ()
+    # A load goes out in a plan without the requests that need it; they join once the worker reports
+    # the slot ready (off: the load runs before the step that admits them, stalling that step).
+    overlap_loading: bool = False
+    prefetch_depth: int = 0  # waiting requests looked ahead at for slot loads (0: off)
 
     def __post_init__(self):
         if self.max_model_len > self.num_pages * self.page_size:
@@ -59,17 +65,27 @@ class PlannedRequest:
     slot: int = -1
     sent: bool = False  # the worker has its NewRequestData
     resumed: bool = False  # preempted since it was sent: the next plan replaces its pages
+    arrival: float = 0.0  # when it entered the waiting queue (clock of the planner)
+    waited_for_adapter: bool = False  # its adapter was not resident when it was first considered
 
 
 class Planner:
     """`adapter_ready(name)` says whether an adapter not in a slot can be copied into one now (the
     pipeline: its host block is staged and held); the offline engine's host cache always can."""
 
-    def __init__(self, cfg: PlannerConfig, adapter_ready: Callable[[str], bool] = lambda name: True):
+    def __init__(
+        self,
+        cfg: PlannerConfig,
+        adapter_ready: Callable[[str], bool] = lambda name: True,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.cfg = cfg
         self.adapter_ready = adapter_ready
+        self.clock = clock
         self.pages = PageAllocator(cfg.num_pages, cfg.page_size)
         self.slots = SlotTable(cfg.num_slots, cfg.pinned_adapters)
+        self.residency = Residency(self.slots, adapter_ready, cfg.overlap_loading, cfg.prefetch_depth)
+        self.adapter_waits: list[float] = []  # seconds admitted requests waited for their adapter
         self.waiting: deque[PlannedRequest] = deque()
         self.running: list[PlannedRequest] = []
         self._by_id: dict[str, PlannedRequest] = {}
@@ -88,7 +104,9 @@ class Planner:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens; the limit is {self.cfg.max_model_len - 1}"
             )
-        req = PlannedRequest(request_id, list(prompt_ids), adapter, sampling, num_tokens=len(prompt_ids))
+        req = PlannedRequest(
+            request_id, list(prompt_ids), adapter, sampling, num_tokens=len(prompt_ids), arrival=self.clock()
+        )
         self._by_id[request_id] = req
         self.waiting.append(req)
 
@@ -118,6 +136,11 @@ class Planner:
             if r.adapter is not None and self.slots.slot_of(r.adapter) is None:
                 seen.setdefault(r.adapter)
         return list(seen)
+
+    def slot_ready(self, slot: int) -> None:
+        """The worker reports a slot's copy complete: its requests may be admitted from the next plan."""
+        if 0 <= slot < len(self.slots.slots):
+            self.slots.mark_ready(slot)
 
     def evict_adapter(self, adapter: str) -> int | None:
         """Empty the slot holding `adapter` if no running request uses it; returns that slot."""
@@ -157,30 +180,33 @@ class Planner:
             budget -= extra
             self._emit(req, 1 + extra, self.pages.allocate(max(need, 0)), new, cached)
 
+        nearer: set[str] = set()  # adapters of waiting requests ahead of the one being considered
         for req in list(self.waiting):
             if len(self.running) >= self.cfg.max_running_requests or budget <= 0:
                 break
-            slot, load = self._place_adapter(req.adapter)
-            if slot is None:
-                continue  # every slot is referenced: wait for one to free up, let others through
+            place, slot = self.residency.place(req.adapter, nearer)
+            if req.adapter is not None:
+                nearer.add(req.adapter)
+            if place is not Place.RESIDENT and place is not Place.BASE:
+                req.waited_for_adapter = True
+            if place is Place.WAIT:
+                continue  # its adapter is loading or no slot is free: let others through
+            if place is Place.LOAD and self.cfg.overlap_loading:
+                self.residency.issue(slot, req.adapter, loads)  # it joins once the slot is ready
+                continue
             n = min(req.num_tokens - req.num_computed, budget)
             need = self.pages.pages_for(n)
             if need > self.pages.num_free:
                 break  # first come, first served for memory
-            if load:
-                self.slots.assign(slot, req.adapter)
-                loads.append(SlotLoad(slot=slot, adapter=req.adapter))
-                self.stats.adapter_loads += 1
-                self.stats.slot_misses += 1
-            elif slot >= 0:
-                self.stats.slot_hits += 1
-            if slot >= 0:
-                self.slots.acquire(slot)
-            req.slot = slot
-            self.waiting.remove(req)
-            self.running.append(req)
+            if place is Place.LOAD:
+                self.residency.issue(slot, req.adapter, loads)
+            self._admit(req, slot)
             self._emit(req, n, self.pages.allocate(need), new, cached)
             budget -= n
+
+        if self.cfg.prefetch_depth:
+            self.residency.prefetch((r.adapter for r in self.waiting), loads)
+        self.stats.adapter_loads = self.residency.loads_issued
 
         finished, self._finished_ids = self._finished_ids, []
         return BatchPlan(
@@ -195,6 +221,8 @@ class Planner:
     def update(self, result: StepResult) -> None:
         """Apply a step's outcome: requests the worker finished leave (their tokens were counted when
         they were scheduled, so this needs nothing else and may arrive a step late)."""
+        for slot in result.slots_ready:
+            self.slot_ready(slot)
         for fin in result.finished:
             req = self._by_id.get(fin.request_id)
             if req is not None:
@@ -204,15 +232,18 @@ class Planner:
             if req is not None:
                 self._finish(req)
 
-    def _place_adapter(self, adapter: str | None) -> tuple[int | None, bool]:
-        if adapter is None:
-            return -1, False
-        slot = self.slots.slot_of(adapter)
-        if slot is not None:
-            return slot, False
-        if not self.adapter_ready(adapter):
-            return None, False
-        return self.slots.choose_victim(), True
+    def _admit(self, req: PlannedRequest, slot: int) -> None:
+        if slot >= 0:
+            self.slots.acquire(slot)
+            if req.waited_for_adapter:
+                self.stats.slot_misses += 1
+                self.adapter_waits.append(self.clock() - req.arrival)
+                req.waited_for_adapter = False
+            else:
+                self.stats.slot_hits += 1
+        req.slot = slot
+        self.waiting.remove(req)
+        self.running.append(req)
 
     def _emit(self, req: PlannedRequest, n: int, pages: list[int], new: list, cached: list) -> None:
         req.pages.extend(pages)
@@ -253,6 +284,7 @@ class Planner:
             self.slots.release(req.slot)
             req.slot = -1
         req.resumed = req.sent
+        req.arrival = self.clock()
         self.waiting.appendleft(req)
         return req.request_id
 

@@ -1,8 +1,10 @@
 """Adapter residency in the fixed device slots: which adapter each slot holds, how many running
-requests reference it, and least-recently-used eviction among unreferenced slots. Plain CPU code."""
+requests reference it, which slots are still being copied into (overlapped loading), and
+least-recently-used eviction among unreferenced, settled slots. Plain CPU code."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 
@@ -12,6 +14,7 @@ class SlotState:
     refs: int = 0
     last_used: int = 0
     pinned: bool = False
+    loading: bool = False  # a copy was issued and the worker has not reported the slot ready
 
 
 class SlotTable:
@@ -26,26 +29,42 @@ class SlotTable:
                 return i
         return None
 
-    def choose_victim(self) -> int | None:
-        """An empty slot, else the least recently used unreferenced, unpinned one; None if all busy."""
+    def is_loading(self, slot: int) -> bool:
+        return self.slots[slot].loading
+
+    def choose_victim(self, exclude: Collection[str] = ()) -> int | None:
+        """An empty slot, else the least recently used unreferenced, unpinned, settled one whose
+        adapter is not in `exclude` (needed sooner); None if there is none."""
         best = None
         for i, s in enumerate(self.slots):
-            if s.adapter is None:
+            if s.adapter is None and not s.loading:
                 return i
-            if s.refs == 0 and not s.pinned and (best is None or s.last_used < self.slots[best].last_used):
+            if s.refs or s.pinned or s.loading or s.adapter in exclude:
+                continue
+            if best is None or s.last_used < self.slots[best].last_used:
                 best = i
         return best
 
-    def assign(self, slot: int, adapter: str) -> str | None:
-        """Put `adapter` into `slot`; returns the adapter it evicted, if any."""
+    def assign(self, slot: int, adapter: str, loading: bool = False) -> str | None:
+        """Put `adapter` into `slot`; returns the adapter it evicted, if any. A slot counts as just
+        used, so a block copied for a request still waiting is not the next LRU victim."""
         s = self.slots[slot]
-        if s.refs:
+        if s.refs or s.loading:
             raise RuntimeError(f"slot {slot} holds {s.adapter!r} with {s.refs} references; cannot evict")
         evicted = s.adapter
-        self.slots[slot] = SlotState(adapter=adapter, pinned=adapter in self.pinned)
+        self._clock += 1
+        self.slots[slot] = SlotState(
+            adapter=adapter, pinned=adapter in self.pinned, loading=loading, last_used=self._clock
+        )
         return evicted
 
+    def mark_ready(self, slot: int) -> None:
+        """The worker reported the slot's copy complete: requests may reference it from now on."""
+        self.slots[slot].loading = False
+
     def acquire(self, slot: int) -> None:
+        if self.slots[slot].loading:
+            raise RuntimeError(f"slot {slot} is still loading; no request may use it yet")
         self._clock += 1
         self.slots[slot].refs += 1
         self.slots[slot].last_used = self._clock

@@ -1,6 +1,7 @@
 """The gpu-worker stage actor. Sockets: PULL bound for batch plans; PUSHes to the scheduler (step
 results, WorkerStarted) and the tokenizer (token batches). The step itself is synchronous and runs in
-one worker thread, so plans keep arriving (and queue in the bounded `plans` mailbox) while it computes."""
+one worker thread, so plans keep arriving (and queue in the bounded `plans` mailbox) while it computes.
+Slot copies run on a load stream; a copy no step has needed yet is reported with `SlotsReady` when idle."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from proto.pipeline import WorkerToTokenizer
-from proto.plan import BatchPlan, SchedulerToWorker, SlotLoad, WorkerStarted, WorkerToScheduler
+from proto.plan import (
+    BatchPlan,
+    SchedulerToWorker,
+    SlotLoad,
+    SlotsReady,
+    WorkerStarted,
+    WorkerToScheduler,
+)
 from runtime.actor import Actor
 from runtime.sockets import PullSocket, PushSocket
 from stages.loader.host_pool import (
@@ -24,6 +32,7 @@ from stages.loader.host_pool import (
 from stages.worker.config import WorkerConfig
 from stages.worker.executor import StepExecutor
 from stages.worker.runner import ModelRunner
+from stages.worker.slot_loads import LoadHandle
 
 
 class WorkerActor(Actor[WorkerConfig]):
@@ -32,6 +41,9 @@ class WorkerActor(Actor[WorkerConfig]):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        self.stepping = False
+        self.copy_seconds = 0.0  # host-to-device copy time, all loads
+        self.overlapped_seconds = 0.0  # of which no step's compute waited for
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -48,6 +60,11 @@ class WorkerActor(Actor[WorkerConfig]):
         self.m_load_s = m.histogram(
             "lorapipe_slot_copy_seconds", "Host-to-device adapter copy (issue to done)"
         )
+        self.m_copy_bytes = m.counter("lorapipe_slot_copy_bytes", "Bytes copied host-to-device into slots")
+        m.gauge(
+            "lorapipe_load_compute_overlap_ratio",
+            "Fraction of host-to-device copy time no step's compute waited for",
+        ).set_function(lambda: self.overlapped_seconds / self.copy_seconds if self.copy_seconds else 0.0)
         m.gauge("lorapipe_adapters_resident", "LoRA slots holding an adapter").set_function(
             lambda: sum(n is not None for n in self.runner.slots.names) if hasattr(self, "runner") else 0
         )
@@ -60,7 +77,14 @@ class WorkerActor(Actor[WorkerConfig]):
         if self.cuda:
             register_pinned(self.pool)
             self.load_stream = torch.cuda.Stream(self.runner.device)
-        self.executor = StepExecutor(self.runner, self._load_slot, cfg.max_model_len, seed=cfg.seed)
+        self.executor = StepExecutor(
+            self.runner,
+            self._load_slot,
+            cfg.max_model_len,
+            seed=cfg.seed,
+            overlap_loading=cfg.overlap_loading,
+            on_load_done=self._load_done,
+        )
         plans = self.mailbox("plans", 4)
         self.to_scheduler = self.mailbox("to_scheduler")
         self.to_tokenizer = self.mailbox("to_tokenizer")
@@ -72,6 +96,7 @@ class WorkerActor(Actor[WorkerConfig]):
         self.add_handler("plans", plans, self.on_batch_plan)
         self.add_sender("scheduler", self.to_scheduler, scheduler.send)
         self.add_sender("tokenizer", self.to_tokenizer, tokenizer.send)
+        self.add_loop("slot_poll", self._poll_idle_loads)
         started = WorkerStarted(
             num_pages=self.runner.num_pages,
             page_size=self.runner.cfg.page_size,
@@ -82,6 +107,7 @@ class WorkerActor(Actor[WorkerConfig]):
     async def on_batch_plan(self, plan: BatchPlan) -> None:
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
+        self.stepping = True
         try:
             result, tokens = await loop.run_in_executor(self.thread, self.executor.execute, plan)
         except Exception as e:  # the forward failed: fail this step's requests, keep serving
@@ -90,6 +116,8 @@ class WorkerActor(Actor[WorkerConfig]):
                 self.executor.fail_step(plan, f"worker step failed: {type(e).__name__}: {e}"),
                 None,
             )
+        finally:
+            self.stepping = False
         took = time.perf_counter() - start
         if result.num_tokens:
             self.m_step.observe(took)
@@ -99,27 +127,49 @@ class WorkerActor(Actor[WorkerConfig]):
             await self.to_tokenizer.put(tokens)
         await self.to_scheduler.put(result)
 
-    def _load_slot(self, load: SlotLoad) -> None:
-        """Copy a staged block into its slot. On CUDA the copy runs on the load stream and the compute
-        stream waits for it (only this step needs it); the host block stays pinned until the scheduler
-        hears the slot is ready, which is after this step has synchronised."""
+    async def _poll_idle_loads(self) -> None:
+        """While no step runs, report copies that completed (the scheduler may be waiting on them)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            pending = hasattr(self, "executor") and bool(self.executor.pending)
+            await asyncio.sleep(0.0005 if pending else 0.005)
+            if pending and not self.stepping:
+                ready = await loop.run_in_executor(self.thread, self.executor.poll_loads)
+                if ready:
+                    await self.to_scheduler.put(SlotsReady(slots_ready=ready))
+
+    def _load_slot(self, load: SlotLoad) -> LoadHandle:
+        """Issue a staged block's copy into its slot. On CUDA it runs on the load stream after every
+        earlier step (they may still read the old adapter) and records an event; the executor makes
+        compute wait on it only in a step that uses the slot. The host block stays pinned until the
+        scheduler hears the slot is ready, which is after the event completed."""
         start = time.perf_counter()
         try:
             packed = packed_from_pool(self.pool, load, self.runner.lora_layout, self.runner.dtype)
             if self.cuda:
                 compute = torch.cuda.current_stream(self.runner.device)
-                self.load_stream.wait_stream(compute)  # earlier steps may still read the old adapter
+                self.load_stream.wait_stream(compute)
+                begin = torch.cuda.Event(enable_timing=True)
+                begin.record(self.load_stream)
                 self.runner.load_adapter(load.slot, packed, stream=self.load_stream)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(enable_timing=True)
                 done.record(self.load_stream)
-                compute.wait_event(done)
-            else:
-                self.runner.load_adapter(load.slot, packed)
+                return LoadHandle(load.slot, load.nbytes, start, event=done, start_event=begin)
+            self.runner.load_adapter(load.slot, packed)
         except Exception:
             self.m_loads.labels(result="failed").inc()
             raise
+        return LoadHandle(load.slot, load.nbytes, start, copy_seconds=time.perf_counter() - start)
+
+    def _load_done(self, h: LoadHandle) -> None:
+        """Metrics of a completed copy (called in the step thread)."""
+        seconds = h.seconds()
         self.m_loads.labels(result="ok").inc()
-        self.m_load_s.observe(time.perf_counter() - start)
+        self.m_load_s.observe(seconds)
+        self.m_copy_bytes.inc(h.nbytes)
+        self.copy_seconds += seconds
+        if not h.waited and h.event is not None:  # ran on the load stream while steps computed
+            self.overlapped_seconds += seconds
 
     async def drain(self) -> None:
         await super().drain()

@@ -14,3 +14,4 @@ class WorkerConfig(StageConfig, frozen=True, kw_only=True):
     host_pool_name: str  # the shared-memory host cache the loader packs adapters into
     host_pool_bytes: int
     seed: int = 0
+    overlap_loading: bool = True  # a slot copy stalls only the steps that use the slot

@@ -1,6 +1,7 @@
 """Executes batch plans on the worker: keeps each request's tokens, pages and slot, runs the forward,
 samples the sequences that reached their last known token, and decides when each request stops.
-A running request with no entry in a plan decodes one token."""
+A running request with no entry in a plan decodes one token. With overlapped loading a slot copy
+is waited on only by a step that uses the slot, and reported ready once its event has completed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from proto.plan import BatchPlan, FinishedRequest, RequestError, SlotError, Slot
 from proto.sampling import SamplingParams
 from stages.worker.runner import ModelRunner, SeqInput
 from stages.worker.sampler import Sampler
+from stages.worker.slot_loads import LoadHandle, PendingLoads
 
 
 @dataclass
@@ -30,11 +32,17 @@ class StepExecutor:
     def __init__(
         self,
         runner: ModelRunner,
-        load_adapter: Callable[[SlotLoad], None],
+        load_adapter: Callable[[SlotLoad], LoadHandle | None],
         max_model_len: int,
         seed: int = 0,
+        overlap_loading: bool = False,
+        on_load_done: Callable[[LoadHandle], None] | None = None,
     ):
+        """`load_adapter` issues a slot copy and returns its handle (None: already complete)."""
         self.runner = runner
+        self.overlap_loading = overlap_loading
+        self.pending = PendingLoads(on_load_done)
+        self._waited: list[LoadHandle] = []  # synchronous loads of the current step
         self.sampler = Sampler(runner.device, seed)
         self.eos_ids = frozenset(runner.model_cfg.eos_token_ids)
         self.max_model_len = max_model_len
@@ -46,10 +54,13 @@ class StepExecutor:
         errors: list[RequestError] = []
         scheduled = self._apply_plan(plan, {e.slot for e in slot_errors}, errors)
         if not scheduled:
+            self._settle_waited()
+            slots_ready += self.pending.poll()
             return (
                 StepResult(step=plan.step, slots_ready=slots_ready, slot_errors=slot_errors, errors=errors),
                 TokenBatch(step=plan.step, items=[]),
             )
+        self.pending.wait_for({req.slot for req, _ in scheduled if req.slot >= 0}, self.runner.device)
         seqs = [
             SeqInput(
                 req.token_ids[req.num_computed : req.num_computed + n], req.num_computed, req.pages, req.slot
@@ -77,6 +88,8 @@ class StepExecutor:
                         FinishedRequest(request_id=req.request_id, reason=reason, num_output_tokens=n_out)
                     )
         num_tokens = sum(n for _, n in scheduled)
+        self._settle_waited()
+        slots_ready += self.pending.poll()
         result = StepResult(
             step=plan.step,
             finished=finished,
@@ -102,15 +115,32 @@ class StepExecutor:
             self.runner.slots.clear(slot)
         ready, failed = [], []
         for load in plan.slot_loads:
+            self.pending.discard(load.slot)
             try:
-                self._load_adapter(load)
-                ready.append(load.slot)
+                handle = self._load_adapter(load) or LoadHandle(load.slot, load.nbytes)
             except Exception as e:  # a bad block fails the requests on that slot, not the worker
                 self.runner.slots.clear(load.slot)
                 failed.append(
                     SlotError(slot=load.slot, adapter=load.adapter, message=f"loading into slot: {e}")
                 )
+                continue
+            self.pending.add(handle)
+            if not self.overlap_loading:  # synchronous: this step waits for it and reports it
+                self.pending.wait_for({load.slot}, self.runner.device)
+                self._waited.append(self.pending.by_slot.pop(load.slot))
+                ready.append(load.slot)
         return ready, failed
+
+    def _settle_waited(self) -> None:
+        """Metrics of synchronous loads, once the step that waited for them is over."""
+        waited, self._waited = self._waited, []
+        if self.pending.on_done is not None:
+            for handle in waited:
+                self.pending.on_done(handle)
+
+    def poll_loads(self) -> list[int]:
+        """Slots whose copy completed since the last report (for an idle worker's SlotsReady)."""
+        return self.pending.poll()
 
     def _apply_plan(
         self, plan: BatchPlan, bad_slots: set[int], errors: list[RequestError]

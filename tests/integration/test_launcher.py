@@ -109,6 +109,7 @@ def test_serve_args_errors(tiny_llama, llama_adapters, tmp_path, capsys):
         (["--endpoint", "http://127.0.0.1:80"], "expected tcp://HOST:PORT or ipc:///PATH"),
         (["--max-loras-per-batch", "0"], "--max-loras-per-batch must be positive"),
         (["--max-model-len", "100000"], "exceeds the model's max_position_embeddings"),
+        (["--prefetch-depth", "-1"], "--prefetch-depth must not be negative"),
     ]
     for flags, message in cases:
         argv = ["serve", *(["--model", str(tiny_llama)] if "--model" not in flags else []), *flags]
@@ -142,6 +143,11 @@ def test_stage_configs_round_trip(tiny_llama, llama_adapters, tmp_path):
     assert worker.runner.device == "cpu" and worker.runner.dtype == loader.dtype == "bfloat16"
     assert worker.host_pool_name == loader.host_pool_name == "pool-x"
     assert tok.max_model_len == sched.max_model_len == worker.max_model_len == min(512, 64 * 16)
+    assert sched.overlap_loading and worker.overlap_loading and sched.prefetch_depth == 8  # defaults
+    off = parse_serve_args([*argv, "--no-overlap-loading", "--prefetch-depth", "0"])
+    off_cfgs = stage_configs(off, model_cfg, endpoints, "pool-x", 4096)
+    assert not off_cfgs["scheduler"].overlap_loading and not off_cfgs["worker"].overlap_loading
+    assert off_cfgs["scheduler"].prefetch_depth == 0
 
 
 # --- failures with stand-in stages ------------------------------------------------------------------

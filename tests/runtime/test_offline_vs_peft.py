@@ -74,7 +74,10 @@ def test_mixed_adapters_match_peft_qwen2_tied(tiny_qwen2, qwen2_adapters, record
 
 
 @BACKENDS
-def test_more_adapters_than_slots_swaps_and_matches(tiny_llama, llama_adapters, recorded_logits, backend):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync-load", "overlap-prefetch"])
+def test_more_adapters_than_slots_swaps_and_matches(
+    tiny_llama, llama_adapters, recorded_logits, backend, overlap
+):
     # Two slots for four adapters, small pages and a tight token budget: swaps, chunked prefill, preemption.
     stats = check_against_peft(
         tiny_llama,
@@ -86,6 +89,9 @@ def test_more_adapters_than_slots_swaps_and_matches(tiny_llama, llama_adapters, 
         max_tokens_per_step=16,
         max_running_requests=4,
         lora_backend=backend,
+        overlap_loading=overlap,
+        prefetch_depth=8 if overlap else 0,
     )
-    assert stats.adapter_loads > 4, "adapters were never swapped"
+    # each of the four adapters is loaded at least once into two slots; synchronous loading swaps more
+    assert stats.adapter_loads > (4 if not overlap else 2), "adapters were never swapped"
     assert stats.preemptions > 0, "KV pressure never preempted a request"

@@ -1,0 +1,56 @@
+"""The pipeline with overlapped loading and prefetch on and off (`lorapipe serve` as a subprocess, CPU,
+tiny model): greedy outputs equal the offline engine's on a bursty workload with four times more
+adapters than slots, and the residency, copy and adapter-wait metrics are exported."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from runtime.client import AsyncClient
+from tests.integration.serving import serve
+from tests.runtime.test_overlap_loading import MAX_TOKENS, SLOTS, bursty_workload, many_adapters, run
+
+pytestmark = pytest.mark.timeout(300)
+__all__ = ["many_adapters"]  # the module fixture, shared with the offline test
+
+BASE_FLAGS = ("--max-loras-per-batch", str(SLOTS), "--max-cpu-loras", "3", "--max-lora-rank", "16")
+BASE_FLAGS += ("--num-pages", "256", "--max-running-requests", "6", "--max-tokens-per-step", "48")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, many_adapters):
+    tokens, _ = run(tiny_llama, many_adapters, overlap=False, depth=0)
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("--overlap-loading", "--prefetch-depth", "8"), ("--no-overlap-loading", "--prefetch-depth", "0")],
+    ids=["overlap-prefetch", "sync"],
+)
+def test_pipeline_outputs_equal_the_offline_engine(tiny_llama, many_adapters, reference, flags):
+    work = bursty_workload(sorted(many_adapters))
+    with serve(tiny_llama, many_adapters, *BASE_FLAGS, *flags) as server:
+
+        async def main():
+            async with AsyncClient(server.endpoint, timeout=120) as c:
+                # phases arrive one after another, each as a burst of concurrent requests
+                outs = []
+                for start in range(0, len(work), 8):
+                    outs += await asyncio.gather(
+                        *(
+                            c.generate(p, a, max_tokens=MAX_TOKENS, ignore_eos=True)
+                            for p, a in work[start : start + 8]
+                        )
+                    )
+                return outs
+
+        outs = asyncio.run(main())
+        for i, (out, want) in enumerate(zip(outs, reference, strict=True)):
+            assert out.token_ids == want, f"request {i} (adapter {work[i][1]})"
+        assert server.metric("lorapipe_slot_copy_bytes_total", "worker") > 0
+        assert server.metric("lorapipe_adapter_wait_seconds_count", "scheduler") > 0
+        tiers = server.metric("lorapipe_adapters_by_tier", "scheduler")
+        assert tiers == len(many_adapters)
