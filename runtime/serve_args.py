@@ -48,6 +48,7 @@ class ServeArgs:
     pinned_adapters: tuple[str, ...] = ()
     overlap_loading: bool = True  # slot loads run beside steps that do not need them
     prefetch_depth: int = 8  # waiting requests looked ahead at for slot loads (0: off)
+    overlap_min_mb: float = 64.0  # smaller slot loads stay synchronous (cheaper than holding requests back)
     endpoint: str = DEFAULT_ENDPOINT
     metrics_port: int = DEFAULT_METRICS_PORT  # 0: any free port; -1: no metrics endpoint
     log_level: str = "info"
@@ -110,6 +111,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         default=d.prefetch_depth,
         help="waiting requests looked ahead at for slot loads (0: off)",
+    )
+    p.add_argument(
+        "--overlap-min-mb",
+        type=float,
+        metavar="MB",
+        default=d.overlap_min_mb,
+        help="adapters smaller than this load synchronously even with --overlap-loading (0: overlap all)",
     )
     p.add_argument(
         "--endpoint",
@@ -211,6 +219,8 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
     ]:
         if value is not None and value <= 0:
             raise ServeArgsError(f"{flag} must be positive, got {value}")
+    if args.overlap_min_mb < 0:
+        raise ServeArgsError(f"--overlap-min-mb must not be negative, got {args.overlap_min_mb}")
     if args.prefetch_depth < 0:
         raise ServeArgsError(f"--prefetch-depth must not be negative, got {args.prefetch_depth}")
     if args.drain_timeout_s < 0:
@@ -316,6 +326,7 @@ def stage_configs(
             pinned_adapters=tuple(dict.fromkeys(args.pinned_adapters)),
             overlap_loading=args.overlap_loading,
             prefetch_depth=args.prefetch_depth,
+            overlap_min_bytes=int(args.overlap_min_mb * 2**20),
             **common,
         ),
         "worker": WorkerConfig(

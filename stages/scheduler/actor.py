@@ -208,11 +208,16 @@ class SchedulerActor(Actor[SchedulerConfig]):
             pinned_adapters=c.pinned_adapters,
             overlap_loading=c.overlap_loading,
             prefetch_depth=c.prefetch_depth,
+            overlap_min_bytes=c.overlap_min_bytes,
         )
-        self.planner = Planner(cfg, adapter_ready=self.adapters.ready)
+        self.planner = Planner(cfg, adapter_ready=self.adapters.ready, load_bytes=self._load_bytes)
         early, self.early = self.early, []
         for req in early:
             await self.on_tokenized_request(req)
+
+    def _load_bytes(self, name: str) -> int:
+        e = self.adapters.get(name)
+        return e.staged.nbytes if e is not None and e.staged is not None else 0
 
     async def on_step_result(self, res: StepResult) -> None:
         self.in_flight.pop(res.step, None)

@@ -19,3 +19,4 @@ class SchedulerConfig(StageConfig, frozen=True, kw_only=True):
     max_plans_in_flight: int = 2  # plan step N+1 while step N runs; never let the worker wait on us
     overlap_loading: bool = True  # loads go out without the requests that need them (see Planner)
     prefetch_depth: int = 8  # waiting requests looked ahead at for slot loads (0: off)
+    overlap_min_bytes: int = 64 << 20  # smaller slot loads stay synchronous even with overlap on

@@ -29,6 +29,10 @@ class PlannerConfig:
     # the slot ready (off: the load runs before the step that admits them, stalling that step).
     overlap_loading: bool = False
     prefetch_depth: int = 0  # waiting requests looked ahead at for slot loads (0: off)
+    # Loads smaller than this stay synchronous even with overlap on: copying a small adapter inside the
+    # step that needs it costs far less than holding its requests back until the slot is reported
+    # ready (measured: 32 adapters of 11 MB in 8 slots ran 17% slower fully overlapped).
+    overlap_min_bytes: int = 0
 
     def __post_init__(self):
         if self.max_model_len > self.num_pages * self.page_size:
@@ -78,13 +82,20 @@ class Planner:
         cfg: PlannerConfig,
         adapter_ready: Callable[[str], bool] = lambda name: True,
         clock: Callable[[], float] = time.monotonic,
+        load_bytes: Callable[[str], int] = lambda name: 0,
     ):
+        """`load_bytes(name)`: the size of the copy a slot load of `name` makes (0 if unknown)."""
         self.cfg = cfg
         self.adapter_ready = adapter_ready
         self.clock = clock
         self.pages = PageAllocator(cfg.num_pages, cfg.page_size)
         self.slots = SlotTable(cfg.num_slots, cfg.pinned_adapters)
-        self.residency = Residency(self.slots, adapter_ready, cfg.overlap_loading, cfg.prefetch_depth)
+        self.residency = Residency(
+            self.slots,
+            adapter_ready,
+            lambda name: cfg.overlap_loading and load_bytes(name) >= cfg.overlap_min_bytes,
+            cfg.prefetch_depth,
+        )
         self.adapter_waits: list[float] = []  # seconds admitted requests waited for their adapter
         self.waiting: deque[PlannedRequest] = deque()
         self.running: list[PlannedRequest] = []
@@ -191,7 +202,7 @@ class Planner:
                 req.waited_for_adapter = True
             if place is Place.WAIT:
                 continue  # its adapter is loading or no slot is free: let others through
-            if place is Place.LOAD and self.cfg.overlap_loading:
+            if place is Place.LOAD and self.residency.overlapped(req.adapter):
                 self.residency.issue(slot, req.adapter, loads)  # it joins once the slot is ready
                 continue
             n = min(req.num_tokens - req.num_computed, budget)

@@ -19,20 +19,21 @@ class Place(Enum):
 
 
 class Residency:
-    """`adapter_ready(name)`: the adapter's host block can be copied into a slot now. With
-    `overlap`, a load marks its slot loading until the worker reports it ready, and the requests
-    that need it wait for that; without, the load runs before the very step that admits them."""
+    """`adapter_ready(name)`: the adapter's host block can be copied into a slot now.
+    `overlapped(name)`: its load marks the slot loading until the worker reports it ready, and the
+    requests that need it wait for that; otherwise the load runs before the very step that admits
+    them (the right call for loads much cheaper than a step)."""
 
     def __init__(
         self,
         slots: SlotTable,
         adapter_ready: Callable[[str], bool],
-        overlap: bool,
+        overlapped: Callable[[str], bool],
         prefetch_depth: int,
     ):
         self.slots = slots
         self.adapter_ready = adapter_ready
-        self.overlap = overlap
+        self.overlapped = overlapped
         self.prefetch_depth = prefetch_depth
         self.loads_issued = 0
 
@@ -46,23 +47,27 @@ class Residency:
             return (Place.WAIT, slot) if self.slots.is_loading(slot) else (Place.RESIDENT, slot)
         if not self.adapter_ready(adapter):
             return Place.WAIT, -1
-        victim = self.slots.choose_victim(exclude=set(nearer) if self.overlap else ())
+        victim = self.slots.choose_victim(exclude=set(nearer) if self.overlapped(adapter) else ())
         return (Place.WAIT, -1) if victim is None else (Place.LOAD, victim)
 
     def issue(self, slot: int, adapter: str, loads: list[SlotLoad]) -> None:
-        self.slots.assign(slot, adapter, loading=self.overlap)
+        self.slots.assign(slot, adapter, loading=self.overlapped(adapter))
         loads.append(SlotLoad(slot=slot, adapter=adapter))
         self.loads_issued += 1
 
     def prefetch(self, waiting: Iterable[str | None], loads: list[SlotLoad]) -> None:
         """Issue loads for the adapters of the next `prefetch_depth` waiting requests (`waiting`: their
         adapters in queue order). A victim prefers slots no request in the window needs, and never
-        holds an adapter a running request (refs) or a nearer waiting request needs."""
+        holds an adapter a running request (refs) or a nearer waiting request needs. Adapters cheap
+        enough to load synchronously are left to admission: evicting for them only churns slots."""
         window = [a for _, a in zip(range(self.prefetch_depth), waiting, strict=False)]
         wanted = {a for a in window if a is not None}
         nearer: set[str] = set()
         for adapter in window:
             if adapter is None:
+                continue
+            if not self.overlapped(adapter):
+                nearer.add(adapter)
                 continue
             if self.slots.slot_of(adapter) is None and self.adapter_ready(adapter):
                 victim = self.slots.choose_victim(exclude=wanted)

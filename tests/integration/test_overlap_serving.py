@@ -27,8 +27,12 @@ def reference(tiny_llama, many_adapters):
 
 @pytest.mark.parametrize(
     "flags",
-    [("--overlap-loading", "--prefetch-depth", "8"), ("--no-overlap-loading", "--prefetch-depth", "0")],
-    ids=["overlap-prefetch", "sync"],
+    [
+        ("--overlap-loading", "--prefetch-depth", "8", "--overlap-min-mb", "0"),  # every load overlapped
+        ("--overlap-loading", "--prefetch-depth", "8"),  # tiny adapters: under the threshold, synchronous
+        ("--no-overlap-loading", "--prefetch-depth", "0"),
+    ],
+    ids=["overlap-all", "overlap-large-only", "sync"],
 )
 def test_pipeline_outputs_equal_the_offline_engine(tiny_llama, many_adapters, reference, flags):
     work = bursty_workload(sorted(many_adapters))

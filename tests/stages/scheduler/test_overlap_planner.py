@@ -212,3 +212,31 @@ def test_pinned_adapter_is_never_evicted():
         assert all(lo.adapter == "p" or lo.slot != planner.slots.slot_of("p") for lo in plan.slot_loads)
         planner.update(worker.run(plan))
     assert planner.slots.slot_of("p") is not None
+
+
+def test_loads_under_the_size_threshold_stay_synchronous_and_are_not_prefetched():
+    sizes = {"small": 1 << 20, "big": 256 << 20}
+    cfg = PlannerConfig(
+        num_slots=2,
+        num_pages=64,
+        page_size=16,
+        max_tokens_per_step=64,
+        max_model_len=256,
+        max_running_requests=1,
+        overlap_loading=True,
+        prefetch_depth=4,
+        overlap_min_bytes=64 << 20,
+    )
+    planner = Planner(cfg, load_bytes=sizes.__getitem__)
+    planner.add("s", [1, 2], "small", SamplingParams(max_tokens=3))
+    planner.add("b", [1, 2], "big", SamplingParams(max_tokens=3))
+    p1 = planner.schedule()
+    # the small adapter loads in the very plan that admits its request; the big one is prefetched
+    # (overlapped: its slot is marked loading and no request uses it yet)
+    assert _plan_ids(p1) == ["s"]
+    assert [(lo.slot, lo.adapter) for lo in p1.slot_loads] == [(0, "small"), (1, "big")]
+    assert not planner.slots.is_loading(0) and planner.slots.is_loading(1)
+    planner.add("s2", [1, 2], "small2", SamplingParams(max_tokens=3))
+    sizes["small2"] = 1 << 20
+    p2 = planner.schedule()
+    assert all(lo.adapter != "small2" for lo in p2.slot_loads), "a cheap adapter was prefetched"
