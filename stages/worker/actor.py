@@ -131,7 +131,9 @@ class WorkerActor(Actor[WorkerConfig]):
         """While no step runs, report copies that completed (the scheduler may be waiting on them)."""
         loop = asyncio.get_running_loop()
         while True:
-            pending = hasattr(self, "executor") and bool(self.executor.pending)
+            # Wake often only while idle: a running step polls its own loads when it ends, and every
+            # wake-up here takes the GIL from the step thread.
+            pending = hasattr(self, "executor") and bool(self.executor.pending) and not self.stepping
             await asyncio.sleep(0.0005 if pending else 0.005)
             if pending and not self.stepping:
                 ready = await loop.run_in_executor(self.thread, self.executor.poll_loads)
