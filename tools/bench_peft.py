@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tools.bench_report import Progress, RequestRecord, format_table, jsonable, make_report, write_report
+from tools.bench_report import Progress, RequestRecord, emit_report, jsonable, make_report
 from tools.workload import WorkloadRequest, read_workload, workload_digest
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -193,14 +193,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     meta = {"source": str(ns.workload), "num_requests": len(workload), "sha256": workload_digest(workload)}
     label = ns.label or (f"transformers base bs={batch_size}" if ns.no_adapters else f"peft bs={batch_size}")
     report = make_report("bench_peft", label, config, meta, records, duration)
-    if not ns.quiet:
-        print(format_table(report))
-    if ns.out:
-        write_report(report, ns.out)
-    if ns.plot:
-        from tools.bench_plot import plot_report
-
-        plot_report(report, ns.plot)
+    emit_report(report, ns)
     return report
 
 

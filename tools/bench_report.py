@@ -145,6 +145,18 @@ def write_report(report: dict[str, Any], path: str | Path) -> None:
     Path(path).write_text(json.dumps(report, indent=1) + "\n")
 
 
+def emit_report(report: dict[str, Any], ns: argparse.Namespace) -> None:
+    """What both benchmarks do with a finished report: the table (unless --quiet), --out, --plot."""
+    if not ns.quiet:
+        print(format_table(report))
+    if ns.out:
+        write_report(report, ns.out)
+    if ns.plot:
+        from tools.bench_plot import plot_report
+
+        plot_report(report, ns.plot)
+
+
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.2f}"
 

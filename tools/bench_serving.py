@@ -14,7 +14,7 @@ from typing import Any
 
 from runtime.client import DEFAULT_ENDPOINT, AsyncClient
 from tools import bench_metrics
-from tools.bench_report import Progress, RequestRecord, format_table, jsonable, make_report, write_report
+from tools.bench_report import Progress, RequestRecord, emit_report, jsonable, make_report
 from tools.workload import (
     WorkloadRequest,
     add_workload_arguments,
@@ -150,14 +150,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     config["request_rate"] = _rate_of(workload) if ns.workload else config["request_rate"]
     meta = {"source": source, "num_requests": len(workload), "sha256": workload_digest(workload)}
     report = make_report("bench_serving", ns.label or "lorapipe", config, meta, records, duration, server)
-    if not ns.quiet:
-        print(format_table(report))
-    if ns.out:
-        write_report(report, ns.out)
-    if ns.plot:
-        from tools.bench_plot import plot_report
-
-        plot_report(report, ns.plot)
+    emit_report(report, ns)
     return report
 
 

@@ -16,20 +16,24 @@ from tests.runtime.test_offline_vs_peft import PROMPTS
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def test_bf16_triton_engine_matches_peft_bf16(tiny_llama, llama_adapters, recorded_logits):
-    seen = recorded_logits
-    names = list(llama_adapters)
-    mix = [names[i % len(names)] if i % 3 != 2 else None for i in range(len(PROMPTS))]
-    llm = LLM(
-        tiny_llama,
-        adapters=llama_adapters,
+def _bf16_triton_llm(model, adapters, slots: int) -> LLM:
+    return LLM(
+        model,
+        adapters=adapters,
         device="cuda",
         dtype="bfloat16",
         max_lora_rank=16,
         lora_backend="triton",
         num_pages=512,
-        max_loras_per_batch=2,
+        max_loras_per_batch=slots,
     )
+
+
+def test_bf16_triton_engine_matches_peft_bf16(tiny_llama, llama_adapters, recorded_logits):
+    seen = recorded_logits
+    names = list(llama_adapters)
+    mix = [names[i % len(names)] if i % 3 != 2 else None for i in range(len(PROMPTS))]
+    llm = _bf16_triton_llm(tiny_llama, llama_adapters, slots=2)
     outs = llm.generate(PROMPTS, adapters=mix, sampling=SamplingParams(max_tokens=6, ignore_eos=True))
     ref = PeftReference(tiny_llama, llama_adapters, dtype=torch.bfloat16)
     ref.model.to("cuda")
@@ -57,16 +61,7 @@ def test_bf16_triton_engine_matches_peft_bf16(tiny_llama, llama_adapters, record
 
 
 def test_mixed_forward_has_no_host_device_sync(tiny_llama, llama_adapters):
-    llm = LLM(
-        tiny_llama,
-        adapters=llama_adapters,
-        device="cuda",
-        dtype="bfloat16",
-        max_lora_rank=16,
-        lora_backend="triton",
-        num_pages=512,
-        max_loras_per_batch=4,
-    )
+    llm = _bf16_triton_llm(tiny_llama, llama_adapters, slots=4)
     r = llm.runner
     for slot, name in enumerate(llama_adapters):
         r.load_adapter(slot, llm.adapters[name])
