@@ -161,6 +161,64 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def decode_block_m(group: int) -> int:
+    """Packed rows per program for sequences of `group` rows each (one token's query heads of a group)."""
+    return 16 if group <= 16 else 32 if group <= 32 else 64
+
+
+def plan_blocks(
+    q_starts: Sequence[int],
+    q_lens: Sequence[int],
+    ctx_lens: Sequence[int],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    block_m: int | None = None,
+) -> tuple[np.ndarray, int, int]:
+    """The host half of planning: (meta int32 [num_blocks, META_COLS], block_m, keys of the longest
+    block). Sequence b's new tokens are rows [q_starts[b], +q_lens[b]) of q; its context has ctx_lens[b]
+    tokens, new ones included. Blocks come heaviest first: a shorter tail of the launch."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    qs, ql, cl = (np.asarray(x, dtype=np.int64).reshape(-1) for x in (q_starts, q_lens, ctx_lens))
+    if not (qs.size == ql.size == cl.size):
+        raise ValueError("q_starts, q_lens and ctx_lens must have one entry per sequence")
+    if np.any(ql < 0) or np.any(ql > cl):
+        raise ValueError("every sequence needs 0 <= q_len <= ctx_len")
+    rows = ql * group  # packed (token, head) rows per sequence
+    if block_m is None:
+        block_m = decode_block_m(int(rows.max()) if rows.size else 0)
+    if block_m not in (16, 32, 64, 128):
+        raise ValueError(f"block_m must be 16, 32, 64 or 128, got {block_m}")
+    nb = (rows + block_m - 1) // block_m
+    seq = np.repeat(np.arange(qs.size), nb)
+    row0 = (np.arange(seq.size) - np.repeat(np.cumsum(nb) - nb, nb)) * block_m
+    hi = cl[seq] - ql[seq] + np.minimum((row0 + block_m - 1) // group, ql[seq] - 1) + 1  # keys seen
+    order = np.argsort(-hi, kind="stable")
+    meta = np.stack([seq, qs[seq], ql[seq], cl[seq], row0], axis=1)[order].astype(np.int32)
+    return meta, block_m, int(hi.max()) if hi.size else 0
+
+
+def choose_splits(
+    num_blocks: int,
+    num_kv_heads: int,
+    most_keys: int,
+    device: torch.device | str,
+    min_split_keys: int = 256,
+    max_splits: int = 16,
+) -> int:
+    """Key splits per block (a power of two): only when the blocks alone would leave the GPU mostly
+    idle and the longest block has enough keys to share."""
+    programs, splits = max(1, num_blocks * num_kv_heads), 1
+    sms = _num_sms(torch.device(device))
+    while (
+        splits * 2 <= max_splits and programs * splits < 2 * sms and most_keys >= 2 * splits * min_split_keys
+    ):
+        splits *= 2
+    return splits
+
+
 def plan_attention(
     q_starts: Sequence[int],
     q_lens: Sequence[int],
@@ -174,44 +232,20 @@ def plan_attention(
     min_split_keys: int = 256,
     max_splits: int = 16,
 ) -> AttentionPlan:
-    """Plan query blocks on the host and issue the one non-blocking host-to-device copy. Sequence b's new
-    tokens are rows [q_starts[b], +q_lens[b]) of q; its context has ctx_lens[b] tokens, new ones included.
+    """Plan query blocks on the host (`plan_blocks`) and issue the one non-blocking host-to-device copy.
     Keys are split across programs only when the blocks alone would leave the GPU mostly idle."""
     device = torch.device(device)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    group = num_heads // num_kv_heads
-    qs, ql, cl = (np.asarray(x, dtype=np.int64).reshape(-1) for x in (q_starts, q_lens, ctx_lens))
-    if not (qs.size == ql.size == cl.size):
-        raise ValueError("q_starts, q_lens and ctx_lens must have one entry per sequence")
-    if np.any(ql < 0) or np.any(ql > cl):
-        raise ValueError("every sequence needs 0 <= q_len <= ctx_len")
-    rows = ql * group  # packed (token, head) rows per sequence
-    if block_m is None:
-        most = int(rows.max()) if rows.size else 0
-        block_m = 16 if most <= 16 else 32 if most <= 32 else 64
-    if block_m not in (16, 32, 64, 128):
-        raise ValueError(f"block_m must be 16, 32, 64 or 128, got {block_m}")
-    nb = (rows + block_m - 1) // block_m
-    seq = np.repeat(np.arange(qs.size), nb)
-    row0 = (np.arange(seq.size) - np.repeat(np.cumsum(nb) - nb, nb)) * block_m
-    hi = cl[seq] - ql[seq] + np.minimum((row0 + block_m - 1) // group, ql[seq] - 1) + 1  # keys seen
-    order = np.argsort(-hi, kind="stable")  # long blocks first: a shorter tail of the launch
-    meta = np.stack([seq, qs[seq], ql[seq], cl[seq], row0], axis=1)[order].astype(np.int32)
+    meta, block_m, most_keys = plan_blocks(
+        q_starts, q_lens, ctx_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, block_m=block_m
+    )
     if num_splits is None:
-        programs, most_keys = max(1, seq.size * num_kv_heads), int(hi.max()) if hi.size else 0
-        num_splits = 1
-        while (
-            num_splits * 2 <= max_splits
-            and programs * num_splits < 2 * _num_sms(device)
-            and most_keys >= 2 * num_splits * min_split_keys
-        ):
-            num_splits *= 2
+        num_splits = choose_splits(meta.shape[0], num_kv_heads, most_keys, device, min_split_keys, max_splits)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     host = torch.from_numpy(meta)  # [num_blocks, META_COLS]
     if device.type == "cuda":
         host = host.pin_memory()
+    qs, ql = np.asarray(q_starts, dtype=np.int64), np.asarray(q_lens, dtype=np.int64)
     return AttentionPlan(
         meta=host.to(device, non_blocking=True),
         num_tokens=int((qs + ql).max()) if qs.size else 0,

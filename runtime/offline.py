@@ -48,9 +48,14 @@ class LLM:
         overlap_loading: bool = True,
         prefetch_depth: int = 8,
         pinned_adapters: tuple[str, ...] = (),
+        cuda_graph_max_batch: int | None = None,
     ):
         """`overlap_loading` and `prefetch_depth` drive the same planner logic as `lorapipe serve`;
-        here copies are synchronous, and a slot is reported ready in the result of its load's step."""
+        here copies are synchronous, and a slot is reported ready in the result of its load's step.
+        `cuda_graph_max_batch`: decode batches up to this size replay CUDA graphs on CUDA (default
+        min(max_running_requests, 256); 0: always eager)."""
+        if cuda_graph_max_batch is None:
+            cuda_graph_max_batch = min(max_running_requests, 256)
         self.runner = ModelRunner(
             RunnerConfig(
                 model_dir=str(model),
@@ -62,6 +67,8 @@ class LLM:
                 page_size=page_size,
                 num_pages=num_pages,
                 max_tokens_per_step=max_tokens_per_step,
+                max_model_len=max_model_len,
+                cuda_graph_max_batch=min(cuda_graph_max_batch, max_running_requests),
             )
         )
         mcfg = self.runner.model_cfg
@@ -142,6 +149,7 @@ class LLM:
                 if item.finish_reason:
                     reasons[item.request_id] = item.finish_reason
         self.last_stats = planner.stats
+        self.last_phase_seconds = dict(executor.phase_seconds)
         return [
             Completion(self._decode(outputs[rid]), outputs[rid], reasons[rid], ids, name)
             for rid, ids, name in zip(rids, prompt_ids, names, strict=True)

@@ -49,6 +49,7 @@ class ServeArgs:
     overlap_loading: bool = True  # slot loads run beside steps that do not need them
     prefetch_depth: int = 8  # waiting requests looked ahead at for slot loads (0: off)
     overlap_min_mb: float = 64.0  # smaller slot loads stay synchronous (cheaper than holding requests back)
+    cuda_graph_max_batch: int | None = None  # None: min(max_running_requests, 256); 0: no CUDA graphs
     endpoint: str = DEFAULT_ENDPOINT
     metrics_port: int = DEFAULT_METRICS_PORT  # 0: any free port; -1: no metrics endpoint
     log_level: str = "info"
@@ -118,6 +119,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="MB",
         default=d.overlap_min_mb,
         help="adapters smaller than this load synchronously even with --overlap-loading (0: overlap all)",
+    )
+    p.add_argument(
+        "--cuda-graph-max-batch",
+        type=int,
+        metavar="N",
+        default=None,
+        help="decode batches up to N replay CUDA graphs captured at start-up "
+        "(default: min(--max-running-requests, 256); 0: always eager)",
     )
     p.add_argument(
         "--endpoint",
@@ -221,6 +230,8 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
             raise ServeArgsError(f"{flag} must be positive, got {value}")
     if args.overlap_min_mb < 0:
         raise ServeArgsError(f"--overlap-min-mb must not be negative, got {args.overlap_min_mb}")
+    if args.cuda_graph_max_batch is not None and args.cuda_graph_max_batch < 0:
+        raise ServeArgsError(f"--cuda-graph-max-batch must not be negative, got {args.cuda_graph_max_batch}")
     if args.prefetch_depth < 0:
         raise ServeArgsError(f"--prefetch-depth must not be negative, got {args.prefetch_depth}")
     if args.drain_timeout_s < 0:
@@ -276,6 +287,13 @@ def max_model_len(args: ServeArgs, model_cfg: ModelConfig) -> int:
     return min(limit, kv_tokens) if kv_tokens else limit
 
 
+def cuda_graph_max_batch(args: ServeArgs) -> int:
+    """Largest decode batch replayed as a CUDA graph (never more than can run at once)."""
+    if args.cuda_graph_max_batch is None:
+        return min(args.max_running_requests, 256)
+    return min(args.cuda_graph_max_batch, args.max_running_requests)
+
+
 def serving_dtype(args: ServeArgs, model_cfg: ModelConfig) -> str:
     """The dtype every stage uses, resolved once here ("auto" → the checkpoint's)."""
     from stages.loader.host_pool import dtype_name
@@ -311,6 +329,8 @@ def stage_configs(
         page_size=args.page_size,
         num_pages=args.num_pages,
         max_tokens_per_step=args.max_tokens_per_step,
+        max_model_len=context,
+        cuda_graph_max_batch=cuda_graph_max_batch(args),
     )
     return {
         "tokenizer": msgspec.structs.replace(

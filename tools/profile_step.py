@@ -1,5 +1,6 @@
 """Profiles one decode step of the worker's model runner: host wall time vs GPU time per step, with
-and without adapters, and the torch profiler's top operations. Prints one table; `--out` writes JSON.
+and without adapters, eager and replayed as a CUDA graph, and the torch profiler's top operations of the
+eager steps. Prints one table; `--out` writes JSON.
     python tools/profile_step.py --model DIR --adapter-dir DIR [--batch 64] [--ctx 256] [--steps 20]"""
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out")
     a = p.parse_args(argv)
     cfg = RunnerConfig(model_dir=a.model, device="cuda", dtype="bfloat16", max_loras_per_batch=a.slots,
-                       max_lora_rank=16, num_pages=a.batch * (a.ctx // 16 + 2) + 16)  # fmt: skip
+                       max_lora_rank=16, num_pages=a.batch * (a.ctx // 16 + 2) + 16,
+                       max_model_len=a.ctx + 32, cuda_graph_max_batch=a.batch)  # fmt: skip
     runner = ModelRunner(cfg)
     dirs = sorted(Path(a.adapter_dir).iterdir())[: a.slots]
     for slot, d in enumerate(dirs):
@@ -50,25 +52,38 @@ def main(argv: list[str] | None = None) -> None:
         runner.load_adapter(slot, packed)
     pages_per = a.ctx // 16 + 2
     results = {}
-    for label, slot_of in (("base-only", lambda i: -1), ("lora", lambda i: i % len(dirs))):
+    graphs = runner.graphs
+    for label, slot_of, graphed in (
+        ("base-only", lambda i: -1, False),
+        ("lora", lambda i: i % len(dirs), False),
+        ("base-only graph", lambda i: -1, True),
+        ("lora graph", lambda i: i % len(dirs), True),
+    ):
+        runner.graphs = graphs if graphed else None
         seqs = [
             SeqInput([7], a.ctx, list(range(i * pages_per, (i + 1) * pages_per)), slot_of(i))
             for i in range(a.batch)
         ]
         _step_times(runner, seqs, 3)  # warm-up: Triton compiles, allocator settles
         wall, gpu = _step_times(runner, seqs, a.steps)
+        results[label] = {"wall_ms": wall, "gpu_ms": gpu}
+        print(f"\n=== {label}: {a.batch} decodes at ctx {a.ctx}: host wall {wall:.2f} ms, GPU {gpu:.2f} ms")
+        if graphed:
+            continue
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         ) as prof:
             runner.execute(seqs)
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
-        results[label] = {"wall_ms": wall, "gpu_ms": gpu, "profile": table}
-        print(f"\n=== {label}: {a.batch} decodes at ctx {a.ctx}: host wall {wall:.2f} ms, GPU {gpu:.2f} ms")
+        results[label]["profile"] = table
         print(table)
-    print(f"\n{'case':<10} {'wall ms':>8} {'gpu ms':>8}")
+    if graphs is not None:
+        n, secs = len(graphs.graphs), graphs.capture_seconds
+        print(f"graphs captured: {n} in {secs:.2f} s; replays {graphs.replays}")
+    print(f"\n{'case':<16} {'wall ms':>8} {'gpu ms':>8}")
     for label, r in results.items():
-        print(f"{label:<10} {r['wall_ms']:8.2f} {r['gpu_ms']:8.2f}")
+        print(f"{label:<16} {r['wall_ms']:8.2f} {r['gpu_ms']:8.2f}")
     if a.out:
         Path(a.out).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
 

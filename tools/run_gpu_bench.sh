@@ -56,6 +56,8 @@ with Client(sys.argv[1], timeout=2.0) as c: sys.exit(0 if c.health().ok else 1)"
     "${bench[@]}" --workload "$out/workload_r$r.jsonl" --label "lorapipe r=$r" --out "$out/lorapipe_r$r.json" "${plot[@]}"
   done
   "${bench[@]}" --workload "$out/workload_base.jsonl" --label "lorapipe base-only" --out "$out/lorapipe_base.json"
+  "$py" -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
+    "$metrics" >"$out/server_metrics.txt" # every stage's counters and histograms after the whole run
   stop_server # frees the GPU for PEFT
 }
 server=

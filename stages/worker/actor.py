@@ -65,13 +65,35 @@ class WorkerActor(Actor[WorkerConfig]):
             "lorapipe_load_compute_overlap_ratio",
             "Fraction of host-to-device copy time no step's compute waited for",
         ).set_function(lambda: self.overlapped_seconds / self.copy_seconds if self.copy_seconds else 0.0)
+        phases = m.gauge(
+            "lorapipe_step_phase_seconds",
+            "Host seconds of all steps by phase: plan, forward issued, sampling (waits for the GPU), results",
+            ["phase"],
+        )
+        for phase in ("plan", "forward", "sample", "results"):
+            phases.labels(phase=phase).set_function(lambda phase=phase: self._phase_seconds(phase))
+        m.gauge("lorapipe_decode_graph_replays", "Decode steps replayed as CUDA graphs").set_function(
+            self._graph_replays
+        )
         m.gauge("lorapipe_adapters_resident", "LoRA slots holding an adapter").set_function(
             lambda: sum(n is not None for n in self.runner.slots.names) if hasattr(self, "runner") else 0
         )
 
+    def _phase_seconds(self, phase: str) -> float:
+        return self.executor.phase_seconds[phase] if hasattr(self, "executor") else 0.0
+
+    def _graph_replays(self) -> int:
+        graphs = self.runner.graphs if hasattr(self, "runner") else None
+        return graphs.replays if graphs is not None else 0
+
     async def setup(self) -> None:
         cfg, ep = self.config, self.config.endpoints
         self.runner = await asyncio.get_running_loop().run_in_executor(self.thread, ModelRunner, cfg.runner)
+        graphs = self.runner.graphs
+        if graphs is not None:
+            self.log.info(
+                "captured %d decode CUDA graphs in %.1f s", len(graphs.graphs), graphs.capture_seconds
+            )
         self.pool = attach_pool(cfg.host_pool_name)
         self.cuda = self.runner.device.type == "cuda"
         if self.cuda:

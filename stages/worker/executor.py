@@ -5,6 +5,7 @@ is waited on only by a step that uses the slot, and reported ready once its even
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,8 +49,12 @@ class StepExecutor:
         self.max_model_len = max_model_len
         self._load_adapter = load_adapter
         self.requests: dict[str, WorkerRequest] = {}
+        # Host seconds per phase of the steps that computed: plan applied, forward issued, tokens
+        # sampled (waits for the GPU), results built. A per-stage metric, and where a profile starts.
+        self.phase_seconds = dict.fromkeys(("plan", "forward", "sample", "results"), 0.0)
 
     def execute(self, plan: BatchPlan) -> tuple[StepResult, TokenBatch]:
+        t_start = time.perf_counter()
         slots_ready, slot_errors = self._apply_slots(plan)
         errors: list[RequestError] = []
         scheduled = self._apply_plan(plan, {e.slot for e in slot_errors}, errors)
@@ -60,6 +65,7 @@ class StepExecutor:
                 StepResult(step=plan.step, slots_ready=slots_ready, slot_errors=slot_errors, errors=errors),
                 TokenBatch(step=plan.step, items=[]),
             )
+        t_plan = time.perf_counter()
         self.pending.wait_for({req.slot for req, _ in scheduled if req.slot >= 0}, self.runner.device)
         seqs = [
             SeqInput(
@@ -68,26 +74,31 @@ class StepExecutor:
             for req, n in scheduled
         ]
         logits = self.runner.execute(seqs)  # [B, V]
+        t_forward = time.perf_counter()
         for req, n in scheduled:
             req.num_computed += n
         rows = [i for i, (req, _) in enumerate(scheduled) if req.num_computed == len(req.token_ids)]
+        reqs = [scheduled[i][0] for i in rows]
+        tokens = self.sampler.sample(logits[rows], [r.request_id for r in reqs], [r.sampling for r in reqs])
+        t_sample = time.perf_counter()
         finished, items = [], []
-        if rows:
-            reqs = [scheduled[i][0] for i in rows]
-            tokens = self.sampler.sample(
-                logits[rows], [r.request_id for r in reqs], [r.sampling for r in reqs]
-            )
-            for req, tok in zip(reqs, tokens, strict=True):
-                req.token_ids.append(tok)
-                reason = self._finish_reason(req, tok)
-                items.append(TokenDelta(request_id=req.request_id, token_ids=[tok], finish_reason=reason))
-                if reason is not None:
-                    req.active = False
-                    n_out = len(req.token_ids) - req.prompt_len
-                    finished.append(
-                        FinishedRequest(request_id=req.request_id, reason=reason, num_output_tokens=n_out)
-                    )
+        for req, tok in zip(reqs, tokens, strict=True):
+            req.token_ids.append(tok)
+            reason = self._finish_reason(req, tok)
+            items.append(TokenDelta(request_id=req.request_id, token_ids=[tok], finish_reason=reason))
+            if reason is not None:
+                req.active = False
+                n_out = len(req.token_ids) - req.prompt_len
+                finished.append(
+                    FinishedRequest(request_id=req.request_id, reason=reason, num_output_tokens=n_out)
+                )
         num_tokens = sum(n for _, n in scheduled)
+        t_end = time.perf_counter()
+        ph = self.phase_seconds
+        ph["plan"] += t_plan - t_start
+        ph["forward"] += t_forward - t_plan
+        ph["sample"] += t_sample - t_forward
+        ph["results"] += t_end - t_sample
         self._settle_waited()
         slots_ready += self.pending.poll()
         result = StepResult(

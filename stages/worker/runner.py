@@ -7,10 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
+from stages.worker.decode_graphs import DecodeGraphs
 from stages.worker.lora.backend import make_backend
 from stages.worker.lora.layout import LoraLayout
 from stages.worker.lora.packed import PackedAdapter
 from stages.worker.lora.slots import LoraSlots
+from stages.worker.model import attention
 from stages.worker.model.config import ModelConfig, parse_dtype
 from stages.worker.model.forward_batch import ForwardBatch, SeqExtent
 from stages.worker.model.kv_cache import KVCache
@@ -31,6 +33,9 @@ class RunnerConfig:
     gpu_memory_utilization: float = 0.85
     cpu_kv_tokens: int = 65536
     max_tokens_per_step: int = 2048
+    max_model_len: int | None = None  # None: the model's context, capped by the KV cache
+    # Decode batches up to this size replay CUDA graphs (0: always eager; CUDA + Triton attention only)
+    cuda_graph_max_batch: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class ModelRunner:
         self._init_model()
         self._init_lora()
         self._init_kv_cache()
+        self._init_graphs()
 
     def _init_model(self) -> None:
         weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
@@ -78,6 +84,8 @@ class ModelRunner:
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             spare = free - total * (1 - self.cfg.gpu_memory_utilization)
             spare -= self.cfg.max_tokens_per_step * 65536
+            # Decode graphs: the shared logits buffer plus the pool's logits of the largest bucket.
+            spare -= self.cfg.cuda_graph_max_batch * self.model_cfg.vocab_size * (4 + 4 + 2)
             num_pages = int(spare // per_page)
         elif num_pages is None:
             num_pages = (self.cfg.cpu_kv_tokens + ps - 1) // ps
@@ -93,6 +101,27 @@ class ModelRunner:
             device=self.device,
         )
 
+    def _init_graphs(self) -> None:
+        """Decode graphs (CUDA only), all captured now so that serving never pauses to capture."""
+        self.graphs: DecodeGraphs | None = None
+        if self.cfg.cuda_graph_max_batch <= 0 or self.device.type != "cuda":
+            return
+        if not attention.use_triton(torch.empty(0, device=self.device)):
+            return  # the torch attention loop depends on each batch's extents: not capturable
+        max_len = self.cfg.max_model_len or self.model_cfg.max_position_embeddings
+        max_len = min(max_len, self.kv.num_pages * self.kv.page_size)
+        lora = self.lora if self.lora.name == "triton" else None  # the torch backend reads host ranks
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv,
+            lora,
+            max_batch=self.cfg.cuda_graph_max_batch,
+            max_model_len=max_len,
+            capture=True,
+        )
+        with torch.inference_mode():
+            self.graphs.capture_all()
+
     @property
     def num_pages(self) -> int:
         return self.kv.num_pages
@@ -106,16 +135,28 @@ class ModelRunner:
     def execute(self, seqs: list[SeqInput]) -> torch.Tensor:
         """Logits [len(seqs), V] float32, row i for seqs[i]."""
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)  # each adapter's tokens contiguous
-        fb, seg_indptr, seg_slots = self._build_batch([seqs[i] for i in order])
+        ordered = [seqs[i] for i in order]
+        if self.graphs is not None and self.graphs.supports(ordered):
+            logits = self.graphs.run(ordered)  # [B, V] in `order`
+        else:
+            logits = self._forward_eager(ordered)
+        if all(i == pos for pos, i in enumerate(order)):
+            return logits
+        inverse = [0] * len(order)
+        for pos, i in enumerate(order):
+            inverse[i] = pos
+        index = torch.tensor(inverse, dtype=torch.int64)
+        if logits.is_cuda:  # a pageable source would make the copy synchronous
+            index = index.pin_memory()
+        return logits[index.to(logits.device, non_blocking=True)]
+
+    def _forward_eager(self, seqs: list[SeqInput]) -> torch.Tensor:
+        fb, seg_indptr, seg_slots = self._build_batch(seqs)
         lora = None
         if any(s >= 0 for s in seg_slots):
             self.lora.prepare(seg_indptr, seg_slots)
             lora = self.lora
-        logits = self.model.forward(fb, self.kv, lora)  # [B, V] in `order`
-        inverse = [0] * len(order)
-        for pos, i in enumerate(order):
-            inverse[i] = pos
-        return logits[torch.tensor(inverse, device=logits.device)]
+        return self.model.forward(fb, self.kv, lora)  # [B, V]
 
     def _build_batch(self, seqs: list[SeqInput]) -> tuple[ForwardBatch, list[int], list[int]]:
         ps = self.cfg.page_size

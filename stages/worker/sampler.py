@@ -31,6 +31,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
         """logits: [B, V] float32. Returns one token id per row (one device→host read)."""
+        if not request_ids:
+            return []
         tokens = logits.argmax(dim=-1)  # [B]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         for i in sampled:

@@ -221,8 +221,8 @@ def test_cuda_path_never_syncs(monkeypatch):
     )
     kv = KVCache(num_layers=2, num_pages=k.shape[0] // 4, page_size=4, num_kv_heads=2, head_dim=16,
                  dtype=torch.float32, device=torch.device("cuda"))  # fmt: skip
-    kv.k[:] = k
-    kv.v[:] = v
+    kv.k[:, : k.shape[0]] = k  # the cache has one more (scratch) page
+    kv.v[:, : v.shape[0]] = v
     make_fb = lambda: ForwardBatch(q, q, q, table, q, tuple(SeqExtent(*s) for s in seqs))
     monkeypatch.setattr(attention, "USE_TRITON", None)
     monkeypatch.delenv("LORAPIPE_ATTENTION", raising=False)

@@ -77,3 +77,61 @@ def test_mixed_forward_has_no_host_device_sync(tiny_llama, llama_adapters):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(logits).all()
+
+
+def _fp32_engine(model, adapters, graphs: int) -> LLM:
+    return LLM(
+        model,
+        adapters=adapters,
+        device="cuda",
+        dtype="float32",
+        max_lora_rank=16,
+        lora_backend="triton",
+        num_pages=512,
+        max_loras_per_batch=2,  # 4 adapters through 2 slots: loads between graphed steps
+        cuda_graph_max_batch=graphs,
+    )
+
+
+def test_cuda_graph_decode_equals_eager(tiny_llama, llama_adapters, recorded_logits):
+    """Decode steps replayed as CUDA graphs (padded buckets, adapter mixes changing step to step) give
+    the eager engine's float32 logits and greedy tokens."""
+    names = list(llama_adapters)
+    mix = [names[i % len(names)] if i % 3 != 2 else None for i in range(len(PROMPTS))]
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+    runs = {}
+    for graphs in (0, 64):
+        recorded_logits.clear()
+        llm = _fp32_engine(tiny_llama, llama_adapters, graphs)
+        outs = llm.generate(PROMPTS, adapters=mix, sampling=sampling)
+        g = llm.runner.graphs
+        if graphs:
+            assert g is not None and g.replays > 0, "no decode step replayed a graph"
+        else:
+            assert g is None
+        runs[graphs] = ([o.token_ids for o in outs], {k: list(v) for k, v in recorded_logits.items()})
+    (eager_tokens, eager_logits), (graph_tokens, graph_logits) = runs[0], runs[64]
+    assert graph_tokens == eager_tokens
+    assert graph_logits.keys() == eager_logits.keys()
+    for rid, rows in graph_logits.items():
+        for step, (got, want) in enumerate(zip(rows, eager_logits[rid], strict=True)):
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 1e-4, f"request {rid} step {step}: relative error {err:.2e}"
+
+
+def test_graphed_decode_step_has_no_host_device_sync(tiny_llama, llama_adapters):
+    llm = _bf16_triton_llm(tiny_llama, llama_adapters, slots=4)
+    r = llm.runner
+    for slot, name in enumerate(llama_adapters):
+        r.load_adapter(slot, llm.adapters[name])
+    seqs = [SeqInput([5], 3 + i, [i], i % 5 - 1) for i in range(11)]  # bucket 16, every slot and none
+    r.execute(seqs)
+    replays = r.graphs.replays
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = r.execute(seqs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert r.graphs.replays == replays + 1
+    assert torch.isfinite(logits).all()

@@ -24,8 +24,9 @@ class LoraBackend(ABC):
         self.max_tokens = max_tokens
 
     @abstractmethod
-    def prepare(self, seg_indptr: Sequence[int], seg_slots: Sequence[int]) -> None:
-        """Build this forward's batch metadata (host-side lists in, no device reads)."""
+    def prepare(self, seg_indptr: Sequence[int], seg_slots: Sequence[int], pad_to: int | None = None) -> None:
+        """Build this forward's batch metadata (host-side lists in, no device reads). `pad_to`: the
+        forward runs that many tokens, real ones first (padding has no adapter)."""
 
     @abstractmethod
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:

@@ -14,7 +14,7 @@ from stages.worker.lora.layout import GroupLayout, LoraLayout
 class TorchLoraBackend(LoraBackend):
     name = "torch"
 
-    def prepare(self, seg_indptr: Sequence[int], seg_slots: Sequence[int]) -> None:
+    def prepare(self, seg_indptr: Sequence[int], seg_slots: Sequence[int], pad_to: int | None = None) -> None:
         # Merge runs of one slot; drop base-only segments.
         segs: list[tuple[int, int, int]] = []
         for i, slot in enumerate(seg_slots):

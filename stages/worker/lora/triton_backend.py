@@ -16,6 +16,7 @@ from stages.worker.lora.layout import GroupLayout, LoraLayout
 from stages.worker.lora.slots import LoraSlots
 
 MAX_SPLIT_K = 16
+PADDED_BLOCK_M = 16  # token tile of fixed-shape (graphed) decode batches
 
 
 def workspace_rows(max_tokens: int) -> int:
@@ -58,6 +59,7 @@ class TritonLoraBackend(LoraBackend):
         self._builder = BatchInfoBuilder(self.max_tokens, self.slots.device)
         self._info: BatchInfo | None = None
         self._configs: dict[str, tuple[ShrinkConfig, ExpandConfig, torch.Tensor]] = {}
+        self._padded_configs: dict[int, dict[str, tuple[ShrinkConfig, ExpandConfig, torch.Tensor]]] = {}
 
     def _init_workspace(self) -> None:
         # Shrink output (split-K fp32 partials), reused by every apply: allocated once, fixed address.
@@ -70,18 +72,50 @@ class TritonLoraBackend(LoraBackend):
     def batch_info(self) -> BatchInfo | None:
         return self._info
 
-    def prepare(self, seg_indptr: Sequence[int], seg_slots: Sequence[int]) -> None:
+    def prepare(self, seg_indptr: Sequence[int], seg_slots: Sequence[int], pad_to: int | None = None) -> None:
+        """`pad_to`: a fixed-shape batch of that many tokens (the real ones first): the kernels' grids,
+        split-K and rank tile then depend on `pad_to` alone, so one CUDA graph serves every batch of
+        that size. The tile bound holds for runs of one token per sequence (decode)."""
+        if pad_to is not None:
+            self._prepare_padded(seg_indptr, seg_slots, pad_to)
+            return
         used = sorted({s for s in seg_slots if s >= 0})
         max_rank = int(self.slots.host_ranks[used].max()) if used else 0
         info = self._builder.build(seg_indptr, seg_slots, max_rank)
+        self._configs = self._make_configs(info)
+        self._info = info
+
+    def _prepare_padded(self, seg_indptr: Sequence[int], seg_slots: Sequence[int], pad_to: int) -> None:
+        if seg_indptr[-1] > pad_to:
+            raise ValueError(f"batch has {seg_indptr[-1]} tokens, more than pad_to={pad_to}")
+        real = self._builder.build(seg_indptr, seg_slots, self.layout.max_rank, block_m=PADDED_BLOCK_M)
+        # Tiles of runs cut at PADDED_BLOCK_M tokens: at most one partial tile per slot plus full ones.
+        bound = min(pad_to, self.slots.num_slots + pad_to // PADDED_BLOCK_M)
+        if real.num_tiles > bound:
+            raise ValueError(f"{real.num_tiles} LoRA tiles exceed the padded bound {bound}")
+        info = BatchInfo(
+            meta=real.meta,
+            num_tokens=pad_to,
+            num_tiles=bound,  # grid size; programs past the device header's count return at once
+            block_m=PADDED_BLOCK_M,
+            max_len=pad_to,
+            block_rank=real.block_rank,
+            num_slots_used=real.num_slots_used,
+        )
+        cached = self._padded_configs.get(pad_to)
+        if cached is None:
+            cached = self._padded_configs[pad_to] = self._make_configs(info)
+        self._configs, self._info = cached, info
+
+    def _make_configs(self, info: BatchInfo) -> dict[str, tuple[ShrinkConfig, ExpandConfig, torch.Tensor]]:
         max_split = split_cap(info.num_tokens, self._ws_rows)
-        self._configs = {}
+        configs = {}
         for g in self.layout.groups:
             shrink_cfg = shrink_config(info, g.in_dim, g.num_slices, max_split)
             shape = (shrink_cfg.split_k, info.num_tokens, g.num_slices, info.block_rank)
             v = self._workspace[: shape[0] * shape[1] * shape[2] * shape[3]].view(shape)  # shrink partials
-            self._configs[g.name] = (shrink_cfg, expand_config(info, g.out_dims, shrink_cfg.split_k), v)
-        self._info = info
+            configs[g.name] = (shrink_cfg, expand_config(info, g.out_dims, shrink_cfg.split_k), v)
+        return configs
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:
         info = self._info

@@ -22,6 +22,11 @@ def use_triton(q: torch.Tensor) -> bool:
     return q.is_cuda and os.environ.get("LORAPIPE_ATTENTION", "").lower() != "torch"
 
 
+def plan_key(num_heads: int, num_kv_heads: int) -> str:
+    """Where a forward's attention block plan lives in `ForwardBatch.derived` (made once, read by all)."""
+    return f"paged_attention_plan:{num_heads}:{num_kv_heads}"
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D], already rotated
     kv: KVCache,
@@ -44,7 +49,7 @@ def triton_paged_attention(
     from kernels import paged_attention as kernel  # here: triton is only a dependency on Linux
 
     num_heads, num_kv_heads = q.shape[1], kv.k.shape[2]
-    key = f"paged_attention_plan:{num_heads}:{num_kv_heads}"
+    key = plan_key(num_heads, num_kv_heads)
     plan = fb.derived.get(key)
     if plan is None:
         plan = fb.derived[key] = kernel.plan_attention(

@@ -1,5 +1,6 @@
 """The paged KV cache tensors owned by the worker: fixed-size pages, addressed by flat row
-(page * page_size + offset); page allocation itself is the scheduler's business."""
+(page * page_size + offset); page allocation itself is the scheduler's business. One extra page past
+`num_pages` is never handed out: padding tokens of a fixed-size (graphed) batch write there."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.num_pages = num_pages
+        self.num_pages = num_pages  # pages the scheduler may use
         self.page_size = page_size
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.scratch_row = num_pages * page_size  # first row of the extra page
+        shape = (num_layers, (num_pages + 1) * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, pages * page_size, KVH, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, pages * page_size, KVH, D]
 

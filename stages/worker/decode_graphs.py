@@ -1,0 +1,227 @@
+"""Decode steps (one new token per sequence) at fixed batch sizes, replayed as CUDA graphs.
+
+A decode batch of B sequences runs padded to the next bucket size Bp. Its inputs are staged on the host
+(a pinned ring) and moved with two non-blocking copies into fixed device buffers that the graph of that
+bucket reads: token ids, positions, KV rows, the attention block plan and a narrow page table. Padding
+tokens write their K/V to the cache's scratch page, have no adapter and no attention block. Graphs are
+keyed by (Bp, attention key splits, adapters present); the LoRA kernels' grids are sized for the bucket
+and stop at the tile count in their device metadata, so one graph serves every adapter mix.
+Without capture (CPU, tests) the same padded forward runs eagerly."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from kernels.paged_attention import META_COLS, AttentionPlan, choose_splits, decode_block_m, plan_blocks
+from stages.worker.lora.backend import LoraBackend
+from stages.worker.model.attention import plan_key
+from stages.worker.model.forward_batch import ForwardBatch
+from stages.worker.model.kv_cache import KVCache
+from stages.worker.model.llama import LlamaModel
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Padded batch sizes: 1, 2, 4, then steps of 8 to 64, of 16 to 256, of 32 beyond; max_batch last."""
+    sizes = [1, 2, 4, *range(8, 64, 8), *range(64, 256, 16), *range(256, max_batch, 32)]
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+class DecodeSeq(Protocol):
+    """What a decode sequence offers (the runner's SeqInput): one new token at position start_pos."""
+
+    token_ids: Sequence[int]
+    start_pos: int  # tokens of the sequence already in the KV cache
+    page_ids: Sequence[int]
+    slot: int  # LoRA slot, -1 for none
+
+
+class _Staging:
+    """One pinned host copy of the fixed device inputs, with the event of its last upload."""
+
+    def __init__(self, n64: int, n32: int, pin: bool):
+        self.i64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
+        self.i32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
+        self.event = torch.cuda.Event() if pin else None
+        self.used = False
+
+    def wait_free(self) -> None:
+        if self.event is not None and self.used and not self.event.query():
+            self.event.synchronize()  # the ring lapped an upload still queued: practically never
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: KVCache,
+        lora: LoraBackend | None,
+        *,
+        max_batch: int,
+        max_model_len: int,
+        capture: bool,
+        ring: int = 3,
+    ):
+        """`lora`: the Triton backend, or None when batches with adapters must run eagerly."""
+        cfg = model.cfg
+        self.model, self.kv, self.lora = model, kv, lora
+        self.device = kv.k.device
+        self.capture = capture
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.block_m = decode_block_m(cfg.num_heads // cfg.num_kv_heads)
+        self.blocks_per_seq = -(-(cfg.num_heads // cfg.num_kv_heads) // self.block_m)
+        self.max_batch = max_batch
+        self.max_pages = -(-max_model_len // kv.page_size)  # page-table width
+        self.buckets = batch_buckets(max_batch)
+        self._init_buffers(cfg.vocab_size, ring)
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    def _init_buffers(self, vocab: int, ring: int) -> None:
+        mb, dev = self.max_batch, self.device
+        self._meta_len = mb * self.blocks_per_seq * META_COLS
+        n64, n32 = 3 * mb, self._meta_len + mb * self.max_pages
+        self._i64 = torch.zeros(n64, dtype=torch.int64, device=dev)  # ids | positions | KV rows
+        self._i32 = torch.zeros(n32, dtype=torch.int32, device=dev)  # attention blocks | page table
+        self.ids, self.positions, self.rows = self._i64.view(3, mb).unbind(0)
+        self.attn_meta = self._i32[: self._meta_len].view(-1, META_COLS)
+        self.page_table = self._i32[self._meta_len :].view(mb, self.max_pages)
+        self.logits_indices = torch.arange(mb, dtype=torch.int64, device=dev)
+        self.out = torch.empty((mb, vocab), dtype=torch.float32, device=dev)  # every graph's logits
+        pin = dev.type == "cuda"
+        self._ring = [_Staging(n64, n32, pin) for _ in range(ring)]
+        self._next = 0
+
+    def bucket(self, n: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, n)]
+
+    def supports(self, seqs: Sequence[DecodeSeq]) -> bool:
+        """True for 1..max_batch sequences of one new token each within the page table's reach, and
+        (without a graph-safe LoRA backend) no adapters."""
+        if not 0 < len(seqs) <= self.max_batch:
+            return False
+        reach = self.max_pages * self.kv.page_size
+        for s in seqs:
+            if len(s.token_ids) != 1 or s.start_pos >= reach or (s.slot >= 0 and self.lora is None):
+                return False
+        return True
+
+    @torch.inference_mode()
+    def run(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
+        """Logits [len(seqs), V] float32 (a view of a buffer the next run overwrites). Sequences sharing
+        an adapter slot must be adjacent."""
+        padded = self.bucket(len(seqs))
+        key = self._stage(seqs, padded)
+        if not self.capture:
+            self._forward(key)
+        else:
+            graph = self.graphs.get(key)
+            if graph is None:
+                graph = self._capture(key)
+            graph.replay()
+            self.replays += 1
+        return self.out[: len(seqs)]
+
+    def capture_all(self, with_lora: bool = True) -> int:
+        """Capture every bucket's graphs ahead of serving (largest first, so the pool's memory is reused),
+        for each key split count a context up to max_model_len can choose. Returns graphs captured."""
+        before = len(self.graphs)
+        max_keys = self.max_pages * self.kv.page_size
+        for padded in reversed(self.buckets):
+            blocks = padded * self.blocks_per_seq
+            keys = [max_keys] + [1 << k for k in range(9, max_keys.bit_length())]
+            splits = {choose_splits(blocks, self.num_kv_heads, n, self.device) for n in keys}
+            for s in sorted(splits):
+                for lora in (False, True) if with_lora and self.lora is not None else (False,):
+                    if (padded, s, lora) not in self.graphs:
+                        self._stage([], padded, splits=s, with_lora=lora)  # all padding: touches only scratch
+                        self._capture((padded, s, lora))
+        return len(self.graphs) - before
+
+    def _stage(
+        self, seqs: Sequence[DecodeSeq], padded: int, splits: int | None = None, with_lora: bool | None = None
+    ) -> tuple[int, int, bool]:
+        """Write the batch into the next staging buffer, upload it, prepare the LoRA metadata; returns the
+        graph key. `splits`/`lora` force the key (warm-up capture of an all-padding batch)."""
+        n, mb, ps = len(seqs), self.max_batch, self.kv.page_size
+        st = self._ring[self._next]
+        self._next = (self._next + 1) % len(self._ring)
+        st.wait_free()
+        h64 = st.i64.numpy().reshape(3, mb)
+        h32 = st.i32.numpy()
+        table = h32[self._meta_len :].reshape(mb, self.max_pages)
+        ctx = np.empty(n, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            p = s.start_pos
+            h64[0, i], h64[1, i], ctx[i] = s.token_ids[0], p, p + 1
+            h64[2, i] = s.page_ids[p // ps] * ps + p % ps
+            used = p // ps + 1
+            table[i, :used] = s.page_ids[:used]
+        h64[0, n:padded], h64[1, n:padded], h64[2, n:padded] = 0, 0, self.kv.scratch_row
+        meta, _, most_keys = plan_blocks(
+            np.arange(n), np.ones(n, dtype=np.int64), ctx,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, block_m=self.block_m,
+        )  # fmt: skip
+        blocks = padded * self.blocks_per_seq
+        attn = h32[: blocks * META_COLS].reshape(blocks, META_COLS)
+        attn[: meta.shape[0]] = meta
+        attn[meta.shape[0] :] = 0  # q_len 0: padding blocks read and write nothing
+        if splits is None:
+            splits = choose_splits(blocks, self.num_kv_heads, most_keys, self.device)
+        self._i64.copy_(st.i64, non_blocking=True)
+        end = self._meta_len + padded * self.max_pages
+        self._i32[:end].copy_(st.i32[:end], non_blocking=True)
+        if st.event is not None:
+            st.event.record()
+            st.used = True
+        has_lora = any(s.slot >= 0 for s in seqs) if with_lora is None else with_lora
+        if has_lora:
+            indptr, slots = [0], []
+            for s in seqs:
+                if slots and slots[-1] == s.slot:
+                    indptr[-1] += 1
+                else:
+                    slots.append(s.slot)
+                    indptr.append(indptr[-1] + 1)
+            self.lora.prepare(indptr, slots, pad_to=padded)
+        return padded, splits, has_lora
+
+    def _forward(self, key: tuple[int, int, bool]) -> None:
+        padded, splits, has_lora = key
+        plan = AttentionPlan(
+            meta=self.attn_meta[: padded * self.blocks_per_seq],
+            num_tokens=padded,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            block_m=self.block_m,
+            num_splits=splits,
+        )
+        fb = ForwardBatch(
+            input_ids=self.ids[:padded],
+            positions=self.positions[:padded],
+            slot_mapping=self.rows[:padded],
+            page_table=self.page_table[:padded],
+            logits_indices=self.logits_indices[:padded],
+            seqs=(),  # the attention kernel reads the plan below, never the extents
+            derived={plan_key(self.num_heads, self.num_kv_heads): plan},
+        )
+        self.out[:padded].copy_(self.model.forward(fb, self.kv, self.lora if has_lora else None))
+
+    def _capture(self, key: tuple[int, int, bool]) -> torch.cuda.CUDAGraph:
+        """Run the staged batch once eagerly (compiles kernels; its results equal the replay's), then
+        record it. Only the step thread issues CUDA work, so capture errors are thread-local."""
+        start = time.perf_counter()
+        self._forward(key)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._forward(key)
+        self.graphs[key] = graph
+        self.capture_seconds += time.perf_counter() - start
+        return graph
