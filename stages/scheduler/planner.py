@@ -57,7 +57,7 @@ class PlannerStats:
     slot_misses: int = 0  # admissions that had to load their adapter into a slot
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues are searched by `in`/`remove` every step
 class PlannedRequest:
     request_id: str
     prompt_ids: list[int]
@@ -176,13 +176,15 @@ class Planner:
         preempted: list[str] = []
         loads: list[SlotLoad] = []
 
+        dropped: set[str] = set()  # preempted below to make room for an earlier request
         for req in list(self.running):
-            if req not in self.running:
-                continue  # preempted below to make room for an earlier request
+            if req.request_id in dropped:
+                continue
             extra = min(req.num_tokens - req.num_computed - 1, budget)
             need = self.pages.pages_for(req.num_computed + 1 + extra) - len(req.pages)
             while need > self.pages.num_free and self.running[-1] is not req:
                 preempted.append(self._preempt(self.running[-1]))
+                dropped.add(preempted[-1])
                 budget += 1
             if need > self.pages.num_free:
                 preempted.append(self._preempt(req))
