@@ -175,10 +175,14 @@ class WorkerActor(Actor[WorkerConfig]):
                 self.load_stream.wait_stream(compute)
                 begin = torch.cuda.Event(enable_timing=True)
                 begin.record(self.load_stream)
-                self.runner.load_adapter(load.slot, packed, stream=self.load_stream)
+                layers = self.runner.load_adapter(
+                    load.slot, packed, stream=self.load_stream, layer_events=True
+                )
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(self.load_stream)
-                return LoadHandle(load.slot, load.nbytes, start, event=done, start_event=begin)
+                return LoadHandle(
+                    load.slot, load.nbytes, start, event=done, start_event=begin, layer_events=layers
+                )
             self.runner.load_adapter(load.slot, packed)
         except Exception:
             self.m_loads.labels(result="failed").inc()

@@ -1,7 +1,9 @@
 """Executes batch plans on the worker: keeps each request's tokens, pages and slot, runs the forward,
 samples the sequences that reached their last known token, and decides when each request stops.
-A running request with no entry in a plan decodes one token. With overlapped loading a slot copy
-is waited on only by a step that uses the slot, and reported ready once its event has completed."""
+A running request with no entry in a plan decodes one token. A slot copy is waited on only by a step
+that uses the slot, layer by layer (layer i waits for layer i's part of the copy, so a load hides
+behind the compute of the step that needs it); with overlapped loading it is reported ready once its
+event has completed, a synchronous one with the result of the step that loaded it."""
 
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class StepExecutor:
         self.overlap_loading = overlap_loading
         self.pending = PendingLoads(on_load_done)
         self._waited: list[LoadHandle] = []  # synchronous loads of the current step
+        self._sync_slots: list[int] = []  # slots loaded synchronously in the current step
         self.sampler = Sampler(runner.device, seed)
         self.eos_ids = frozenset(runner.model_cfg.eos_token_ids)
         self.max_model_len = max_model_len
@@ -59,6 +62,7 @@ class StepExecutor:
         errors: list[RequestError] = []
         scheduled = self._apply_plan(plan, {e.slot for e in slot_errors}, errors)
         if not scheduled:
+            slots_ready += self._finish_sync_loads()
             self._settle_waited()
             slots_ready += self.pending.poll()
             return (
@@ -66,14 +70,17 @@ class StepExecutor:
                 TokenBatch(step=plan.step, items=[]),
             )
         t_plan = time.perf_counter()
-        self.pending.wait_for({req.slot for req, _ in scheduled if req.slot >= 0}, self.runner.device)
+        used = {req.slot for req, _ in scheduled if req.slot >= 0}
+        # Copies into the slots this step uses: layer i waits only for layer i's part of the copy.
+        layer_waits = self.pending.layer_waits(used, self.runner.model_cfg.num_layers) if used else None
         seqs = [
             SeqInput(
                 req.token_ids[req.num_computed : req.num_computed + n], req.num_computed, req.pages, req.slot
             )
             for req, n in scheduled
         ]
-        logits = self.runner.execute(seqs)  # [B, V]
+        logits = self.runner.execute(seqs, layer_waits)  # [B, V]
+        slots_ready += self._finish_sync_loads()
         t_forward = time.perf_counter()
         for req, n in scheduled:
             req.num_computed += n
@@ -137,10 +144,18 @@ class StepExecutor:
                 continue
             self.pending.add(handle)
             if not self.overlap_loading:  # synchronous: this step waits for it and reports it
-                self.pending.wait_for({load.slot}, self.runner.device)
-                self._waited.append(self.pending.by_slot.pop(load.slot))
-                ready.append(load.slot)
+                self._sync_slots.append(load.slot)
         return ready, failed
+
+    def _finish_sync_loads(self) -> list[int]:
+        """Synchronous loads of this step, reported ready with its result. A step that used the slot
+        already waits layer by layer; one no step used gets a whole wait here, so that every later
+        step is ordered after the copy."""
+        slots, self._sync_slots = self._sync_slots, []
+        self.pending.wait_for(set(slots), self.runner.device)
+        for slot in slots:
+            self._waited.append(self.pending.by_slot.pop(slot))
+        return slots
 
     def _settle_waited(self) -> None:
         """Metrics of synchronous loads, once the step that waited for them is over."""

@@ -127,19 +127,24 @@ class ModelRunner:
         return self.kv.num_pages
 
     def load_adapter(
-        self, slot: int, adapter: PackedAdapter, stream: torch.cuda.Stream | None = None
-    ) -> None:
-        self.slots.load(slot, adapter, stream)
+        self,
+        slot: int,
+        adapter: PackedAdapter,
+        stream: torch.cuda.Stream | None = None,
+        layer_events: bool = False,
+    ) -> list[torch.cuda.Event] | None:
+        return self.slots.load(slot, adapter, stream, layer_events)
 
     @torch.inference_mode()
-    def execute(self, seqs: list[SeqInput]) -> torch.Tensor:
-        """Logits [len(seqs), V] float32, row i for seqs[i]."""
+    def execute(self, seqs: list[SeqInput], layer_waits: list[list] | None = None) -> torch.Tensor:
+        """Logits [len(seqs), V] float32, row i for seqs[i]. `layer_waits[i]`: events the compute stream
+        waits on before layer i (slot copies still in flight); such a step runs eagerly."""
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)  # each adapter's tokens contiguous
         ordered = [seqs[i] for i in order]
-        if self.graphs is not None and self.graphs.supports(ordered):
+        if layer_waits is None and self.graphs is not None and self.graphs.supports(ordered):
             logits = self.graphs.run(ordered)  # [B, V] in `order`
         else:
-            logits = self._forward_eager(ordered)
+            logits = self._forward_eager(ordered, layer_waits)
         if all(i == pos for pos, i in enumerate(order)):
             return logits
         inverse = [0] * len(order)
@@ -150,13 +155,13 @@ class ModelRunner:
             index = index.pin_memory()
         return logits[index.to(logits.device, non_blocking=True)]
 
-    def _forward_eager(self, seqs: list[SeqInput]) -> torch.Tensor:
+    def _forward_eager(self, seqs: list[SeqInput], layer_waits: list[list] | None = None) -> torch.Tensor:
         fb, seg_indptr, seg_slots = self._build_batch(seqs)
         lora = None
         if any(s >= 0 for s in seg_slots):
             self.lora.prepare(seg_indptr, seg_slots)
             lora = self.lora
-        return self.model.forward(fb, self.kv, lora)  # [B, V]
+        return self.model.forward(fb, self.kv, lora, layer_waits)  # [B, V]
 
     def _build_batch(self, seqs: list[SeqInput]) -> tuple[ForwardBatch, list[int], list[int]]:
         ps = self.cfg.page_size

@@ -21,6 +21,7 @@ class LoadHandle:
     start_event: Any = None  # recorded before the copy (enable_timing), for the copy's own time
     copy_seconds: float = 0.0  # known up front for a synchronous copy
     waited: bool = False  # a step's compute stream had to wait on it (the copy did not overlap)
+    layer_events: list[Any] | None = None  # one per layer, in copy order (CUDA loads)
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -56,6 +57,26 @@ class PendingLoads:
             if h.event is not None and not h.waited:
                 torch.cuda.current_stream(device).wait_event(h.event)
                 h.waited = True
+
+    def layer_waits(self, slots: set[int], num_layers: int) -> list[list[Any]] | None:
+        """Per-layer events a step must wait on before each layer, for the copies into `slots` that
+        have them (the step's compute then overlaps the rest of those copies); None if there are none.
+        Copies without per-layer events get a whole wait, as in `wait_for`."""
+        waits: list[list[Any]] = [[] for _ in range(num_layers)]
+        found = False
+        for slot in slots & self.by_slot.keys():
+            h = self.by_slot[slot]
+            if h.event is None or h.waited:
+                continue
+            h.waited = True
+            if h.layer_events is None or len(h.layer_events) != num_layers:
+                waits[0].append(h.event)
+                found = True
+                continue
+            for layer, ev in enumerate(h.layer_events):
+                waits[layer].append(ev)
+            found = True
+        return waits if found else None
 
     def poll(self) -> list[int]:
         """Slots whose copy has completed (never blocks); they leave the pending set."""

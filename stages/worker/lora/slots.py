@@ -28,9 +28,17 @@ class LoraSlots:
         self.host_scalings = torch.zeros_like(self.scalings, device="cpu")
         self.names: list[str | None] = [None] * num_slots
 
-    def load(self, slot: int, adapter: PackedAdapter, stream: torch.cuda.Stream | None = None) -> None:
-        """Copy a packed adapter into `slot`, one contiguous copy per layer (on `stream` when given).
-        The caller orders later reads of the slot after this copy (event or same stream)."""
+    def load(
+        self,
+        slot: int,
+        adapter: PackedAdapter,
+        stream: torch.cuda.Stream | None = None,
+        layer_events: bool = False,
+    ) -> list[torch.cuda.Event] | None:
+        """Copy a packed adapter into `slot`: ranks and scalings first, then one contiguous copy per
+        layer in order (on `stream` when given). The caller orders later reads of the slot after this
+        copy; with `layer_events` (CUDA) it gets one event per layer, recorded once that layer (and
+        everything before it) is in, so layer i may compute while later layers still copy."""
         if adapter.rank > self.layout.max_rank:
             raise ValueError(
                 f"adapter {adapter.name!r}: rank {adapter.rank} > max_lora_rank {self.layout.max_rank}"
@@ -39,14 +47,19 @@ class LoraSlots:
             raise ValueError(f"adapter {adapter.name!r} was packed for another model layout or dtype")
         r = adapter.rank
         non_blocking = adapter.block.is_pinned()
+        events = [] if layer_events and self.device.type == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for layer in range(self.layout.num_layers):
-                self.mem[slot, layer, :r].copy_(adapter.block[layer], non_blocking=non_blocking)
             self.ranks[slot].copy_(adapter.ranks, non_blocking=non_blocking)
             self.scalings[slot].copy_(adapter.scalings, non_blocking=non_blocking)
+            for layer in range(self.layout.num_layers):
+                self.mem[slot, layer, :r].copy_(adapter.block[layer], non_blocking=non_blocking)
+                if events is not None:
+                    events.append(torch.cuda.Event())
+                    events[-1].record()
         self.host_ranks[slot] = adapter.ranks
         self.host_scalings[slot] = adapter.scalings
         self.names[slot] = adapter.name
+        return events
 
     def clear(self, slot: int) -> None:
         """Mark a slot empty. Its memory is left as is: rank 0 makes every kernel skip it."""

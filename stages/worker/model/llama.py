@@ -44,13 +44,20 @@ class LlamaModel:
         self.sin = emb.sin().to(dtype)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, fb: ForwardBatch, kv: KVCache, lora: LoraBackend | None) -> torch.Tensor:
-        """Returns logits [B, V] (float32) of each sequence's last new token."""
+    def forward(
+        self, fb: ForwardBatch, kv: KVCache, lora: LoraBackend | None, layer_waits: list[list] | None = None
+    ) -> torch.Tensor:
+        """Returns logits [B, V] (float32) of each sequence's last new token. `layer_waits[i]`: CUDA
+        events the compute stream waits on before layer i (that layer's adapter weights being copied)."""
         cfg = self.cfg
         h = self.w.embed[fb.input_ids]  # [T, H]
         cos = self.cos[fb.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[fb.positions].unsqueeze(1)
+        stream = torch.cuda.current_stream(h.device) if layer_waits else None
         for i, lw in enumerate(self.w.layers):
+            if stream is not None:
+                for event in layer_waits[i]:
+                    stream.wait_event(event)
             h = h + self._attention(
                 i, lw, rms_norm(h, lw.input_norm, cfg.rms_norm_eps), fb, kv, lora, cos, sin
             )

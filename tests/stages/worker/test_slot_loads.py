@@ -117,3 +117,40 @@ def test_executor_runs_resident_requests_while_a_load_is_pending(tiny_llama, lla
     res, tokens = ex.execute(BatchPlan(step=4, new_requests=[lora]))
     assert {i.request_id for i in tokens.items} == {"a", "b"} and stream.waited == []
     assert ex.poll_loads() == []
+
+
+def test_a_step_using_a_copying_slot_waits_layer_by_layer(tiny_llama, llama_adapters, stream):
+    """Synchronous load with per-layer events: layer i waits for layer i's event only (in layer order),
+    never for the whole copy; a load no request of the step uses gets a whole wait instead."""
+    ex, _ = _executor(tiny_llama, llama_adapters, overlap=False)
+    num_layers = ex.runner.model_cfg.num_layers
+    handles: list[LoadHandle] = []
+
+    def load(sl: SlotLoad) -> LoadHandle:
+        handles.append(
+            LoadHandle(sl.slot, 1, event=FakeEvent(), layer_events=[FakeEvent() for _ in range(num_layers)])
+        )
+        return handles[-1]
+
+    ex._load_adapter = load
+    req = NewRequestData(
+        request_id="a", prompt_ids=TokenIds.of([4, 5]), slot=0, page_ids=[0], num_scheduled_tokens=2
+    )
+    plan = BatchPlan(step=1, new_requests=[req], slot_loads=[SlotLoad(slot=0, adapter="qv5")])
+    res, tokens = ex.execute(plan)
+    assert stream.waited == handles[0].layer_events and res.slots_ready == [0] and len(tokens.items) == 1
+    stream.waited.clear()
+    res, _ = ex.execute(BatchPlan(step=2, slot_loads=[SlotLoad(slot=1, adapter="mlp1")]))  # slot 1 unused
+    assert stream.waited == [handles[1].event] and 1 in res.slots_ready and not ex.pending
+
+
+def test_layer_waits_skip_done_and_waited_copies():
+    pending = PendingLoads()
+    layered = LoadHandle(0, 1, event=FakeEvent(), layer_events=[FakeEvent(), FakeEvent()])
+    whole = LoadHandle(1, 1, event=FakeEvent())
+    done = LoadHandle(2, 1)  # a copy that completed synchronously
+    for h in (layered, whole, done):
+        pending.add(h)
+    waits = pending.layer_waits({0, 1, 2, 7}, num_layers=2)
+    assert waits == [[layered.layer_events[0], whole.event], [layered.layer_events[1]]]
+    assert pending.layer_waits({0, 1}, num_layers=2) is None  # each copy is waited on once
