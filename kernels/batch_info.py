@@ -3,6 +3,7 @@ written into a pinned ring buffer and moved with one non-blocking copy into a fi
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,8 +15,10 @@ META_COLS = 4  # header row: [num_tiles, num_tokens, max_len, block_m]; tile row
 MIN_BLOCK = 16  # smallest tl.dot dimension
 
 
+@functools.cache
 def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
+    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1). Read once: triton
+    itself decides at import, and this is asked on every kernel launch."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 

@@ -178,13 +178,18 @@ def lora_expand(
     info: BatchInfo,
     *,
     config: ExpandConfig | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """v [splits, T, num_slices, block_rank] fp32 partials (from `lora_shrink`); b [num_slots, max_rank,
     D] (B^T rows, strided view); ranks/scalings [num_slots, num_slices] int32/fp32 (device); out [T, D]
-    updated in place, only at adapter tokens and slices of nonzero rank."""
-    splits, num_slices = _check(v, b, ranks, scalings, out, out_offsets, out_dims, info)
+    updated in place, only at adapter tokens and slices of nonzero rank. `check=False` skips validating
+    the arguments (the backend's hot path)."""
+    if check:
+        splits, num_slices = _check(v, b, ranks, scalings, out, out_offsets, out_dims, info)
+    else:
+        splits, num_slices = v.shape[0], v.shape[2]
     cfg = config or expand_config(info, out_dims)
-    if cfg.block_k > info.block_rank or info.block_rank % cfg.block_k:
+    if check and (cfg.block_k > info.block_rank or info.block_rank % cfg.block_k):
         raise ValueError(f"block_k={cfg.block_k} must divide block_rank={info.block_rank}")
     if info.num_tiles == 0:
         return out

@@ -126,19 +126,7 @@ def shrink_config(info: BatchInfo, in_dim: int, num_slices: int, max_split: int 
     return ShrinkConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3)
 
 
-def lora_shrink(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    ranks: torch.Tensor,
-    info: BatchInfo,
-    *,
-    out: torch.Tensor | None = None,
-    config: ShrinkConfig | None = None,
-) -> torch.Tensor:
-    """x [T, K]; a [num_slots, max_rank, num_slices, K] (A rows, strided view, last dim contiguous);
-    ranks [num_slots, num_slices] int32 (device). Returns fp32 partial sums v [split_k, T, num_slices,
-    block_rank] whose sum over dim 0 is x @ A^T per slice. Only rows of adapter tokens are written, in
-    whole 16-column groups (zeros past each rank); everything else is left untouched."""
+def _check(x, a, ranks, info: BatchInfo, cfg: ShrinkConfig, out, shape) -> None:
     if x.dim() != 2 or a.dim() != 4 or ranks.dim() != 2:
         raise ValueError(
             f"expected x [T, K], a [S, R, N, K], ranks [S, N]; got {x.shape}, {a.shape}, {ranks.shape}"
@@ -160,16 +148,40 @@ def lora_shrink(
     if T != info.num_tokens:
         raise ValueError(f"x has {T} tokens but the batch was prepared for {info.num_tokens}")
     br = info.block_rank
-    cfg = config or shrink_config(info, K, num_slices)
     if cfg.block_n > br and cfg.block_n % br:
         raise ValueError(f"block_n={cfg.block_n} must be a multiple of block_rank={br} when wider")
     if cfg.block_n < br and br % cfg.block_n:
         raise ValueError(f"block_rank={br} must be a multiple of block_n={cfg.block_n}")
+    if out is not None and (
+        tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous()
+    ):
+        raise ValueError(f"out must be contiguous float32 {shape}, got {out.dtype} {tuple(out.shape)}")
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    ranks: torch.Tensor,
+    info: BatchInfo,
+    *,
+    out: torch.Tensor | None = None,
+    config: ShrinkConfig | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """x [T, K]; a [num_slots, max_rank, num_slices, K] (A rows, strided view, last dim contiguous);
+    ranks [num_slots, num_slices] int32 (device). Returns fp32 partial sums v [split_k, T, num_slices,
+    block_rank] whose sum over dim 0 is x @ A^T per slice. Only rows of adapter tokens are written, in
+    whole 16-column groups (zeros past each rank); everything else is left untouched. `check=False`
+    skips validating the arguments (the backend's hot path, whose views are built once)."""
+    T, K = x.shape
+    num_slices = a.shape[2]
+    br = info.block_rank
+    cfg = config or shrink_config(info, K, num_slices)
     shape = (cfg.split_k, T, num_slices, br)
+    if check:
+        _check(x, a, ranks, info, cfg, out, shape)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=x.device)  # [split, T, slices, block_rank]
-    elif tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous float32 {shape}, got {out.dtype} {tuple(out.shape)}")
     if info.num_tiles == 0:
         return out
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k

@@ -40,8 +40,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--slots", type=int, default=32)
+    p.add_argument(
+        "--prefill", action="store_true", help="each sequence computes its whole ctx (a prefill step)"
+    )
     p.add_argument("--out")
     a = p.parse_args(argv)
+    if a.prefill and a.batch * a.ctx > 2048:
+        p.error("--prefill: batch * ctx must be at most 2048 (the runner's max_tokens_per_step)")
     cfg = RunnerConfig(model_dir=a.model, device="cuda", dtype="bfloat16", max_loras_per_batch=a.slots,
                        max_lora_rank=16, num_pages=a.batch * (a.ctx // 16 + 2) + 16,
                        max_model_len=a.ctx + 32, cuda_graph_max_batch=a.batch)  # fmt: skip
@@ -59,15 +64,19 @@ def main(argv: list[str] | None = None) -> None:
         ("base-only graph", lambda i: -1, True),
         ("lora graph", lambda i: i % len(dirs), True),
     ):
+        if graphed and a.prefill:
+            continue  # graphs replay decode steps only
         runner.graphs = graphs if graphed else None
+        new = a.ctx if a.prefill else 1
         seqs = [
-            SeqInput([7], a.ctx, list(range(i * pages_per, (i + 1) * pages_per)), slot_of(i))
+            SeqInput([7] * new, a.ctx + 1 - new, list(range(i * pages_per, (i + 1) * pages_per)), slot_of(i))
             for i in range(a.batch)
         ]
         _step_times(runner, seqs, 3)  # warm-up: Triton compiles, allocator settles
         wall, gpu = _step_times(runner, seqs, a.steps)
         results[label] = {"wall_ms": wall, "gpu_ms": gpu}
-        print(f"\n=== {label}: {a.batch} decodes at ctx {a.ctx}: host wall {wall:.2f} ms, GPU {gpu:.2f} ms")
+        what = f"prefills of {a.ctx}" if a.prefill else f"decodes at ctx {a.ctx}"
+        print(f"\n=== {label}: {a.batch} {what}: host wall {wall:.2f} ms, GPU {gpu:.2f} ms")
         if graphed:
             continue
         with torch.profiler.profile(
@@ -75,15 +84,20 @@ def main(argv: list[str] | None = None) -> None:
         ) as prof:
             runner.execute(seqs)
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+        averages = prof.key_averages()
+        table = averages.table(sort_by="self_cpu_time_total", row_limit=15)
+        kernel_ms = sum(getattr(e, "self_device_time_total", 0.0) for e in averages) / 1e3
         results[label]["profile"] = table
+        results[label]["kernel_ms"] = kernel_ms
+        print(f"GPU kernel time (profiler): {kernel_ms:.2f} ms")
         print(table)
     if graphs is not None:
         n, secs = len(graphs.graphs), graphs.capture_seconds
         print(f"graphs captured: {n} in {secs:.2f} s; replays {graphs.replays}")
-    print(f"\n{'case':<16} {'wall ms':>8} {'gpu ms':>8}")
+    print(f"\n{'case':<16} {'wall ms':>8} {'gpu ms':>8} {'kernels ms':>10}")
     for label, r in results.items():
-        print(f"{label:<16} {r['wall_ms']:8.2f} {r['gpu_ms']:8.2f}")
+        kernels = f"{r['kernel_ms']:10.2f}" if "kernel_ms" in r else f"{'-':>10}"
+        print(f"{label:<16} {r['wall_ms']:8.2f} {r['gpu_ms']:8.2f} {kernels}")
     if a.out:
         Path(a.out).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
 
