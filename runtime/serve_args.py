@@ -48,7 +48,7 @@ class ServeArgs:
     pinned_adapters: tuple[str, ...] = ()
     overlap_loading: bool = True  # slot loads run beside steps that do not need them
     prefetch_depth: int = 8  # waiting requests looked ahead at for slot loads (0: off)
-    overlap_min_mb: float = 64.0  # smaller slot loads stay synchronous (cheaper than holding requests back)
+    overlap_min_mb: float = 64.0  # smaller adapters are not prefetched into slots (only churns them)
     cuda_graph_max_batch: int | None = None  # None: min(max_running_requests, 256); 0: no CUDA graphs
     endpoint: str = DEFAULT_ENDPOINT
     metrics_port: int = DEFAULT_METRICS_PORT  # 0: any free port; -1: no metrics endpoint
@@ -118,7 +118,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         metavar="MB",
         default=d.overlap_min_mb,
-        help="adapters smaller than this load synchronously even with --overlap-loading (0: overlap all)",
+        help="adapters smaller than this are not prefetched into slots, only loaded for the step that "
+        "needs them (0: prefetch all)",
     )
     p.add_argument(
         "--cuda-graph-max-batch",

@@ -25,13 +25,13 @@ class PlannerConfig:
     max_tokens_per_step: int = 2048
     max_model_len: int = 4096
     pinned_adapters: tuple[str, ...] = ()
-    # A load goes out in a plan without the requests that need it; they join once the worker reports
-    # the slot ready (off: the load runs before the step that admits them, stalling that step).
+    # A load marks its slot loading (never a victim) until the worker reports it ready; requests that
+    # need it are admitted at once (the worker gates each layer on its copy). Off: the synchronous
+    # baseline, where the step that carries a load waits for all of it.
     overlap_loading: bool = False
     prefetch_depth: int = 0  # waiting requests looked ahead at for slot loads (0: off)
-    # Loads smaller than this stay synchronous even with overlap on: copying a small adapter inside the
-    # step that needs it costs far less than holding its requests back until the slot is reported
-    # ready (measured: 32 adapters of 11 MB in 8 slots ran 17% slower fully overlapped).
+    # Adapters smaller than this are neither marked loading nor prefetched into slots: evicting for a
+    # load that cheap only churns slots (measured: 32 adapters of 11 MB in 8 slots ran 17% slower).
     overlap_min_bytes: int = 0
 
     def __post_init__(self):
@@ -203,10 +203,9 @@ class Planner:
             if place is not Place.RESIDENT and place is not Place.BASE:
                 req.waited_for_adapter = True
             if place is Place.WAIT:
-                continue  # its adapter is loading or no slot is free: let others through
-            if place is Place.LOAD and self.residency.overlapped(req.adapter):
-                self.residency.issue(slot, req.adapter, loads)  # it joins once the slot is ready
-                continue
+                continue  # its adapter is not staged yet or no slot is free: let others through
+            # LOAD and LOADING run now: the worker gates each layer on that layer's copy, so the load
+            # hides behind this very prefill instead of holding the request back a round trip.
             n = min(req.num_tokens - req.num_computed, budget)
             need = self.pages.pages_for(n)
             if need > self.pages.num_free:

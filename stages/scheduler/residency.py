@@ -14,15 +14,17 @@ from stages.scheduler.slot_table import SlotTable
 class Place(Enum):
     BASE = "base"  # no adapter
     RESIDENT = "resident"  # in a settled slot: may run now
-    LOAD = "load"  # a victim slot was chosen: issue a load
-    WAIT = "wait"  # loading, not staged yet, or no slot can be freed
+    LOADING = "loading"  # its copy is in flight: may run now, each layer waiting for its own copy
+    LOAD = "load"  # a victim slot was chosen: issue a load (the request may run in the same step)
+    WAIT = "wait"  # not staged yet, or no slot can be freed
 
 
 class Residency:
     """`adapter_ready(name)`: the adapter's host block can be copied into a slot now.
-    `overlapped(name)`: its load marks the slot loading until the worker reports it ready, and the
-    requests that need it wait for that; otherwise the load runs before the very step that admits
-    them (the right call for loads much cheaper than a step)."""
+    `overlapped(name)`: its load marks the slot loading until the worker reports it ready (it is then
+    never a victim, and prefetch may issue it ahead of need); otherwise it is only loaded for the step
+    that admits its requests (the right call for loads much cheaper than a step). Either way a request
+    may run while its slot is still being copied: the worker makes each layer wait for its own part."""
 
     def __init__(
         self,
@@ -44,7 +46,7 @@ class Residency:
             return Place.BASE, -1
         slot = self.slots.slot_of(adapter)
         if slot is not None:
-            return (Place.WAIT, slot) if self.slots.is_loading(slot) else (Place.RESIDENT, slot)
+            return (Place.LOADING, slot) if self.slots.is_loading(slot) else (Place.RESIDENT, slot)
         if not self.adapter_ready(adapter):
             return Place.WAIT, -1
         victim = self.slots.choose_victim(exclude=set(nearer) if self.overlapped(adapter) else ())

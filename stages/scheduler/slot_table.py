@@ -59,12 +59,11 @@ class SlotTable:
         return evicted
 
     def mark_ready(self, slot: int) -> None:
-        """The worker reported the slot's copy complete: requests may reference it from now on."""
+        """The worker reported the slot's copy complete: it may be a victim again once unreferenced."""
         self.slots[slot].loading = False
 
     def acquire(self, slot: int) -> None:
-        if self.slots[slot].loading:
-            raise RuntimeError(f"slot {slot} is still loading; no request may use it yet")
+        """A request uses the slot (also while it is loading: the worker waits layer by layer)."""
         self._clock += 1
         self.slots[slot].refs += 1
         self.slots[slot].last_used = self._clock

@@ -1,9 +1,10 @@
 """Executes batch plans on the worker: keeps each request's tokens, pages and slot, runs the forward,
 samples the sequences that reached their last known token, and decides when each request stops.
-A running request with no entry in a plan decodes one token. A slot copy is waited on only by a step
-that uses the slot, layer by layer (layer i waits for layer i's part of the copy, so a load hides
-behind the compute of the step that needs it); with overlapped loading it is reported ready once its
-event has completed, a synchronous one with the result of the step that loaded it."""
+A running request with no entry in a plan decodes one token. With overlapped loading a slot copy is
+waited on only by a step that uses the slot, layer by layer (layer i waits for layer i's part of the
+copy, so a load hides behind the compute of the very step that needs it), and reported ready once its
+event has completed. Synchronous loading (the baseline) makes the step that carries a load wait for all
+of it before the forward, and reports it ready with that step's result."""
 
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ class StepExecutor:
         errors: list[RequestError] = []
         scheduled = self._apply_plan(plan, {e.slot for e in slot_errors}, errors)
         if not scheduled:
+            self.pending.wait_for(set(self._sync_slots), self.runner.device)
             slots_ready += self._finish_sync_loads()
             self._settle_waited()
             slots_ready += self.pending.poll()
@@ -72,6 +74,8 @@ class StepExecutor:
         t_plan = time.perf_counter()
         used = {req.slot for req, _ in scheduled if req.slot >= 0}
         # Copies into the slots this step uses: layer i waits only for layer i's part of the copy.
+        # Synchronous loading (the baseline): the whole step waits for its copies before it starts.
+        self.pending.wait_for(set(self._sync_slots), self.runner.device)
         layer_waits = self.pending.layer_waits(used, self.runner.model_cfg.num_layers) if used else None
         seqs = [
             SeqInput(
@@ -148,11 +152,9 @@ class StepExecutor:
         return ready, failed
 
     def _finish_sync_loads(self) -> list[int]:
-        """Synchronous loads of this step, reported ready with its result. A step that used the slot
-        already waits layer by layer; one no step used gets a whole wait here, so that every later
-        step is ordered after the copy."""
+        """Synchronous loads of this step (waited for as a whole before its forward), reported ready
+        with its result."""
         slots, self._sync_slots = self._sync_slots, []
-        self.pending.wait_for(set(slots), self.runner.device)
         for slot in slots:
             self._waited.append(self.pending.by_slot.pop(slot))
         return slots

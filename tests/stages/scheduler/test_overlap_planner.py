@@ -1,7 +1,8 @@
 """Planner invariants with overlapped loading and prefetch under slot pressure, against a simulated
 worker that reports a slot ready one step after its load: a slot a running request references is
-never a load target, no request runs before its slot was reported ready, a step never needs more
-adapters than slots, pinned adapters stay resident, and everything finishes without leaks."""
+never a load target, a request runs only on a slot its adapter was copied into (possibly still in
+flight: the worker gates each layer on its copy), a step never needs more adapters than slots, pinned
+adapters stay resident, and everything finishes without leaks."""
 
 from __future__ import annotations
 
@@ -32,9 +33,12 @@ class DelayedReadyWorker:
         active_before = {st["slot"] for st in self.state.values() if st["active"]}
         for load in plan.slot_loads:
             assert load.slot not in active_before, f"slot {load.slot} loaded while a running request uses it"
-            if self.overlap:
-                users = [r.request_id for r in self.planner.running if r.slot == load.slot]
-                assert not users, f"slot {load.slot} is loaded for {users}"
+            others = [
+                r.request_id
+                for r in self.planner.running
+                if r.slot == load.slot and r.adapter != load.adapter
+            ]
+            assert not others, f"slot {load.slot} is loaded while {others} use it"
             assert load.adapter not in self.loaded.values() or self.loaded.get(load.slot) == load.adapter
             if self.loaded.get(load.slot) in cfg.pinned_adapters:
                 raise AssertionError(f"pinned adapter {self.loaded[load.slot]} evicted")
@@ -57,6 +61,7 @@ class DelayedReadyWorker:
                 active=True,
                 max_tokens=n.sampling.max_tokens,
                 slot=n.slot,
+                adapter=self.planner._by_id[n.request_id].adapter,
             )
             counts[n.request_id] = n.num_scheduled_tokens
         for c in plan.cached_requests:
@@ -70,8 +75,8 @@ class DelayedReadyWorker:
                 continue
             if st["slot"] >= 0:
                 slots_in_step.add(st["slot"])
-                assert st["slot"] in self.ready, (
-                    f"{rid} runs on slot {st['slot']} before it was reported ready"
+                assert self.loaded.get(st["slot"]) == st["adapter"], (
+                    f"{rid} runs on slot {st['slot']}, which holds {self.loaded.get(st['slot'])!r}"
                 )
             st["computed"] += counts.get(rid, 1)
             if st["computed"] == st["tokens"]:
@@ -103,13 +108,13 @@ def _drive(cfg: PlannerConfig, rng: random.Random, adapters: list, n: int) -> Pl
         if steps == 4:
             planner.abort("r5")
         plan = planner.schedule()
-        loading = sum(s.loading for s in planner.slots.slots)
-        users = {r.slot for r in planner.running if r.slot >= 0}
-        assert len(users) + loading <= cfg.num_slots, "admitted more adapters than slots"
+        for r in planner.running:  # one adapter per slot: never more adapters than slots in a step
+            assert r.slot < 0 or planner.slots.slots[r.slot].adapter == r.adapter, (
+                "admitted onto a foreign slot"
+            )
         planner.update(worker.run(plan))
         for i, s in enumerate(planner.slots.slots):
             assert s.refs == sum(1 for r in planner.running if r.slot == i)
-            assert not (s.loading and s.refs), f"slot {i} referenced while loading"
     assert planner.pages.num_free == cfg.num_pages, "KV pages leaked"
     assert all(s.refs == 0 for s in planner.slots.slots), "slot references leaked"
     return planner
@@ -141,7 +146,10 @@ def _plan_ids(plan):
     return [r.request_id for r in plan.new_requests]
 
 
-def test_overlap_admits_after_ready_while_resident_requests_run():
+def test_overlap_admits_requests_in_the_step_of_their_load():
+    """A request whose adapter must be loaded runs in the very plan that issues the load (the worker
+    gates each layer on its copy); the slot stays loading, so no victim choice touches it, until the
+    worker reports it ready, while resident and base-only requests run beside it."""
     cfg = PlannerConfig(
         num_slots=2,
         num_pages=64,
@@ -153,18 +161,19 @@ def test_overlap_admits_after_ready_while_resident_requests_run():
     planner = Planner(cfg)
     planner.add("x", [1, 2], "a", SamplingParams(max_tokens=9))
     p1 = planner.schedule()
-    assert _plan_ids(p1) == [] and [(lo.slot, lo.adapter) for lo in p1.slot_loads] == [(0, "a")]
+    assert _plan_ids(p1) == ["x"] and [(lo.slot, lo.adapter) for lo in p1.slot_loads] == [(0, "a")]
+    assert planner.slots.is_loading(0) and planner.slots.slots[0].refs == 1
     planner.update(StepResult(step=p1.step, slots_ready=[0]))
+    assert not planner.slots.is_loading(0)
     planner.add("y", [1, 2], "b", SamplingParams(max_tokens=9))
     planner.add("z", [1, 2], None, SamplingParams(max_tokens=9))
+    planner.add("w", [1, 2], "c", SamplingParams(max_tokens=9))
     p2 = planner.schedule()
-    # x (resident now) and z (base) run; b's load goes out in the same plan without y
-    assert _plan_ids(p2) == ["x", "z"]
+    # x decodes on its resident slot, y joins with b's load, z is base-only; c has no slot to go to
+    assert _plan_ids(p2) == ["y", "z"]
     assert [(lo.slot, lo.adapter) for lo in p2.slot_loads] == [(1, "b")]
-    p3 = planner.schedule()
-    assert _plan_ids(p3) == [] and not p3.slot_loads  # y waits: slot 1 is not reported ready
-    planner.update(StepResult(step=p2.step, slots_ready=[1]))
-    assert _plan_ids(planner.schedule()) == ["y"]
+    assert planner.slots.choose_victim() is None  # slot 0 and 1 are referenced (1 is also loading)
+    assert [r.request_id for r in planner.waiting] == ["w"]
 
 
 def test_prefetch_never_evicts_adapters_in_use_or_needed_sooner():
@@ -181,11 +190,12 @@ def test_prefetch_never_evicts_adapters_in_use_or_needed_sooner():
     planner = Planner(cfg)
     for rid, name in [("x", "a"), ("y", "b"), ("z", "c")]:
         planner.add(rid, [1, 2], name, SamplingParams(max_tokens=9))
-    p1 = planner.schedule()  # a on demand; b prefetched (max_running_requests stops admission)
+    p1 = planner.schedule()  # x runs with a's load; b prefetched (max_running_requests stops admission)
+    assert _plan_ids(p1) == ["x"]
     assert sorted((lo.slot, lo.adapter) for lo in p1.slot_loads) == [(0, "a"), (1, "b")]
     planner.update(StepResult(step=p1.step, slots_ready=[0, 1]))
     p2 = planner.schedule()
-    assert _plan_ids(p2) == ["x"] and not p2.slot_loads  # c: a is in use and b is needed sooner
+    assert _plan_ids(p2) == [] and not p2.slot_loads  # c: a is in use and b is needed sooner
     assert planner.slots.slot_of("a") == 0 and planner.slots.slot_of("b") == 1
 
 

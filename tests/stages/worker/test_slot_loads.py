@@ -120,16 +120,16 @@ def test_executor_runs_resident_requests_while_a_load_is_pending(tiny_llama, lla
 
 
 def test_a_step_using_a_copying_slot_waits_layer_by_layer(tiny_llama, llama_adapters, stream):
-    """Synchronous load with per-layer events: layer i waits for layer i's event only (in layer order),
-    never for the whole copy; a load no request of the step uses gets a whole wait instead."""
-    ex, _ = _executor(tiny_llama, llama_adapters, overlap=False)
+    """Overlapped load with per-layer events, its request admitted in the same plan: layer i waits for
+    layer i's event only (in layer order), never for the whole copy; a load no step uses is never
+    waited on; synchronous loading waits for the whole copy before the step."""
+    ex, _ = _executor(tiny_llama, llama_adapters, overlap=True)
     num_layers = ex.runner.model_cfg.num_layers
     handles: list[LoadHandle] = []
 
     def load(sl: SlotLoad) -> LoadHandle:
-        handles.append(
-            LoadHandle(sl.slot, 1, event=FakeEvent(), layer_events=[FakeEvent() for _ in range(num_layers)])
-        )
+        layers = [FakeEvent() for _ in range(num_layers)]
+        handles.append(LoadHandle(sl.slot, 1, event=FakeEvent(), layer_events=layers))
         return handles[-1]
 
     ex._load_adapter = load
@@ -138,10 +138,18 @@ def test_a_step_using_a_copying_slot_waits_layer_by_layer(tiny_llama, llama_adap
     )
     plan = BatchPlan(step=1, new_requests=[req], slot_loads=[SlotLoad(slot=0, adapter="qv5")])
     res, tokens = ex.execute(plan)
-    assert stream.waited == handles[0].layer_events and res.slots_ready == [0] and len(tokens.items) == 1
+    assert stream.waited == handles[0].layer_events and res.slots_ready == [] and len(tokens.items) == 1
     stream.waited.clear()
     res, _ = ex.execute(BatchPlan(step=2, slot_loads=[SlotLoad(slot=1, adapter="mlp1")]))  # slot 1 unused
-    assert stream.waited == [handles[1].event] and 1 in res.slots_ready and not ex.pending
+    assert stream.waited == [] and res.slots_ready == []
+    for h in handles:
+        h.event.complete = True
+    assert sorted(ex.poll_loads()) == [0, 1]
+
+    sync, _ = _executor(tiny_llama, llama_adapters, overlap=False)
+    sync._load_adapter = load
+    res, _ = sync.execute(plan)
+    assert stream.waited == [handles[2].event] and res.slots_ready == [0] and not sync.pending
 
 
 def test_layer_waits_skip_done_and_waited_copies():
