@@ -15,7 +15,7 @@ peft_limit=${PEFT_LIMIT:-}             # e.g. 128: PEFT runs only the first N re
 parts=${PARTS:-"lorapipe peft"}        # run a subset (e.g. one per call); tables use whatever results exist
 port=${PORT:-28000}
 seed=${SEED:-0}
-server_flags=${SERVER_FLAGS:-"--max-loras-per-batch 32 --max-cpu-loras 32 --max-lora-rank 16 --max-model-len 2048"}
+server_flags=${SERVER_FLAGS:-"--max-loras-per-batch 32 --max-cpu-loras 32 --max-lora-rank 16 --max-model-len 2048 --max-running-requests 256 --max-tokens-per-step 8192"}
 endpoint=tcp://127.0.0.1:$port
 metrics=http://127.0.0.1:$((port + 1))/metrics
 mkdir -p "$out" "$scratch"
