@@ -110,6 +110,7 @@ def test_serve_args_errors(tiny_llama, llama_adapters, tmp_path, capsys):
         (["--max-loras-per-batch", "0"], "--max-loras-per-batch must be positive"),
         (["--max-model-len", "100000"], "exceeds the model's max_position_embeddings"),
         (["--prefetch-depth", "-1"], "--prefetch-depth must not be negative"),
+        (["--cuda-graph-max-batch", "-2"], "--cuda-graph-max-batch must not be negative"),
     ]
     for flags, message in cases:
         argv = ["serve", *(["--model", str(tiny_llama)] if "--model" not in flags else []), *flags]
@@ -148,6 +149,11 @@ def test_stage_configs_round_trip(tiny_llama, llama_adapters, tmp_path):
     off_cfgs = stage_configs(off, model_cfg, endpoints, "pool-x", 4096)
     assert not off_cfgs["scheduler"].overlap_loading and not off_cfgs["worker"].overlap_loading
     assert off_cfgs["scheduler"].prefetch_depth == 0
+    # decode graphs: never larger than the running batch; 0 turns them off
+    assert worker.runner.cuda_graph_max_batch == 64 and worker.runner.max_model_len == worker.max_model_len
+    for flags, want in ((["--max-running-requests", "300"], 256), (["--cuda-graph-max-batch", "0"], 0)):
+        graphs = stage_configs(parse_serve_args([*argv, *flags]), model_cfg, endpoints, "pool-x", 4096)
+        assert graphs["worker"].runner.cuda_graph_max_batch == want, flags
 
 
 # --- failures with stand-in stages ------------------------------------------------------------------
