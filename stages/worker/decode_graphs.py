@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kernels.paged_attention import META_COLS, AttentionPlan, choose_splits, decode_block_m, plan_blocks
-from stages.worker.lora.backend import LoraBackend
+from stages.worker.lora.backend import LoraBackend, slot_segments
 from stages.worker.model.attention import plan_key
 from stages.worker.model.forward_batch import ForwardBatch
 from stages.worker.model.kv_cache import KVCache
@@ -183,14 +183,7 @@ class DecodeGraphs:
             st.used = True
         has_lora = any(s.slot >= 0 for s in seqs) if with_lora is None else with_lora
         if has_lora:
-            indptr, slots = [0], []
-            for s in seqs:
-                if slots and slots[-1] == s.slot:
-                    indptr[-1] += 1
-                else:
-                    slots.append(s.slot)
-                    indptr.append(indptr[-1] + 1)
-            self.lora.prepare(indptr, slots, pad_to=padded)
+            self.lora.prepare(*slot_segments(seqs), pad_to=padded)
         return padded, splits, has_lora
 
     def _forward(self, key: tuple[int, int, bool]) -> None:

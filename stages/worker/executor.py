@@ -47,7 +47,6 @@ class StepExecutor:
         self.overlap_loading = overlap_loading
         self.pending = PendingLoads(on_load_done)
         self._waited: list[LoadHandle] = []  # synchronous loads of the current step
-        self._sync_slots: list[int] = []  # slots loaded synchronously in the current step
         self.sampler = Sampler(runner.device, seed)
         self.eos_ids = frozenset(runner.model_cfg.eos_token_ids)
         self.max_model_len = max_model_len
@@ -63,8 +62,6 @@ class StepExecutor:
         errors: list[RequestError] = []
         scheduled = self._apply_plan(plan, {e.slot for e in slot_errors}, errors)
         if not scheduled:
-            self.pending.wait_for(set(self._sync_slots), self.runner.device)
-            slots_ready += self._finish_sync_loads()
             self._settle_waited()
             slots_ready += self.pending.poll()
             return (
@@ -74,8 +71,6 @@ class StepExecutor:
         t_plan = time.perf_counter()
         used = {req.slot for req, _ in scheduled if req.slot >= 0}
         # Copies into the slots this step uses: layer i waits only for layer i's part of the copy.
-        # Synchronous loading (the baseline): the whole step waits for its copies before it starts.
-        self.pending.wait_for(set(self._sync_slots), self.runner.device)
         layer_waits = self.pending.layer_waits(used, self.runner.model_cfg.num_layers) if used else None
         seqs = [
             SeqInput(
@@ -84,7 +79,6 @@ class StepExecutor:
             for req, n in scheduled
         ]
         logits = self.runner.execute(seqs, layer_waits)  # [B, V]
-        slots_ready += self._finish_sync_loads()
         t_forward = time.perf_counter()
         for req, n in scheduled:
             req.num_computed += n
@@ -148,16 +142,10 @@ class StepExecutor:
                 continue
             self.pending.add(handle)
             if not self.overlap_loading:  # synchronous: this step waits for it and reports it
-                self._sync_slots.append(load.slot)
+                self.pending.wait_for({load.slot}, self.runner.device)
+                self._waited.append(self.pending.by_slot.pop(load.slot))
+                ready.append(load.slot)
         return ready, failed
-
-    def _finish_sync_loads(self) -> list[int]:
-        """Synchronous loads of this step (waited for as a whole before its forward), reported ready
-        with its result."""
-        slots, self._sync_slots = self._sync_slots, []
-        for slot in slots:
-            self._waited.append(self.pending.by_slot.pop(slot))
-        return slots
 
     def _settle_waited(self) -> None:
         """Metrics of synchronous loads, once the step that waited for them is over."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from stages.worker.decode_graphs import DecodeGraphs
-from stages.worker.lora.backend import make_backend
+from stages.worker.lora.backend import make_backend, slot_segments
 from stages.worker.lora.layout import LoraLayout
 from stages.worker.lora.packed import PackedAdapter
 from stages.worker.lora.slots import LoraSlots
@@ -166,7 +166,6 @@ class ModelRunner:
     def _build_batch(self, seqs: list[SeqInput]) -> tuple[ForwardBatch, list[int], list[int]]:
         ps = self.cfg.page_size
         ids, positions, rows, extents, last = [], [], [], [], []
-        seg_indptr, seg_slots = [0], []
         max_pages = max(len(s.page_ids) for s in seqs)
         table = []
         for s in seqs:
@@ -178,11 +177,6 @@ class ModelRunner:
             extents.append(SeqExtent(q_start=start, q_len=n, ctx_len=s.start_pos + n))
             last.append(start + n - 1)
             table.append(s.page_ids + [0] * (max_pages - len(s.page_ids)))
-            if seg_slots and seg_slots[-1] == s.slot:
-                seg_indptr[-1] = len(ids)
-            else:
-                seg_slots.append(s.slot)
-                seg_indptr.append(len(ids))
         dev = self.device
 
         def t(x):
@@ -196,4 +190,4 @@ class ModelRunner:
             logits_indices=t(last),
             seqs=tuple(extents),
         )
-        return fb, seg_indptr, seg_slots
+        return fb, *slot_segments(seqs)

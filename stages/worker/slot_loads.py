@@ -63,7 +63,6 @@ class PendingLoads:
         have them (the step's compute then overlaps the rest of those copies); None if there are none.
         Copies without per-layer events get a whole wait, as in `wait_for`."""
         waits: list[list[Any]] = [[] for _ in range(num_layers)]
-        found = False
         for slot in slots & self.by_slot.keys():
             h = self.by_slot[slot]
             if h.event is None or h.waited:
@@ -71,12 +70,10 @@ class PendingLoads:
             h.waited = True
             if h.layer_events is None or len(h.layer_events) != num_layers:
                 waits[0].append(h.event)
-                found = True
-                continue
-            for layer, ev in enumerate(h.layer_events):
-                waits[layer].append(ev)
-            found = True
-        return waits if found else None
+            else:
+                for layer, ev in enumerate(h.layer_events):
+                    waits[layer].append(ev)
+        return waits if any(waits) else None
 
     def poll(self) -> list[int]:
         """Slots whose copy has completed (never blocks); they leave the pending set."""

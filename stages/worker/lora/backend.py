@@ -33,6 +33,20 @@ class LoraBackend(ABC):
         """out[T, group.out_total] += scaling * (x[T, group.in_dim] @ A^T) @ B^T, per token's slot."""
 
 
+def slot_segments(seqs: Sequence) -> tuple[list[int], list[int]]:
+    """(seg_indptr, seg_slots) of sequences whose tokens are laid out in order (each with `token_ids`
+    and `slot`); adjacent sequences of one slot share a segment."""
+    indptr, slots = [0], []
+    for s in seqs:
+        n = len(s.token_ids)
+        if slots and slots[-1] == s.slot:
+            indptr[-1] += n
+        else:
+            slots.append(s.slot)
+            indptr.append(indptr[-1] + n)
+    return indptr, slots
+
+
 def make_backend(name: str, slots: LoraSlots, max_tokens: int) -> LoraBackend:
     if name == "torch":
         from stages.worker.lora.torch_backend import TorchLoraBackend
