@@ -129,7 +129,7 @@ class DecodeGraphs:
             self.replays += 1
         return self.out[: len(seqs)]
 
-    def capture_all(self, with_lora: bool = True) -> int:
+    def capture_all(self) -> int:
         """Capture every bucket's graphs ahead of serving (largest first, so the pool's memory is reused),
         for each key split count a context up to max_model_len can choose. Returns graphs captured."""
         before = len(self.graphs)
@@ -139,7 +139,7 @@ class DecodeGraphs:
             keys = [max_keys] + [1 << k for k in range(9, max_keys.bit_length())]
             splits = {choose_splits(blocks, self.num_kv_heads, n, self.device) for n in keys}
             for s in sorted(splits):
-                for lora in (False, True) if with_lora and self.lora is not None else (False,):
+                for lora in (False, True) if self.lora is not None else (False,):
                     if (padded, s, lora) not in self.graphs:
                         self._stage([], padded, splits=s, with_lora=lora)  # all padding: touches only scratch
                         self._capture((padded, s, lora))
