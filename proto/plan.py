@@ -49,6 +49,9 @@ class SlotLoad(Record):
     dtype: str = "bfloat16"
     slice_ranks: list[int] = []  # flat [num_layers * NUM_SLICES], layer-major; 0 = module not adapted
     slice_scalings: list[float] = []  # flat [num_layers * NUM_SLICES]
+    # copy layer by layer with one event per layer, so a step may run layer i before later layers are in
+    # (overlapped loads of large adapters); otherwise one copy, which small blocks need for full bandwidth
+    layered: bool = False
 
 
 class BatchPlan(Message):

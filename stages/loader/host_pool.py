@@ -117,8 +117,8 @@ def block_tensor(
     return flat.view(layout.num_layers, rank, layout.row_elems)  # [num_layers, rank, row_elems]
 
 
-def slot_load_for(staged: AdapterStaged, slot: int) -> SlotLoad:
-    """The scheduler's SlotLoad for copying a staged adapter into `slot`."""
+def slot_load_for(staged: AdapterStaged, slot: int, layered: bool = False) -> SlotLoad:
+    """The scheduler's SlotLoad for copying a staged adapter into `slot` (`layered`: see SlotLoad)."""
     return SlotLoad(
         slot=slot,
         adapter=staged.name,
@@ -130,6 +130,7 @@ def slot_load_for(staged: AdapterStaged, slot: int) -> SlotLoad:
         dtype=staged.dtype,
         slice_ranks=list(staged.slice_ranks),
         slice_scalings=list(staged.slice_scalings),
+        layered=layered,
     )
 
 

@@ -81,7 +81,7 @@ class AdapterLifecycle:
         self._host_looked.discard(load.adapter)
         self.slot_loads[load.slot] = (load.adapter, self.adapters.generation)
         self.series.slot_loads.inc()
-        return slot_load_for(self.adapters.get(load.adapter).staged, load.slot)
+        return slot_load_for(self.adapters.get(load.adapter).staged, load.slot, load.layered)
 
     def _stale_copies(self) -> bool:
         """Copies issued under a loader that restarted: their bytes may be reused by the new loader's

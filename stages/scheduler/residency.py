@@ -53,8 +53,9 @@ class Residency:
         return (Place.WAIT, -1) if victim is None else (Place.LOAD, victim)
 
     def issue(self, slot: int, adapter: str, loads: list[SlotLoad]) -> None:
-        self.slots.assign(slot, adapter, loading=self.overlapped(adapter))
-        loads.append(SlotLoad(slot=slot, adapter=adapter))
+        overlapped = self.overlapped(adapter)
+        self.slots.assign(slot, adapter, loading=overlapped)
+        loads.append(SlotLoad(slot=slot, adapter=adapter, layered=overlapped))
         self.loads_issued += 1
 
     def prefetch(self, waiting: Iterable[str | None], loads: list[SlotLoad]) -> None:

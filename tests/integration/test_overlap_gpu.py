@@ -13,6 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 import torch
 
@@ -204,8 +205,10 @@ def _empty_slot(runner: ModelRunner) -> None:
     torch.cuda.synchronize()
 
 
-def test_resident_requests_decode_while_a_slot_load_is_in_flight(setup):
+@pytest.mark.parametrize("layered", [False, True], ids=["single-copy", "layered"])
+def test_resident_requests_decode_while_a_slot_load_is_in_flight(setup, layered):
     runner, loads, packed, load, reference, on_loaded_slot = setup
+    load = msgspec.structs.replace(load, layered=layered)
     _empty_slot(runner)
     got = _decode(runner, loads, 0, PROMPTS, overlap=True, load=load)
     assert got.steps_during_load >= MIN_STEPS_DURING_LOAD, (

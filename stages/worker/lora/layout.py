@@ -1,5 +1,5 @@
 """Where each adapter tensor lives inside a LoRA slot: one contiguous block per slot, layer-major,
-rank rows within a layer, so a rank-r adapter is a prefix of r rows per layer (one copy per layer)."""
+rank rows within a layer, so a rank-r adapter is a prefix of r rows per layer."""
 
 from __future__ import annotations
 

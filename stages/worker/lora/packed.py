@@ -1,4 +1,5 @@
-"""A validated adapter packed for one contiguous copy per layer into a device slot (the host-cache form)."""
+"""A validated adapter packed contiguously (the host-cache form), copied into a device slot in one copy
+or one per layer."""
 
 from __future__ import annotations
 

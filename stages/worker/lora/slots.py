@@ -35,10 +35,13 @@ class LoraSlots:
         stream: torch.cuda.Stream | None = None,
         layer_events: bool = False,
     ) -> list[torch.cuda.Event] | None:
-        """Copy a packed adapter into `slot`: ranks and scalings first, then one contiguous copy per
-        layer in order (on `stream` when given). The caller orders later reads of the slot after this
-        copy; with `layer_events` (CUDA) it gets one event per layer, recorded once that layer (and
-        everything before it) is in, so layer i may compute while later layers still copy."""
+        """Copy a packed adapter into `slot` (on `stream` when given): ranks and scalings, then the block.
+        The caller orders later reads of the slot after this copy. With `layer_events` (CUDA) the block
+        goes one contiguous copy per layer, in order, and the caller gets one event per layer, recorded
+        once that layer (and everything before it) is in, so layer i may compute while later layers
+        still copy. Without, it is one host→device copy: a block of rank below max_rank lands in a
+        device temporary that one kernel spreads into the slot's rows, since per-layer copies of a
+        small block cost more in launches than its transfer."""
         if adapter.rank > self.layout.max_rank:
             raise ValueError(
                 f"adapter {adapter.name!r}: rank {adapter.rank} > max_lora_rank {self.layout.max_rank}"
@@ -51,9 +54,11 @@ class LoraSlots:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self.ranks[slot].copy_(adapter.ranks, non_blocking=non_blocking)
             self.scalings[slot].copy_(adapter.scalings, non_blocking=non_blocking)
-            for layer in range(self.layout.num_layers):
-                self.mem[slot, layer, :r].copy_(adapter.block[layer], non_blocking=non_blocking)
-                if events is not None:
+            if events is None:
+                self.mem[slot, :, :r].copy_(adapter.block, non_blocking=non_blocking)
+            else:
+                for layer in range(self.layout.num_layers):
+                    self.mem[slot, layer, :r].copy_(adapter.block[layer], non_blocking=non_blocking)
                     events.append(torch.cuda.Event())
                     events[-1].record()
         self.host_ranks[slot] = adapter.ranks

@@ -123,6 +123,7 @@ def test_packed_from_pool_equals_the_readers_packed_adapter(pool, model, llama_a
     )
     load = slot_load_for(staged, slot=3)
     assert (load.slot, load.adapter, load.shm_name, load.offset) == (3, "rs12", pool.name, offset)
+    assert not load.layered and slot_load_for(staged, slot=3, layered=True).layered
     worker_pool = attach_pool(pool.name)
     got = packed_from_pool(worker_pool, load, layout, dtype)
     assert got.name == "rs12" and got.rank == packed.rank == 12

@@ -245,6 +245,9 @@ def test_loads_under_the_size_threshold_stay_synchronous_and_are_not_prefetched(
     # (overlapped: its slot is marked loading and no request uses it yet)
     assert _plan_ids(p1) == ["s"]
     assert [(lo.slot, lo.adapter) for lo in p1.slot_loads] == [(0, "small"), (1, "big")]
+    # only the overlapped copy goes layer by layer (a step may run its first layers early); the small
+    # one is a single copy
+    assert [lo.layered for lo in p1.slot_loads] == [False, True]
     assert not planner.slots.is_loading(0) and planner.slots.is_loading(1)
     planner.add("s2", [1, 2], "small2", SamplingParams(max_tokens=3))
     sizes["small2"] = 1 << 20
