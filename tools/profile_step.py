@@ -6,7 +6,10 @@ eager steps. Prints one table; `--out` writes JSON.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import re
 import time
 from pathlib import Path
@@ -42,6 +45,20 @@ def _device_total_ms(table: str) -> float | None:
     return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
 
 
+def _host_profile(runner: ModelRunner, seqs: list[SeqInput], steps: int) -> str:
+    """cProfile of `steps` executions (synchronized at the end only): the top 25 by own time."""
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        runner.execute(seqs)
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    return buf.getvalue()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -53,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--prefill", action="store_true", help="each sequence computes its whole ctx (a prefill step)"
     )
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also run N steps of each eager case under cProfile: the host functions with the "
+                   "most own time")  # fmt: skip
     p.add_argument("--out")
     a = p.parse_args(argv)
     if a.prefill and a.batch * a.ctx > 2048:
@@ -94,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
         ) as prof:
             runner.execute(seqs)
             torch.cuda.synchronize()
+        if a.cprofile:
+            results[label]["cprofile"] = _host_profile(runner, seqs, a.cprofile)
+            print(results[label]["cprofile"])
         averages = prof.key_averages()
         table = averages.table(sort_by="self_cpu_time_total", row_limit=15)
         kernel_ms = _device_total_ms(table)

@@ -35,8 +35,9 @@ def test_cpu_run_report_and_table(tiny_llama, tmp_path, capsys):
     rows = report["adapters"]
     assert [r["rank"] for r in rows] == [2, 4] and [r["nbytes"] for r in rows] == [17920, 35840]
     for r in rows:
-        assert r["verified"] and r["pool_verified"] and r["layer_copies"] == 2
+        assert r["verified"] and r["pool_verified"] and r["num_layers"] == 2
         assert r["tensor_gbps"] > 0 and r["pool_gbps"] > 0 and r["dma_only_gbps"] is None
+        assert r["layered_gbps"] > 0 and r["issue_ms_busy"] > 0
         assert r["met"] is None  # below --target-min-mb: no verdict
         assert len(r["tensor_ms"]) == len(r["pool_ms"]) == 2
     table = capsys.readouterr().out

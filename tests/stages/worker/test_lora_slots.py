@@ -1,16 +1,21 @@
 """Slot copies land exactly where the kernels read: a rank-r block fills rows [:r] of every layer of its
 slot, leaves the rows above r and every other slot untouched, and updates the rank and scaling tables
-(device and host mirror). On CUDA: the single copy (a device temporary spread into the rows) and the
-layer-by-layer copy with its events, from pinned and from pageable memory, against the source bytes."""
+(device and host mirror). On CUDA: the single copy (the driver's pitched copy from pinned memory below
+max rank) and the layer-by-layer copy with its events, from pinned and from pageable memory, against the
+source bytes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from stages.worker.lora import pitched_copy
+from stages.worker.lora import slots as slots_module
 from stages.worker.lora.layout import NUM_SLICES, LoraLayout
 from stages.worker.lora.packed import PackedAdapter
 from stages.worker.lora.slots import LoraSlots
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,11 +73,37 @@ def test_copy_refuses_a_block_of_another_layout_or_rank():
         slots.load(0, PackedAdapter("f32", bad.block.float(), bad.ranks, bad.scalings))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pitched_copy_refuses_what_it_cannot_copy():
+    src = torch.zeros((2, 3, 4))
+    with pytest.raises(ValueError, match="into"):
+        pitched_copy.copy_rows(torch.zeros((2, 2, 4)), src, stream=None)
+    with pytest.raises(ValueError, match="from pinned host memory to a CUDA device"):
+        pitched_copy.copy_rows(torch.zeros((2, 3, 4)), src, stream=None)
+
+
+@needs_cuda
+def test_pitched_copy_writes_the_rows_and_nothing_else():
+    dst = torch.full((4, 6, 10), float("nan"), dtype=torch.bfloat16, device="cuda")
+    src = torch.randn((4, 3, 10)).to(torch.bfloat16).pin_memory()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    assert pitched_copy.copy_rows(dst[:, :3], src, stream), "the driver's pitched copy is unavailable"
+    stream.synchronize()
+    assert torch.equal(dst[:, :3].cpu(), src) and dst[:, 3:].isnan().all()
+
+
+@needs_cuda
 @pytest.mark.parametrize("layered", [False, True], ids=["single", "layered"])
 @pytest.mark.parametrize("pin", [True, False], ids=["pinned", "pageable"])
 @pytest.mark.parametrize("rank", [3, 8])
-def test_cuda_copy_on_a_side_stream(rank, pin, layered):
+def test_cuda_copy_on_a_side_stream(rank, pin, layered, monkeypatch):
+    pitched = []
+
+    def counting(dst, src, stream):
+        pitched.append(src.shape)
+        return pitched_copy.copy_rows(dst, src, stream)
+
+    monkeypatch.setattr(slots_module, "copy_rows", counting)
     slots = _filled_slots("cuda")
     torch.cuda.synchronize()
     before = slots.mem.cpu()
@@ -87,3 +118,5 @@ def test_cuda_copy_on_a_side_stream(rank, pin, layered):
         assert events is None
         stream.synchronize()
     _check(slots, 2, packed, before)
+    # the driver's pitched copy serves exactly the single copies from pinned memory below max rank
+    assert len(pitched) == int(not layered and pin and rank < LAYOUT.max_rank)

@@ -1,0 +1,109 @@
+"""Pitched host→device copies through the CUDA driver (`cuMemcpy2DAsync`): one DMA operation writes
+`rows` rows of `width` bytes from a packed pinned host buffer into device rows `pitch` bytes apart.
+
+A rank-r adapter fills the first r of max_rank rows of every layer of its slot, so its destination is
+strided. torch copies into a strided destination through a device temporary and a spread kernel; for
+a 20 MB adapter those cost as much as the transfer itself, and per-layer copies cost as much in
+launches. The driver's pitched copy needs neither."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+_CU_MEMORYTYPE_HOST = 1
+_CU_MEMORYTYPE_DEVICE = 2
+
+
+class _Memcpy2D(ctypes.Structure):
+    """CUDA_MEMCPY2D (cuda.h), field for field."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
+
+
+class _Driver:
+    def __init__(self, lib: ctypes.CDLL):
+        self.memcpy2d = lib.cuMemcpy2DAsync_v2
+        self.memcpy2d.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
+        self.memcpy2d.restype = ctypes.c_int
+        self.ctx_current = lib.cuCtxGetCurrent
+        self.ctx_current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self.ctx_current.restype = ctypes.c_int
+        self.error_name = lib.cuGetErrorName
+        self.error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self.error_name.restype = ctypes.c_int
+
+    def has_context(self) -> bool:
+        ctx = ctypes.c_void_p()
+        return self.ctx_current(ctypes.byref(ctx)) == 0 and bool(ctx.value)
+
+    def describe(self, code: int) -> str:
+        name = ctypes.c_char_p()
+        if self.error_name(code, ctypes.byref(name)) == 0 and name.value:
+            return name.value.decode()
+        return f"CUresult {code}"
+
+
+@functools.cache
+def _driver() -> _Driver | None:
+    """The driver library of the process (None without one, e.g. a CPU-only build or machine)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return _Driver(ctypes.CDLL("libcuda.so.1"))
+    except (OSError, AttributeError):
+        return None
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> bool:
+    """Queue on `stream` one copy of `src` (pinned, contiguous, CPU) into `dst` (CUDA, same shape and
+    dtype, each `dst[i]` contiguous, rows `dst.stride(0)` elements apart). Returns False, having done
+    nothing, where the driver call cannot be made (no driver library or no current context): the caller
+    copies another way. The caller keeps `src` alive until the copy has completed on `stream`."""
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(
+            f"pitched copy of {src.dtype} {tuple(src.shape)} into {dst.dtype} {tuple(dst.shape)}"
+        )
+    if dst.device.type != "cuda" or src.device.type != "cpu" or not src.is_pinned():
+        raise ValueError("pitched copy goes from pinned host memory to a CUDA device")
+    if dst.dim() < 1 or not src.is_contiguous() or not dst[0].is_contiguous():
+        raise ValueError("pitched copy needs a contiguous source and contiguous destination rows")
+    driver = _driver()
+    if driver is None:
+        return False
+    item = src.element_size()
+    width = src[0].numel() * item if src.shape[0] else 0
+    if width == 0:
+        return True
+    p = _Memcpy2D()
+    p.srcMemoryType, p.srcHost, p.srcPitch = _CU_MEMORYTYPE_HOST, src.data_ptr(), width
+    p.dstMemoryType, p.dstDevice, p.dstPitch = _CU_MEMORYTYPE_DEVICE, dst.data_ptr(), dst.stride(0) * item
+    p.WidthInBytes, p.Height = width, src.shape[0]
+    with torch.cuda.device(dst.device):
+        if not driver.has_context():
+            return False
+        code = driver.memcpy2d(ctypes.byref(p), ctypes.c_void_p(stream.cuda_stream))
+    if code != 0:
+        raise RuntimeError(
+            f"cuMemcpy2DAsync of {src.shape[0]} rows x {width} B failed: {driver.describe(code)}"
+        )
+    return True
