@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
                        max_lora_rank=16, num_pages=a.batch * (a.ctx // 16 + 2) + 16,
                        max_model_len=a.ctx + 32, cuda_graph_max_batch=a.batch)  # fmt: skip
     runner = ModelRunner(cfg)
-    dirs = sorted(Path(a.adapter_dir).iterdir())[: a.slots]
+    dirs = sorted(d for d in Path(a.adapter_dir).iterdir() if d.is_dir())[: a.slots]
     for slot, d in enumerate(dirs):
         packed = read_adapter(d.name, d, runner.model_cfg, runner.lora_layout, runner.dtype, pin_memory=True)
         runner.load_adapter(slot, packed)

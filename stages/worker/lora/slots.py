@@ -12,10 +12,6 @@ from stages.worker.lora.packed import PackedAdapter
 from stages.worker.lora.pitched_copy import copy_rows
 
 
-def _pinned(t: torch.Tensor, cuda: bool) -> torch.Tensor:
-    return t.pin_memory() if cuda and not t.is_pinned() else t
-
-
 class LoraSlots:
     def __init__(self, layout: LoraLayout, num_slots: int, dtype: torch.dtype, device: torch.device):
         self.layout = layout
@@ -33,6 +29,12 @@ class LoraSlots:
         self.host_scalings = torch.zeros_like(self.scalings, device="cpu")
         self.names: list[str | None] = [None] * num_slots
         self._held: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # sources of pitched copies in flight
+        if device.type == "cuda":
+            # pinned staging of each slot's tables: copied without waiting on anything, reused once the
+            # slot's previous table copy is done (a fresh pin per load cost more host time than a copy)
+            self._stage_ranks = torch.empty_like(self.host_ranks).pin_memory()
+            self._stage_scalings = torch.empty_like(self.host_scalings).pin_memory()
+            self._staged: list[torch.cuda.Event | None] = [None] * num_slots
 
     def load(
         self,
@@ -41,13 +43,13 @@ class LoraSlots:
         stream: torch.cuda.Stream | None = None,
         layer_events: bool = False,
     ) -> list[torch.cuda.Event] | None:
-        """Copy a packed adapter into `slot` (on `stream` when given): ranks and scalings, then the block.
-        The caller orders later reads of the slot after this copy. With `layer_events` (CUDA) the block
-        goes one contiguous copy per layer, in order, and the caller gets one event per layer, recorded
-        once that layer (and everything before it) is in, so layer i may compute while later layers
-        still copy. Without, it is one host→device copy (a pitched one from pinned memory when the rank is
-        below max_rank), since per-layer copies of a small block cost more in launches than its
-        transfer."""
+        """Copy a packed adapter and its rank and scaling tables into `slot` (on `stream` when given).
+        The caller orders later reads of the slot after this copy. With `layer_events` (CUDA) the tables
+        go first, then the block one contiguous copy per layer, in order, and the caller gets one event
+        per layer, recorded once that layer (and everything before it) is in, so layer i may compute
+        while later layers still copy. Without, the block is one host→device copy (a pitched one from
+        pinned memory when the rank is below max_rank), since per-layer copies of a small block cost
+        more in launches than its transfer."""
         if adapter.rank > self.layout.max_rank:
             raise ValueError(
                 f"adapter {adapter.name!r}: rank {adapter.rank} > max_lora_rank {self.layout.max_rank}"
@@ -59,13 +61,12 @@ class LoraSlots:
         pinned = adapter.block.is_pinned()
         events = [] if layer_events and cuda else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            # the tables from pinned memory too: a pageable copy may wait for the stream's earlier copies
-            self.ranks[slot].copy_(_pinned(adapter.ranks, cuda), non_blocking=cuda)
-            self.scalings[slot].copy_(_pinned(adapter.scalings, cuda), non_blocking=cuda)
-            if events is None:
+            if events is None:  # the block first, so its DMA starts while the tables are issued
                 if not (cuda and pinned and r < self.layout.max_rank and self._pitched(slot, adapter)):
                     self.mem[slot, :, :r].copy_(adapter.block, non_blocking=pinned)
-            else:
+                self._copy_tables(slot, adapter)
+            else:  # the tables first: layer 0 may run once its own rows are in
+                self._copy_tables(slot, adapter)
                 for layer in range(self.layout.num_layers):
                     self.mem[slot, layer, :r].copy_(adapter.block[layer], non_blocking=pinned)
                     events.append(torch.cuda.Event())
@@ -74,6 +75,23 @@ class LoraSlots:
         self.host_scalings[slot] = adapter.scalings
         self.names[slot] = adapter.name
         return events
+
+    def _copy_tables(self, slot: int, adapter: PackedAdapter) -> None:
+        """Ranks and scalings into the slot's device tables (on the current stream); on CUDA through the
+        slot's pinned staging, since a copy from pageable memory may wait for the stream's earlier work."""
+        if self.device.type != "cuda":
+            self.ranks[slot].copy_(adapter.ranks)
+            self.scalings[slot].copy_(adapter.scalings)
+            return
+        previous = self._staged[slot]
+        if previous is not None:
+            previous.synchronize()  # the staging rows' last copy (long done unless loads come back to back)
+        self._stage_ranks[slot].copy_(adapter.ranks)
+        self._stage_scalings[slot].copy_(adapter.scalings)
+        self.ranks[slot].copy_(self._stage_ranks[slot], non_blocking=True)
+        self.scalings[slot].copy_(self._stage_scalings[slot], non_blocking=True)
+        done = self._staged[slot] = torch.cuda.Event()
+        done.record()
 
     def _pitched(self, slot: int, adapter: PackedAdapter) -> bool:
         """One pitched DMA of the block into the first `rank` rows of each layer, on the current stream;
