@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU benchmark of docs/benchmarks.md in one command: Llama-3.2-1B-shaped model + 32 rank-16
 # adapters, lorapipe rate sweep and base-only run, then PEFT at batch 8/32/64 and plain transformers.
-#   usage: bash tools/run_gpu_bench.sh OUT_DIR      (knobs: the environment variables below)
+#   usage: bash tools/run_gpu_bench.sh OUT_DIR      (knobs: the environment variables below; COMMIT names the
+#   commit in the tables where the tree is a copy without git's HEAD)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:?usage: bash tools/run_gpu_bench.sh OUT_DIR}")
@@ -90,7 +91,7 @@ for r in $rates; do sweep+=("$out/lorapipe_r$r.json"); done
 baselines=("$out/lorapipe_r${rates##* }.json" "$out/lorapipe_base.json")
 for b in $peft_batches; do baselines+=("$out/peft_bs$b.json"); done
 {
-  echo "# lorapipe vs PEFT: $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "# lorapipe vs PEFT: $(date -u +%Y-%m-%dT%H:%MZ), commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
   echo
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /' || true
   "$py" -c "import torch, transformers, peft; print(f'torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"

@@ -37,6 +37,7 @@ itl_long=${ITL_LONG_REQUESTS:-8} itl_long_out=${ITL_LONG_OUTPUT:-192}
 itl_short_out=${ITL_SHORT_OUTPUT:-16} itl_rate=${ITL_RATE:-12} itl_start=${ITL_START:-0.5}
 itl_tolerance=${ITL_TOLERANCE:-0.05}
 itl_repeats=${ITL_REPEATS:-2}              # runs with loads (and as many without), A-B-B-A, pooled
+# COMMIT: the commit named in results.md (default: git's HEAD; set it where the tree is a copy)
 small_num=${SMALL_NUM_PROMPTS:-200}        # small: as docs/benchmarks.md runs 4-6 (256 in / 128 out, r=inf)
 small_min=${SMALL_MIN_RATIO:-0.95}         # small: overlap/sync output tok/s must be >= this (run spread ~10%)
 mkdir -p "$out" "$scratch"
@@ -230,7 +231,7 @@ pair_tables() { # NAME TITLE TAG...: the runs' table, then each tag's comparison
   echo
 }
 {
-  echo "# Overlapped adapter loading (issue 6): $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "# Overlapped adapter loading (issue 6): $(date -u +%Y-%m-%dT%H:%MZ), commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
   echo
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /' || true
   "$py" -c "import torch; print(f'torch {torch.__version__}')"

@@ -8,6 +8,7 @@ launches. The driver's pitched copy needs neither."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 
@@ -15,6 +16,7 @@ import torch
 
 _CU_MEMORYTYPE_HOST = 1
 _CU_MEMORYTYPE_DEVICE = 2
+_CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 class _Memcpy2D(ctypes.Structure):
@@ -45,16 +47,9 @@ class _Driver:
         self.memcpy2d = lib.cuMemcpy2DAsync_v2
         self.memcpy2d.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
         self.memcpy2d.restype = ctypes.c_int
-        self.ctx_current = lib.cuCtxGetCurrent
-        self.ctx_current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        self.ctx_current.restype = ctypes.c_int
         self.error_name = lib.cuGetErrorName
         self.error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         self.error_name.restype = ctypes.c_int
-
-    def has_context(self) -> bool:
-        ctx = ctypes.c_void_p()
-        return self.ctx_current(ctypes.byref(ctx)) == 0 and bool(ctx.value)
 
     def describe(self, code: int) -> str:
         name = ctypes.c_char_p()
@@ -75,16 +70,17 @@ def _driver() -> _Driver | None:
 
 
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> bool:
-    """Queue on `stream` one copy of `src` (pinned, contiguous, CPU) into `dst` (CUDA, same shape and
-    dtype, each `dst[i]` contiguous, rows `dst.stride(0)` elements apart). Returns False, having done
-    nothing, where the driver call cannot be made (no driver library or no current context): the caller
-    copies another way. The caller keeps `src` alive until the copy has completed on `stream`."""
+    """Queue on `stream` one copy of `src` (contiguous, CPU; pinned, or the copy is synchronous) into
+    `dst` (CUDA, same shape and dtype, each `dst[i]` contiguous, rows `dst.stride(0)` elements apart).
+    Returns False, having done nothing, where the driver call cannot be made (no driver library, or no
+    context current on this thread): the caller copies another way. The caller keeps `src` alive until
+    the copy has completed on `stream`. Kept to a few checks: it runs on the path of every slot load."""
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise ValueError(
             f"pitched copy of {src.dtype} {tuple(src.shape)} into {dst.dtype} {tuple(dst.shape)}"
         )
-    if dst.device.type != "cuda" or src.device.type != "cpu" or not src.is_pinned():
-        raise ValueError("pitched copy goes from pinned host memory to a CUDA device")
+    if dst.device.type != "cuda" or src.device.type != "cpu":
+        raise ValueError("pitched copy goes from host memory to a CUDA device")
     if dst.dim() < 1 or not src.is_contiguous() or not dst[0].is_contiguous():
         raise ValueError("pitched copy needs a contiguous source and contiguous destination rows")
     driver = _driver()
@@ -98,10 +94,11 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -
     p.srcMemoryType, p.srcHost, p.srcPitch = _CU_MEMORYTYPE_HOST, src.data_ptr(), width
     p.dstMemoryType, p.dstDevice, p.dstPitch = _CU_MEMORYTYPE_DEVICE, dst.data_ptr(), dst.stride(0) * item
     p.WidthInBytes, p.Height = width, src.shape[0]
-    with torch.cuda.device(dst.device):
-        if not driver.has_context():
-            return False
+    other = dst.device.index is not None and dst.device.index != torch.cuda.current_device()
+    with torch.cuda.device(dst.device) if other else contextlib.nullcontext():
         code = driver.memcpy2d(ctypes.byref(p), ctypes.c_void_p(stream.cuda_stream))
+    if code == _CUDA_ERROR_INVALID_CONTEXT:
+        return False
     if code != 0:
         raise RuntimeError(
             f"cuMemcpy2DAsync of {src.shape[0]} rows x {width} B failed: {driver.describe(code)}"

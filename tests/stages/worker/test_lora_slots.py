@@ -77,7 +77,7 @@ def test_pitched_copy_refuses_what_it_cannot_copy():
     src = torch.zeros((2, 3, 4))
     with pytest.raises(ValueError, match="into"):
         pitched_copy.copy_rows(torch.zeros((2, 2, 4)), src, stream=None)
-    with pytest.raises(ValueError, match="from pinned host memory to a CUDA device"):
+    with pytest.raises(ValueError, match="from host memory to a CUDA device"):
         pitched_copy.copy_rows(torch.zeros((2, 3, 4)), src, stream=None)
 
 
