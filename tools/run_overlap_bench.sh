@@ -23,7 +23,10 @@ num=${NUM_PROMPTS:-400}                    # large: requests, Poisson at RATE re
 rate=${RATE:-8}                            # ~2/3 of what 8 slots serve with distinct adapters (~12 req/s)
 sat_num=${SAT_PROMPTS:-512}                # large: then this many all at once (saturation, ~8 s); 0: skip
 in_len=${INPUT_LEN:-128} out_len=${OUTPUT_LEN:-32}
-warm=${WARMUP_PROMPTS:-64}                 # the same warm-up workload before every large/small run
+# the same warm-up workload before every large/small run: as many requests at once as the saturating run,
+# so every kernel variant the measured runs need is compiled before them (a 64-request warm-up left one
+# for the 512-request run: a 4 s compile stall inside it)
+warm=${WARMUP_PROMPTS:-$((sat_num > 64 ? sat_num : 64))}
 seed=${SEED:-0}
 port=${PORT:-28100}
 server_flags=${SERVER_FLAGS:-"--max-model-len 2048"}  # added to every server
