@@ -142,6 +142,13 @@ def test_slot_pressure_keeps_invariants(seed, overlap, depth):
     assert planner.stats.adapter_loads > 0
 
 
+def _two_slot_overlap_cfg(**changes) -> PlannerConfig:
+    """Two slots, overlap on, room for every request of the small scenarios below."""
+    base = dict(num_slots=2, num_pages=64, page_size=16, max_tokens_per_step=64, max_model_len=256,
+                overlap_loading=True)  # fmt: skip
+    return PlannerConfig(**{**base, **changes})
+
+
 def _plan_ids(plan):
     return [r.request_id for r in plan.new_requests]
 
@@ -150,14 +157,7 @@ def test_overlap_admits_requests_in_the_step_of_their_load():
     """A request whose adapter must be loaded runs in the very plan that issues the load (the worker
     gates each layer on its copy); the slot stays loading, so no victim choice touches it, until the
     worker reports it ready, while resident and base-only requests run beside it."""
-    cfg = PlannerConfig(
-        num_slots=2,
-        num_pages=64,
-        page_size=16,
-        max_tokens_per_step=64,
-        max_model_len=256,
-        overlap_loading=True,
-    )
+    cfg = _two_slot_overlap_cfg()
     planner = Planner(cfg)
     planner.add("x", [1, 2], "a", SamplingParams(max_tokens=9))
     p1 = planner.schedule()
@@ -177,16 +177,7 @@ def test_overlap_admits_requests_in_the_step_of_their_load():
 
 
 def test_prefetch_never_evicts_adapters_in_use_or_needed_sooner():
-    cfg = PlannerConfig(
-        num_slots=2,
-        num_pages=64,
-        page_size=16,
-        max_running_requests=1,
-        max_tokens_per_step=64,
-        max_model_len=256,
-        overlap_loading=True,
-        prefetch_depth=8,
-    )
+    cfg = _two_slot_overlap_cfg(max_running_requests=1, prefetch_depth=8)
     planner = Planner(cfg)
     for rid, name in [("x", "a"), ("y", "b"), ("z", "c")]:
         planner.add(rid, [1, 2], name, SamplingParams(max_tokens=9))
@@ -200,16 +191,7 @@ def test_prefetch_never_evicts_adapters_in_use_or_needed_sooner():
 
 
 def test_pinned_adapter_is_never_evicted():
-    cfg = PlannerConfig(
-        num_slots=2,
-        num_pages=64,
-        page_size=16,
-        max_tokens_per_step=64,
-        max_model_len=256,
-        pinned_adapters=("p",),
-        overlap_loading=True,
-        prefetch_depth=4,
-    )
+    cfg = _two_slot_overlap_cfg(pinned_adapters=("p",), prefetch_depth=4)
     planner = Planner(cfg)
     planner.add("x", [1], "p", SamplingParams(max_tokens=1))
     for i, name in enumerate(["a", "b", "c", "d"]):
@@ -226,17 +208,7 @@ def test_pinned_adapter_is_never_evicted():
 
 def test_loads_under_the_size_threshold_stay_synchronous_and_are_not_prefetched():
     sizes = {"small": 1 << 20, "big": 256 << 20}
-    cfg = PlannerConfig(
-        num_slots=2,
-        num_pages=64,
-        page_size=16,
-        max_tokens_per_step=64,
-        max_model_len=256,
-        max_running_requests=1,
-        overlap_loading=True,
-        prefetch_depth=4,
-        overlap_min_bytes=64 << 20,
-    )
+    cfg = _two_slot_overlap_cfg(max_running_requests=1, prefetch_depth=4, overlap_min_bytes=64 << 20)
     planner = Planner(cfg, load_bytes=sizes.__getitem__)
     planner.add("s", [1, 2], "small", SamplingParams(max_tokens=3))
     planner.add("b", [1, 2], "big", SamplingParams(max_tokens=3))
