@@ -54,19 +54,13 @@ class Timer:
         for _ in range(self.warmup):
             fn()
         if self.stream is None:
-            out = []
-            for _ in range(self.reps):
-                t0 = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t0)
-            return out
+            return self.issue(fn)  # the host clock
         torch.cuda.synchronize()
         out = []
         for _ in range(self.reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if hold:
-                with torch.cuda.stream(self.stream):
-                    torch.cuda._sleep(HOLD_CYCLES)
+                self._hold()
             start.record(self.stream)
             fn()
             end.record(self.stream)
@@ -79,15 +73,19 @@ class Timer:
         path that waits for the stream (a pageable copy, a sync) shows up here as milliseconds."""
         out = []
         for _ in range(self.reps):
-            if self.stream is not None:
-                with torch.cuda.stream(self.stream):
-                    torch.cuda._sleep(HOLD_CYCLES)
+            self._hold()
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
             if self.stream is not None:
                 self.stream.synchronize()
         return out
+
+    def _hold(self) -> None:
+        """Keep the stream busy (a GPU sleep) so that what is queued next waits behind it."""
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                torch.cuda._sleep(HOLD_CYCLES)
 
 
 def gbps(nbytes: int, seconds: Sequence[float]) -> float:

@@ -81,15 +81,17 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -
         )
     if dst.device.type != "cuda" or src.device.type != "cpu":
         raise ValueError("pitched copy goes from host memory to a CUDA device")
-    if dst.dim() < 1 or not src.is_contiguous() or not dst[0].is_contiguous():
+    if dst.dim() < 1:
+        raise ValueError("pitched copy needs a contiguous source and contiguous destination rows")
+    if src.numel() == 0:
+        return True
+    if not src.is_contiguous() or not dst[0].is_contiguous():
         raise ValueError("pitched copy needs a contiguous source and contiguous destination rows")
     driver = _driver()
     if driver is None:
         return False
     item = src.element_size()
-    width = src[0].numel() * item if src.shape[0] else 0
-    if width == 0:
-        return True
+    width = src[0].numel() * item
     p = _Memcpy2D()
     p.srcMemoryType, p.srcHost, p.srcPitch = _CU_MEMORYTYPE_HOST, src.data_ptr(), width
     p.dstMemoryType, p.dstDevice, p.dstPitch = _CU_MEMORYTYPE_DEVICE, dst.data_ptr(), dst.stride(0) * item
