@@ -37,8 +37,8 @@ from proto.client import (
 )
 from proto.codec import ProtocolError
 from proto.sampling import SamplingParams
-from runtime.endpoints import DEFAULT_CLIENT_PORT
-from runtime.sockets import DealerSocket
+from runtime.base.endpoints import DEFAULT_CLIENT_PORT
+from runtime.base.sockets import DealerSocket
 
 DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"
 _log = logging.getLogger("lorapipe.client")

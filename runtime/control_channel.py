@@ -1,6 +1,6 @@
 """The launcher's control channel: the ROUTER every stage's DEALER connects to (Ready, FatalError,
 Draining in; Shutdown, MetricsQuery out), and `/metrics`, which scrapes the live stages through it and
-merges their texts with the launcher's own counters (runtime.metrics.serve_metrics)."""
+merges their texts with the launcher's own counters (runtime.base.metrics.serve_metrics)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from proto.codec import ProtocolError
 from proto.control import LauncherToStage, MetricsQuery, MetricsReport, StageToLauncher
-from runtime.metrics import serve_metrics
-from runtime.sockets import PeerGone, RouterSocket
+from runtime.base.metrics import serve_metrics
+from runtime.base.sockets import PeerGone, RouterSocket
 
 log = logging.getLogger("lorapipe.launcher")
 SCRAPE_TIMEOUT_S = 1.0  # a stage that does not answer a scrape this fast shows up 0

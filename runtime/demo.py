@@ -32,8 +32,8 @@ _COMMON = ("lorapipe_queue_", "lorapipe_messages_", "lorapipe_service_seconds", 
 
 
 def ensure_demo_files(root: Path) -> tuple[Path, dict[str, Path]]:
-    from tools.make_adapters import make_adapters
-    from tools.make_tiny_model import make_model
+    from runtime.synthetic.adapters import make_adapters
+    from runtime.synthetic.model import make_model
 
     model = root / "model"
     if not (model / "config.json").exists():

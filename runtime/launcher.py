@@ -20,8 +20,8 @@ import msgspec
 import uvloop
 
 from proto.control import Draining, FatalError, ProtocolMismatch, Ready, Shutdown, check_ready
+from runtime.base.endpoints import Endpoints, make_run_dir
 from runtime.control_channel import ControlChannel, MetricsEndpoint
-from runtime.endpoints import Endpoints, make_run_dir
 from runtime.serve_args import ServeArgs, ServeArgsError, stage_configs, validate
 from runtime.supervisor import RestartBudget, StageProcess, describe_exit, log
 
@@ -163,9 +163,9 @@ class Launcher:
         await self._wait_ready()
 
     def _init_pool(self, model_cfg: Any) -> tuple[str, int]:
-        from stages.loader.host_pool import create_pool, pool_bytes_for
-        from stages.worker.lora.layout import LoraLayout
-        from stages.worker.model.config import parse_dtype
+        from runtime.common.host_pool import create_pool, pool_bytes_for
+        from runtime.common.lora_layout import LoraLayout
+        from runtime.common.model_config import parse_dtype
 
         rank = self.args.max_lora_rank
         layout = LoraLayout.for_model(model_cfg, rank)
@@ -308,7 +308,7 @@ class Launcher:
             if client.startswith("ipc://") and stat.S_ISSOCK(os.stat(client[6:]).st_mode):
                 os.unlink(client[6:])
         if self.pool is not None:
-            from stages.loader.host_pool import unlink_pool
+            from runtime.common.host_pool import unlink_pool
 
             unlink_pool(self.pool)
             self.pool = None

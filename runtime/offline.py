@@ -13,10 +13,10 @@ from tokenizers import Tokenizer
 
 from proto.plan import SlotLoad
 from proto.sampling import SamplingParams
+from runtime.common.packed import PackedAdapter
 from stages.loader.adapter_reader import read_adapter
 from stages.scheduler.planner import Planner, PlannerConfig
 from stages.worker.executor import StepExecutor
-from stages.worker.lora.packed import PackedAdapter
 from stages.worker.runner import ModelRunner, RunnerConfig
 
 

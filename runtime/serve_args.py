@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from runtime.endpoints import DEFAULT_CLIENT_PORT, Endpoints
+from runtime.base.endpoints import DEFAULT_CLIENT_PORT, Endpoints
 
 if TYPE_CHECKING:  # torch-importing modules load lazily: `lorapipe --help` stays fast
-    from runtime.actor import StageConfig
-    from stages.worker.model.config import ModelConfig
+    from runtime.base.actor import StageConfig
+    from runtime.common.model_config import ModelConfig
 
 DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"
 DEFAULT_METRICS_PORT = DEFAULT_CLIENT_PORT + 1
@@ -182,8 +182,8 @@ def parse_adapter(spec: str) -> tuple[str, str]:
 
 def validate(args: ServeArgs) -> ModelConfig:
     """Check everything that can be checked before spawning; returns the model's config."""
-    from stages.worker.model.config import ModelConfig as _ModelConfig
-    from stages.worker.model.config import ModelConfigError
+    from runtime.common.model_config import ModelConfig as _ModelConfig
+    from runtime.common.model_config import ModelConfigError
 
     model = Path(args.model)
     if not model.is_dir():
@@ -297,8 +297,8 @@ def cuda_graph_max_batch(args: ServeArgs) -> int:
 
 def serving_dtype(args: ServeArgs, model_cfg: ModelConfig) -> str:
     """The dtype every stage uses, resolved once here ("auto" → the checkpoint's)."""
-    from stages.loader.host_pool import dtype_name
-    from stages.worker.model.config import parse_dtype
+    from runtime.common.host_pool import dtype_name
+    from runtime.common.model_config import parse_dtype
 
     return dtype_name(parse_dtype(args.dtype, model_cfg.dtype))
 

@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.make_adapters import make_adapters  # noqa: E402
-from tools.make_tiny_model import make_model  # noqa: E402
+from runtime.synthetic.adapters import make_adapters  # noqa: E402
+from runtime.synthetic.model import make_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -22,8 +22,7 @@ from typing import Any
 import torch
 
 from proto.plan import SlotLoad
-from stages.loader.adapter_reader import read_adapter
-from stages.loader.host_pool import (
+from runtime.common.host_pool import (
     block_tensor,
     create_pool,
     dtype_name,
@@ -33,11 +32,12 @@ from stages.loader.host_pool import (
     unlink_pool,
     unregister_pinned,
 )
-from stages.worker.lora.layout import LoraLayout
-from stages.worker.lora.packed import PackedAdapter
+from runtime.common.lora_layout import LoraLayout
+from runtime.common.model_config import ModelConfig, parse_dtype
+from runtime.common.packed import PackedAdapter
+from runtime.synthetic.adapters import make_adapters
+from stages.loader.adapter_reader import read_adapter
 from stages.worker.lora.slots import LoraSlots
-from stages.worker.model.config import ModelConfig, parse_dtype
-from tools.make_adapters import make_adapters
 
 SCHEMA_VERSION = 1
 HOLD_CYCLES = 40_000_000  # ~20 ms of GPU sleep: every copy is queued before the stream reaches them

@@ -22,7 +22,7 @@ import triton.language as tl  # noqa: E402
 from kernels.batch_info import BatchInfoBuilder  # noqa: E402
 from kernels.lora_expand import ExpandConfig, expand_config, lora_expand  # noqa: E402
 from kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config  # noqa: E402
-from stages.worker.lora.layout import LoraLayout  # noqa: E402
+from runtime.common.lora_layout import LoraLayout  # noqa: E402
 from stages.worker.lora.triton_backend import split_cap, workspace_rows  # noqa: E402
 
 HBM_BYTES_PER_S = 3.0e12  # measured device-to-device copy (read + write) on the H100

@@ -1,6 +1,6 @@
 """`python -m stages.loader CONFIG.json`: run the adapter-loader stage (the launcher writes the config)."""
 
-from runtime.actor import stage_main
+from runtime.base.actor import stage_main
 from stages.loader.actor import LoaderActor
 from stages.loader.config import LoaderConfig
 

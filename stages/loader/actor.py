@@ -24,16 +24,16 @@ from proto.loader import (
     SchedulerToLoader,
     StageAdapter,
 )
-from runtime.actor import Actor, StageFatal
-from runtime.sockets import PullSocket, PushSocket
+from runtime.base.actor import Actor, StageFatal
+from runtime.base.sockets import PullSocket, PushSocket
+from runtime.common.host_pool import attach_pool, block_tensor, close_pool, dtype_name
+from runtime.common.lora_layout import LoraLayout
+from runtime.common.model_config import ModelConfig, parse_dtype
+from runtime.common.packed import PackedAdapter
 from stages.loader.adapter_config import AdapterError
 from stages.loader.adapter_reader import read_adapter
 from stages.loader.config import LoaderConfig
 from stages.loader.host_cache import HostCache, HostCacheFull
-from stages.loader.host_pool import attach_pool, block_tensor, close_pool, dtype_name
-from stages.worker.lora.layout import LoraLayout
-from stages.worker.lora.packed import PackedAdapter
-from stages.worker.model.config import ModelConfig, parse_dtype
 
 LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.worker.lora.layout import TARGET_MODULES
+from runtime.common.lora_layout import TARGET_MODULES
 
 # Module paths (as PEFT sees them in a *ForCausalLM) of the targets the runtime cannot serve.
 _UNSUPPORTED_TARGETS = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
+from runtime.common.model_config import ModelConfig
+from runtime.common.packed import PackedAdapter
 from stages.loader.adapter_config import AdapterConfig, AdapterError, read_adapter_config
-from stages.worker.lora.layout import NUM_SLICES, TARGET_MODULES, LoraLayout
-from stages.worker.lora.packed import PackedAdapter
-from stages.worker.model.config import ModelConfig
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _PARENT = {m: ("mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn") for m in TARGET_MODULES}

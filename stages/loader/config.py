@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from runtime.actor import StageConfig
-from runtime.endpoints import Endpoints
+from runtime.base.actor import StageConfig
+from runtime.base.endpoints import Endpoints
 
 
 class LoaderConfig(StageConfig, frozen=True, kw_only=True):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-ALIGN = 4096  # page-aligned blocks: contiguous, DMA-friendly copies
+from runtime.common.host_pool import ALIGN
 
 
 @dataclass

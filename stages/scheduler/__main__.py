@@ -1,6 +1,6 @@
 """`python -m stages.scheduler CONFIG.json`: run the scheduler stage (the launcher writes the config)."""
 
-from runtime.actor import stage_main
+from runtime.base.actor import stage_main
 from stages.scheduler.actor import SchedulerActor
 from stages.scheduler.config import SchedulerConfig
 

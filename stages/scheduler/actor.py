@@ -39,8 +39,8 @@ from proto.plan import (
     WorkerStarted,
     WorkerToScheduler,
 )
-from runtime.actor import Actor
-from runtime.sockets import PullSocket, PushSocket
+from runtime.base.actor import Actor
+from runtime.base.sockets import PullSocket, PushSocket
 from stages.scheduler.adapter_lifecycle import AdapterLifecycle
 from stages.scheduler.config import SchedulerConfig
 from stages.scheduler.metrics import SchedulerMetrics

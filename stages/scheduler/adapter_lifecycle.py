@@ -11,8 +11,8 @@ from proto.client import AdapterEntry as ListedAdapter
 from proto.loader import AdapterFailed, AdapterStaged, DropAdapter, Evicted, ReleaseAdapter, StageAdapter
 from proto.pipeline import AdapterUpdate, LoadAdapterOp, OpDone, OpFailed, UnloadAdapterOp
 from proto.plan import SlotLoad, StepResult
-from runtime.actor import Mailbox
-from stages.loader.host_pool import slot_load_for
+from runtime.base.actor import Mailbox
+from runtime.common.host_pool import slot_load_for
 from stages.scheduler.adapters import AdapterEntry, AdapterRegistry
 from stages.scheduler.config import SchedulerConfig
 from stages.scheduler.metrics import TIERS, SchedulerMetrics

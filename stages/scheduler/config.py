@@ -3,8 +3,8 @@ worker sizes its cache from free device memory and announces them (`WorkerStarte
 
 from __future__ import annotations
 
-from runtime.actor import StageConfig
-from runtime.endpoints import Endpoints
+from runtime.base.actor import StageConfig
+from runtime.base.endpoints import Endpoints
 
 
 class SchedulerConfig(StageConfig, frozen=True, kw_only=True):

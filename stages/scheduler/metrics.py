@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from proto.plan import BatchPlan
-from runtime.metrics import StageMetrics
+from runtime.base.metrics import StageMetrics
 from stages.scheduler.planner import Planner
 
 TIERS = ("gpu", "loading", "host", "disk")  # where an adapter is, fastest first

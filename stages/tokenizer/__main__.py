@@ -1,6 +1,6 @@
 """`python -m stages.tokenizer CONFIG.json`: run the tokenizer stage (the launcher writes the config)."""
 
-from runtime.actor import stage_main
+from runtime.base.actor import stage_main
 from stages.tokenizer.actor import TokenizerActor
 from stages.tokenizer.config import TokenizerConfig
 

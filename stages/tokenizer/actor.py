@@ -53,8 +53,8 @@ from proto.pipeline import (
     UnloadAdapterOp,
     WorkerToTokenizer,
 )
-from runtime.actor import Actor
-from runtime.sockets import PeerGone, PullSocket, PushSocket, RouterSocket
+from runtime.base.actor import Actor
+from runtime.base.sockets import PeerGone, PullSocket, PushSocket, RouterSocket
 from stages.tokenizer.config import TokenizerConfig
 from stages.tokenizer.detokenizer import IncrementalDetokenizer
 from stages.tokenizer.requests import OpenRequest, RequestTable

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from runtime.actor import StageConfig
-from runtime.endpoints import Endpoints
-from runtime.sockets import MAX_CLIENT_MSG_BYTES
+from runtime.base.actor import StageConfig
+from runtime.base.endpoints import Endpoints
+from runtime.base.sockets import MAX_CLIENT_MSG_BYTES
 
 
 class TokenizerConfig(StageConfig, frozen=True, kw_only=True):

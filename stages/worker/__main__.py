@@ -1,6 +1,6 @@
 """`python -m stages.worker CONFIG.json`: run the gpu-worker stage (the launcher writes the config)."""
 
-from runtime.actor import stage_main
+from runtime.base.actor import stage_main
 from stages.worker.actor import WorkerActor
 from stages.worker.config import WorkerConfig
 

@@ -20,9 +20,9 @@ from proto.plan import (
     WorkerStarted,
     WorkerToScheduler,
 )
-from runtime.actor import Actor
-from runtime.sockets import PullSocket, PushSocket
-from stages.loader.host_pool import (
+from runtime.base.actor import Actor
+from runtime.base.sockets import PullSocket, PushSocket
+from runtime.common.host_pool import (
     attach_pool,
     close_pool,
     packed_from_pool,

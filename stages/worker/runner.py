@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.common.lora_layout import LoraLayout
+from runtime.common.model_config import ModelConfig, parse_dtype
+from runtime.common.packed import PackedAdapter
 from stages.worker.decode_graphs import DecodeGraphs
 from stages.worker.lora.backend import make_backend, slot_segments
-from stages.worker.lora.layout import LoraLayout
-from stages.worker.lora.packed import PackedAdapter
 from stages.worker.lora.slots import LoraSlots
 from stages.worker.model import attention
-from stages.worker.model.config import ModelConfig, parse_dtype
 from stages.worker.model.forward_batch import ForwardBatch, SeqExtent
 from stages.worker.model.kv_cache import KVCache
 from stages.worker.model.llama import LlamaModel

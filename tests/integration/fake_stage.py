@@ -14,9 +14,9 @@ from typing import Any
 from proto.loader import LoaderToScheduler, SchedulerToLoader
 from proto.pipeline import TokenizerToScheduler
 from proto.plan import SchedulerToWorker, WorkerToScheduler
-from runtime.actor import Actor, StageConfig, stage_main
-from runtime.endpoints import Endpoints
-from runtime.sockets import PullSocket
+from runtime.base.actor import Actor, StageConfig, stage_main
+from runtime.base.endpoints import Endpoints
+from runtime.base.sockets import PullSocket
 
 
 class FakeConfig(StageConfig, frozen=True, kw_only=True):

@@ -23,10 +23,10 @@ import pytest
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.actor import StageConfig
+from runtime.base.actor import StageConfig
+from runtime.base.endpoints import Endpoints
 from runtime.cli import main as cli_main
 from runtime.client import Client, ServerError
-from runtime.endpoints import Endpoints
 from runtime.launcher import STAGES, Launcher, LaunchError
 from runtime.serve_args import ServeArgs, parse_serve_args, stage_configs, validate
 

@@ -21,8 +21,7 @@ from proto.base import TokenIds
 from proto.loader import AdapterStaged
 from proto.plan import BatchPlan, NewRequestData, SlotLoad
 from proto.sampling import SamplingParams
-from stages.loader.adapter_reader import read_adapter
-from stages.loader.host_pool import (
+from runtime.common.host_pool import (
     block_tensor,
     create_pool,
     dtype_name,
@@ -32,9 +31,10 @@ from stages.loader.host_pool import (
     unlink_pool,
     unregister_pinned,
 )
+from runtime.common.packed import PackedAdapter
+from stages.loader.adapter_reader import read_adapter
 from stages.worker.actor import WorkerActor
 from stages.worker.executor import StepExecutor
-from stages.worker.lora.packed import PackedAdapter
 from stages.worker.runner import ModelRunner, RunnerConfig
 from stages.worker.slot_loads import LoadHandle
 

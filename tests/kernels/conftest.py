@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from stages.worker.lora.layout import NUM_SLICES, TARGET_MODULES, LoraLayout  # noqa: E402
+from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Relative error bounds (norm of the difference over norm of the float64 reference) per dtype.

@@ -9,7 +9,7 @@ import torch
 
 from kernels.batch_info import BatchInfoBuilder
 from kernels.lora_expand import ExpandConfig, lora_expand, lora_expand_ref
-from stages.worker.lora.layout import LoraLayout
+from runtime.common.lora_layout import LoraLayout
 from tests.kernels.conftest import (
     MIXED_LENGTHS,
     MIXED_SLOTS,

@@ -8,7 +8,7 @@ import torch
 
 from kernels.batch_info import BatchInfoBuilder, block_rank_for
 from kernels.lora_shrink import ShrinkConfig, lora_shrink, lora_shrink_ref
-from stages.worker.lora.layout import LoraLayout
+from runtime.common.lora_layout import LoraLayout
 from tests.kernels.conftest import (
     MIXED_LENGTHS,
     MIXED_SLOTS,

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kernels.batch_info import BatchInfoBuilder, plan_runs, plan_tiles
+from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
+from runtime.common.packed import PackedAdapter
 from stages.worker.lora.backend import make_backend
-from stages.worker.lora.layout import NUM_SLICES, TARGET_MODULES, LoraLayout
-from stages.worker.lora.packed import PackedAdapter
 from stages.worker.lora.slots import LoraSlots
 from tests.kernels.conftest import MIXED_LENGTHS, MIXED_SLOTS, TOL, indptr_of, rel_err, small_layout
 

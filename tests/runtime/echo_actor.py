@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 
 from proto.pipeline import TokenBatch, WorkerToTokenizer
-from runtime.actor import Actor, StageConfig, StageFatal, stage_main
-from runtime.sockets import PullSocket, PushSocket
+from runtime.base.actor import Actor, StageConfig, StageFatal, stage_main
+from runtime.base.sockets import PullSocket, PushSocket
 
 
 class EchoConfig(StageConfig, frozen=True, kw_only=True):

@@ -31,6 +31,7 @@ from proto.client import (
     UnloadAdapter,
     Welcome,
 )
+from runtime.base.sockets import RouterSocket
 from runtime.client import (
     Aborted,
     AdapterLoadFailed,
@@ -42,7 +43,6 @@ from runtime.client import (
     Timeout,
     UnknownAdapter,
 )
-from runtime.sockets import RouterSocket
 
 pytestmark = pytest.mark.timeout(30)
 Handler = Callable[[RouterSocket, bytes, Any], Awaitable[None]]

@@ -8,9 +8,9 @@ import torch
 
 from proto.sampling import SamplingParams
 from runtime.offline import LLM
+from runtime.synthetic.model import make_model
 from stages.worker.runner import SeqInput
 from tests.peft_reference import PeftReference
-from tools.make_tiny_model import make_model
 
 LONG = "The engine hummed while the train crossed the long bridge over the valley at dawn and dusk"
 
@@ -23,7 +23,7 @@ def _greedy_ref(ref: PeftReference, prompt_ids: list[int], n: int, adapter=None)
 
 
 def test_mistral_sliding_window_matches_transformers(tiny_mistral, tmp_path):
-    from tools.make_adapters import make_adapters
+    from runtime.synthetic.adapters import make_adapters
 
     (ad,) = make_adapters(tiny_mistral, tmp_path, n=1, ranks=(4,), seed=7)
     llm = LLM(tiny_mistral, adapters={"a": ad}, max_lora_rank=8, page_size=4)

@@ -10,7 +10,7 @@ import pytest
 
 from proto.sampling import SamplingParams
 from runtime.offline import LLM
-from tools.make_adapters import make_adapters
+from runtime.synthetic.adapters import make_adapters
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from stages.worker.lora.layout import LoraLayout
-from stages.worker.model.config import ModelConfig
+from runtime.common.lora_layout import LoraLayout
+from runtime.common.model_config import ModelConfig
+from runtime.synthetic.model import build_config
 from tools import bench_h2d
-from tools.make_tiny_model import build_config
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from stages.worker.lora.layout import GroupLayout
+from runtime.common.lora_layout import GroupLayout
 from stages.worker.lora.slots import LoraSlots
 
 

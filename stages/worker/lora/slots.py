@@ -7,8 +7,8 @@ import contextlib
 
 import torch
 
-from stages.worker.lora.layout import NUM_SLICES, LoraLayout
-from stages.worker.lora.packed import PackedAdapter
+from runtime.common.lora_layout import NUM_SLICES, LoraLayout
+from runtime.common.packed import PackedAdapter
 from stages.worker.lora.pitched_copy import copy_rows
 
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from runtime.common.lora_layout import GroupLayout, LoraLayout
 from stages.worker.lora.backend import LoraBackend
-from stages.worker.lora.layout import GroupLayout, LoraLayout
 
 
 class TorchLoraBackend(LoraBackend):

@@ -11,8 +11,8 @@ import torch
 from kernels.batch_info import BatchInfo, BatchInfoBuilder, block_rank_for
 from kernels.lora_expand import ExpandConfig, expand_config, lora_expand
 from kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
+from runtime.common.lora_layout import GroupLayout, LoraLayout
 from stages.worker.lora.backend import LoraBackend
-from stages.worker.lora.layout import GroupLayout, LoraLayout
 from stages.worker.lora.slots import LoraSlots
 
 MAX_SPLIT_K = 16

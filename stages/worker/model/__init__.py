@@ -1,0 +1,1 @@
+"""The model on the worker: weights loading, the Llama-family forward, the paged KV cache and attention."""

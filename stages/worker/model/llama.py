@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.common.lora_layout import LoraLayout
+from runtime.common.model_config import ModelConfig, rope_inv_freq
 from stages.worker.lora.backend import LoraBackend
-from stages.worker.lora.layout import LoraLayout
 from stages.worker.model.attention import paged_attention
-from stages.worker.model.config import ModelConfig, rope_inv_freq
 from stages.worker.model.forward_batch import ForwardBatch
 from stages.worker.model.kv_cache import KVCache
 from stages.worker.model.weights import LayerWeights, ModelWeights

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from stages.worker.model.config import ModelConfig, ModelConfigError
+from runtime.common.model_config import ModelConfig, ModelConfigError
 
 
 @dataclass

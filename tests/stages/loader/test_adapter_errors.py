@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from proto.sampling import SamplingParams
+from runtime.common.lora_layout import TARGET_MODULES, LoraLayout
+from runtime.common.model_config import ModelConfig
 from runtime.offline import LLM
+from runtime.synthetic.adapters import make_adapters
 from stages.loader.adapter_config import AdapterError
 from stages.loader.adapter_reader import read_adapter
-from stages.worker.lora.layout import TARGET_MODULES, LoraLayout
-from stages.worker.model.config import ModelConfig
 from tests.peft_reference import PeftReference
-from tools.make_adapters import make_adapters
 
 MAX_RANK = 16
 PREFIX = "base_model.model.model.layers"

@@ -29,15 +29,15 @@ from proto.loader import (
     SchedulerToLoader,
     StageAdapter,
 )
-from runtime.endpoints import Endpoints, make_run_dir
-from runtime.sockets import PullSocket, PushSocket
+from runtime.base.endpoints import Endpoints, make_run_dir
+from runtime.base.sockets import PullSocket, PushSocket
+from runtime.common.host_pool import attach_pool, block_tensor, create_pool, pool_bytes_for, unlink_pool
+from runtime.common.lora_layout import LoraLayout
+from runtime.common.model_config import ModelConfig
 from stages.loader.actor import LoaderActor
 from stages.loader.adapter_config import AdapterError
 from stages.loader.adapter_reader import read_adapter
 from stages.loader.config import LoaderConfig
-from stages.loader.host_pool import attach_pool, block_tensor, create_pool, pool_bytes_for, unlink_pool
-from stages.worker.lora.layout import LoraLayout
-from stages.worker.model.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 MAX_RANK = 16

@@ -10,9 +10,9 @@ from proto.loader import AdapterFailed, AdapterStaged, DropAdapter, ReleaseAdapt
 from proto.pipeline import AdapterUpdate, LoadAdapterOp, OpDone, OpFailed, UnloadAdapterOp
 from proto.plan import SlotError, StepResult
 from proto.sampling import SamplingParams
-from runtime.actor import Mailbox
-from runtime.endpoints import Endpoints
-from runtime.metrics import StageMetrics
+from runtime.base.actor import Mailbox
+from runtime.base.endpoints import Endpoints
+from runtime.base.metrics import StageMetrics
 from stages.scheduler.adapter_lifecycle import AdapterLifecycle
 from stages.scheduler.config import SchedulerConfig
 from stages.scheduler.metrics import SchedulerMetrics

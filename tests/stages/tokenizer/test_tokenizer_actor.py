@@ -42,9 +42,9 @@ from proto.pipeline import (
     TokenizerToScheduler,
     WorkerToTokenizer,
 )
+from runtime.base.endpoints import Endpoints
+from runtime.base.sockets import DealerSocket, PullSocket, PushSocket, RouterSocket
 from runtime.client import AdapterLoadFailed, AsyncClient, InvalidRequest, ServerError, UnknownAdapter
-from runtime.endpoints import Endpoints
-from runtime.sockets import DealerSocket, PullSocket, PushSocket, RouterSocket
 from stages.tokenizer import TokenizerActor, TokenizerConfig
 
 pytestmark = pytest.mark.timeout(30)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime.common.lora_layout import NUM_SLICES, LoraLayout
+from runtime.common.packed import PackedAdapter
 from stages.worker.lora import pitched_copy
 from stages.worker.lora import slots as slots_module
-from stages.worker.lora.layout import NUM_SLICES, LoraLayout
-from stages.worker.lora.packed import PackedAdapter
 from stages.worker.lora.slots import LoraSlots
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from proto.loader import AdapterStaged
-from stages.loader.adapter_reader import read_adapter
-from stages.loader.host_cache import ALIGN
-from stages.loader.host_pool import (
+from runtime.common.host_pool import (
+    ALIGN,
     attach_pool,
     block_tensor,
     create_pool,
@@ -24,8 +23,9 @@ from stages.loader.host_pool import (
     slot_load_for,
     unlink_pool,
 )
-from stages.worker.lora.layout import LoraLayout
-from stages.worker.model.config import ModelConfig
+from runtime.common.lora_layout import LoraLayout
+from runtime.common.model_config import ModelConfig
+from stages.loader.adapter_reader import read_adapter
 
 ROOT = Path(__file__).resolve().parents[3]
 MAX_RANK = 16
@@ -60,7 +60,7 @@ def _in_child(code: str) -> subprocess.CompletedProcess:
 
 
 def test_a_process_that_attaches_and_exits_leaves_the_pool(pool):
-    code = f"from stages.loader.host_pool import attach_pool; s = attach_pool({pool.name!r}); s.buf[5] = 42"
+    code = f"from runtime.common.host_pool import attach_pool; s = attach_pool({pool.name!r}); s.buf[5] = 42"
     child = _in_child(f"{code}; s.close()")
     assert child.returncode == 0, child.stderr
     killed = _in_child(f"import os, signal; {code}; os.kill(os.getpid(), signal.SIGKILL)")

@@ -12,8 +12,8 @@ import zmq.asyncio
 from proto.base import TokenIds
 from proto.client import Ack, ClientReply, ClientRequest, Hello
 from proto.pipeline import TokenBatch, TokenDelta, TokenizedRequest, TokenizerToScheduler, WorkerToTokenizer
-from runtime.actor import Mailbox
-from runtime.sockets import (
+from runtime.base.actor import Mailbox
+from runtime.base.sockets import (
     DealerSocket,
     PeerBusy,
     PeerGone,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from runtime.endpoints import DEFAULT_CLIENT_PORT, Endpoints, make_run_dir
+from runtime.base.endpoints import DEFAULT_CLIENT_PORT, Endpoints, make_run_dir
 
 
 def test_in_run_dir(tmp_path):

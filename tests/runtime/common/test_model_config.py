@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from stages.worker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
+from runtime.common.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tools.make_adapters import main as adapters_main
-from tools.make_adapters import make_adapters
-from tools.make_tiny_model import build_config, make_model, parse_overrides, tensor_specs
-from tools.make_tiny_model import main as model_main
+from runtime.synthetic.adapters import main as adapters_main
+from runtime.synthetic.adapters import make_adapters
+from runtime.synthetic.model import build_config, make_model, parse_overrides, tensor_specs
+from runtime.synthetic.model import main as model_main
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

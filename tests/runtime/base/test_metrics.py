@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.metrics import StageMetrics, merge_expositions, serve_metrics
+from runtime.base.metrics import StageMetrics, merge_expositions, serve_metrics
 
 
 def _families(text: str) -> dict[str, object]:

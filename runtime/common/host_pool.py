@@ -14,9 +14,8 @@ import torch
 
 from proto.loader import AdapterStaged
 from proto.plan import SlotLoad
-from stages.loader.host_cache import ALIGN
-from stages.worker.lora.layout import NUM_SLICES, LoraLayout
-from stages.worker.lora.packed import PackedAdapter
+from runtime.common.lora_layout import NUM_SLICES, LoraLayout
+from runtime.common.packed import PackedAdapter
 
 __all__ = [
     "attach_pool",
@@ -34,6 +33,8 @@ __all__ = [
 
 _SHM_DIR = "/dev/shm"
 _attach_lock = threading.Lock()
+
+ALIGN = 4096  # page-aligned blocks: contiguous, DMA-friendly copies
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -27,8 +27,8 @@ from proto.control import (
     check_ready,
 )
 from proto.pipeline import TokenBatch, TokenDelta, WorkerToTokenizer
-from runtime.actor import Mailbox
-from runtime.sockets import PullSocket, PushSocket, RouterSocket
+from runtime.base.actor import Mailbox
+from runtime.base.sockets import PullSocket, PushSocket, RouterSocket
 from tests.runtime.echo_actor import EchoConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -28,8 +28,8 @@ from proto.control import (
     Shutdown,
     StageToLauncher,
 )
-from runtime.metrics import StageMetrics
-from runtime.sockets import DealerSocket, _Base
+from runtime.base.metrics import StageMetrics
+from runtime.base.sockets import DealerSocket, _Base
 
 T = TypeVar("T")
 C = TypeVar("C", bound="StageConfig")

@@ -1,0 +1,107 @@
+"""The floors of the codebase, checked on the import graph: stages meet only through `proto/` and the
+lower floor (`runtime.base`, `runtime.common`, `kernels`); `proto/` imports nothing of ours and no torch;
+the lower floor never reaches up into the stages, the assembly or the tools. Imports inside functions
+count too (they are the usual way a leak hides)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+OURS = ("runtime", "stages", "kernels", "proto", "tools", "tests")
+FLOOR = ("runtime.base", "runtime.common", "kernels")
+
+
+def _imports(module: str, source: str) -> list[str]:
+    """Every absolute module name `source` imports (relative imports resolved against `module`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: -node.level]
+                found.append(".".join(base + ([node.module] if node.module else [])))
+            elif node.module:
+                found.append(node.module)
+    return found
+
+
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def violations(module: str, source: str) -> list[str]:
+    """The floor rules `module` (dotted name) breaks with the imports in `source`."""
+    bad = []
+    for name in _imports(module, source):
+        top = name.split(".")[0]
+        if _under(module, "proto"):
+            if (top in OURS and top != "proto") or top == "torch":
+                bad.append(f"{module} imports {name}: proto/ imports nothing of ours and no torch")
+        elif any(_under(module, f) for f in FLOOR):
+            if top in ("stages", "tools", "tests") or (
+                top == "runtime" and not any(_under(name, f) for f in FLOOR)
+            ):
+                bad.append(f"{module} imports {name}: the lower floor never imports above itself")
+        elif _under(module, "stages"):
+            stage = module.split(".")[1]
+            if top == "stages" and len(name.split(".")) > 1 and name.split(".")[1] != stage:
+                bad.append(f"{module} imports {name}: stages meet only through proto/ and the floor")
+            elif top in ("tools", "tests") or (top == "runtime" and not any(_under(name, f) for f in FLOOR)):
+                bad.append(f"{module} imports {name}: a stage imports only proto/ and the lower floor")
+        elif top in ("tools", "tests") and top != module.split(".")[0] and not _under(module, "tools"):
+            bad.append(f"{module} imports {name}: shipped code never imports tools/ or tests/")
+    return bad
+
+
+def _tree() -> list[tuple[str, Path]]:
+    mods = []
+    for package in ("proto", "runtime", "stages", "kernels"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            mods.append((".".join(parts), path))
+    return mods
+
+
+def test_the_tree_keeps_its_floors():
+    bad = [v for module, path in _tree() for v in violations(module, path.read_text())]
+    assert bad == [], "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "module, source",
+    [
+        ("stages.loader.actor", "from stages.worker.runner import ModelRunner"),
+        ("stages.scheduler.planner", "def f():\n    import stages.loader.actor\n"),
+        ("stages.worker.runner", "from runtime.launcher import Launcher"),
+        ("stages.worker.runner", "from tools.make_adapters import make_adapters"),
+        ("proto.plan", "import torch"),
+        ("proto.plan", "from runtime.common.lora_layout import NUM_SLICES"),
+        ("runtime.common.host_pool", "from stages.loader.host_cache import ALIGN"),
+        ("runtime.base.actor", "from runtime.serve_args import ServeArgs"),
+        ("kernels.lora_shrink", "from stages.worker.lora.slots import LoraSlots"),
+        ("runtime.offline", "from tools.make_tiny_model import make_model"),
+        ("stages.worker.actor", "from ..loader import actor"),
+    ],
+)
+def test_each_rule_catches_its_leak(module, source):
+    assert violations(module, source), f"{module}: {source!r} should break a floor rule"
+
+
+@pytest.mark.parametrize(
+    "module, source",
+    [
+        ("stages.loader.actor", "from stages.loader.host_cache import HostCache"),
+        ("stages.worker.runner", "from runtime.common.model_config import ModelConfig\nimport kernels"),
+        ("stages.tokenizer.actor", "from runtime.base.actor import Actor\nfrom proto.client import Hello"),
+        ("runtime.launcher", "from stages.worker.config import WorkerConfig"),
+        ("proto.plan", "import msgspec\nfrom proto.base import Record"),
+    ],
+)
+def test_allowed_imports_pass(module, source):
+    assert violations(module, source) == []
