@@ -1,5 +1,6 @@
 """TritonLoraBackend against TorchLoraBackend on LoraSlots loaded with random adapters (all four groups,
-stale NaN rows past every rank), the tile planner, and (GPU only) a mixed batch with sync debug on."""
+stale NaN rows past every rank), on the slots themselves (identity row table) and on an external
+scattered pool with its row table, the tile planner, and (GPU only) a mixed batch with sync debug on."""
 
 from __future__ import annotations
 
@@ -11,7 +12,17 @@ from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
 from runtime.common.packed import PackedAdapter
 from stages.worker.lora.backend import make_backend
 from stages.worker.lora.slots import LoraSlots
-from tests.kernels.conftest import MIXED_LENGTHS, MIXED_SLOTS, TOL, indptr_of, rel_err, small_layout
+from stages.worker.lora.triton_backend import TritonLoraBackend
+from tests.kernels.conftest import (
+    MIXED_LENGTHS,
+    MIXED_SLOTS,
+    TOL,
+    indptr_of,
+    owned_rows,
+    rel_err,
+    scatter_to_pool,
+    small_layout,
+)
 
 ADAPTER_RANKS = [1, 7, 24, 16]  # slot i holds a rank-ADAPTER_RANKS[i] adapter; slot 4 stays empty
 
@@ -40,11 +51,14 @@ def loaded_slots(layout: LoraLayout, dtype: torch.dtype, device: torch.device, s
     return slots
 
 
-def compare_backends(slots: LoraSlots, indptr: list[int], seg_slots: list[int], seed: int) -> None:
+def compare_backends(
+    slots: LoraSlots, indptr: list[int], seg_slots: list[int], seed: int, tri_backend=None, pad_to=None
+) -> None:
+    """`tri_backend` (default: one on the slots themselves) against the torch backend on `slots`."""
     gen = torch.Generator().manual_seed(seed)
     layout = slots.layout
     ref_backend = make_backend("torch", slots, max_tokens=128)
-    tri_backend = make_backend("triton", slots, max_tokens=128)
+    tri_backend = tri_backend or make_backend("triton", slots, max_tokens=128)
     assert tri_backend.name == "triton"
     T = indptr[-1]
     no_adapter = torch.ones(T, dtype=torch.bool)
@@ -52,13 +66,15 @@ def compare_backends(slots: LoraSlots, indptr: list[int], seg_slots: list[int], 
         if s >= 0:
             no_adapter[indptr[i] : indptr[i + 1]] = False
     ref_backend.prepare(indptr, seg_slots)
-    tri_backend.prepare(indptr, seg_slots)
+    tri_backend.prepare(indptr, seg_slots, pad_to=pad_to)
+    T = pad_to or T
+    no_adapter = torch.cat([no_adapter, torch.ones(T - no_adapter.shape[0], dtype=torch.bool)])
     for layer in range(layout.num_layers):
         for g in layout.groups:
             x = torch.randn((T, g.in_dim), generator=gen).to(slots.dtype).to(slots.device)
             out0 = torch.randn((T, g.out_total), generator=gen).to(slots.dtype).to(slots.device)
             want, got = out0.clone(), out0.clone()
-            ref_backend.apply(x, want, layer, g)
+            ref_backend.apply(x[: indptr[-1]], want[: indptr[-1]], layer, g)
             tri_backend.apply(x, got, layer, g)
             assert torch.isfinite(got).all(), (layer, g.name)
             assert torch.equal(got[no_adapter.to(got.device)], out0[no_adapter.to(got.device)])
@@ -78,6 +94,54 @@ def test_backend_successive_batches(device):
     compare_backends(slots, indptr_of(MIXED_LENGTHS), MIXED_SLOTS, seed=2)
     compare_backends(slots, indptr_of([1] * 7), [3, 0, -1, 1, 2, 4, 0], seed=3)
     compare_backends(slots, indptr_of([2, 3]), [-1, -1], seed=4)  # base only: nothing launched
+
+
+def pool_backend(slots: LoraSlots, seed: int, width: int) -> TritonLoraBackend:
+    """A backend on a scattered copy of the slots' adapters (rows out of order, interleaved, NaN rows in
+    between), with a row table `width` wide; slot memory is then NaN so that reading it shows."""
+    gen = torch.Generator().manual_seed(seed)
+    owned = owned_rows(slots.host_ranks)
+    pool, rows = scatter_to_pool(gen, slots.mem.cpu(), owned, width)  # [L, P, row], [S, width]
+    return TritonLoraBackend(slots, max_tokens=128, pool=pool.to(slots.device), rows=rows.to(slots.device))
+
+
+def test_backend_on_external_pool(device):
+    dtype = torch.bfloat16
+    slots = loaded_slots(small_layout(), dtype, device, seed=10)
+    backend = pool_backend(slots, seed=11, width=slots.layout.max_rank + 5)
+    reference = LoraSlots(slots.layout, slots.num_slots, dtype, device)  # the same adapters, in slots
+    reference.mem.copy_(slots.mem)
+    for t in ("ranks", "scalings", "host_ranks", "host_scalings"):
+        getattr(reference, t).copy_(getattr(slots, t))
+    slots.mem.fill_(float("nan"))  # the pool backend must read nothing of slot memory
+    compare_backends(reference, indptr_of(MIXED_LENGTHS), MIXED_SLOTS, seed=1, tri_backend=backend)
+    # a fixed-shape (padded) decode batch after it: the same views and table
+    compare_backends(reference, indptr_of([1] * 5), [3, 0, -1, 2, 1], seed=2, tri_backend=backend, pad_to=8)
+
+
+def test_backend_rows_contract(device):
+    slots = loaded_slots(small_layout(), torch.float32, device, seed=12)
+    layout, S = slots.layout, slots.num_slots
+    identity = make_backend("triton", slots, max_tokens=16).rows
+    assert identity.dtype == torch.int32 and tuple(identity.shape) == (S, layout.max_rank)
+    L, R = layout.num_layers, layout.max_rank
+    assert identity[3, 5].item() == 3 * L * R + 5  # slot 3's rank row 5, relative to mem[0, layer]
+    pool = torch.zeros((L, 40, layout.row_elems), dtype=slots.dtype, device=device)
+    rows = torch.zeros((S, R), dtype=torch.int32, device=device)
+    assert TritonLoraBackend(slots, 16, pool=pool, rows=rows).rows is rows  # externally owned, not copied
+    TritonLoraBackend(slots, 16, rows=rows)  # a table over the slot memory's rows
+    bad = [
+        dict(pool=pool),  # a pool without its table
+        dict(pool=pool, rows=rows.long()),
+        dict(pool=pool, rows=rows[:, : R - 1]),  # narrower than max_lora_rank
+        dict(pool=pool, rows=rows[: S - 1]),  # one row per adapter id
+        dict(pool=pool[:, :, :-1], rows=rows),
+        dict(pool=pool[:1], rows=rows),
+        dict(pool=pool.double(), rows=rows),
+    ]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            TritonLoraBackend(slots, 16, **kw)
 
 
 def test_planner_merges_and_splits():

@@ -1,6 +1,7 @@
 """Triton LoRA backend: the batch's token tiles are planned once per forward on the host and moved with
 one non-blocking copy into a fixed device buffer; each `apply` is one shrink and one expand launch whose
-grids come from host-known sizes, with ranks and scalings read on the device (no host-device sync)."""
+grids come from host-known sizes, with ranks, scalings and adapter rows read on the device through
+fixed tables (no host-device sync)."""
 
 from __future__ import annotations
 
@@ -32,27 +33,87 @@ def split_cap(num_tokens: int, ws_rows: int) -> int:
     return cap
 
 
+def check_external(slots: LoraSlots, pool: torch.Tensor | None, rows: torch.Tensor) -> None:
+    """A pool and row table fit the slots' layout, dtype, device and adapter ids (see the backend)."""
+    layout = slots.layout
+    if pool is not None:
+        want = (layout.num_layers, layout.row_elems)
+        if pool.dim() != 3 or (pool.shape[0], pool.shape[2]) != want or pool.stride(2) != 1:
+            raise ValueError(f"pool must be [{want[0]}, rows, {want[1]}] row-contiguous, got {pool.shape}")
+        if pool.dtype != slots.dtype or pool.device != slots.device:
+            raise ValueError(
+                f"pool is {pool.dtype} on {pool.device}, slots are {slots.dtype} on {slots.device}"
+            )
+    ok_shape = rows.dim() == 2 and rows.shape[0] == slots.num_slots and rows.shape[1] >= layout.max_rank
+    if rows.dtype != torch.int32 or not ok_shape or rows.stride(1) != 1 or rows.device != slots.device:
+        raise ValueError(
+            f"rows must be int32 [{slots.num_slots}, >= {layout.max_rank}] row-contiguous on "
+            f"{slots.device}, got {rows.dtype} {tuple(rows.shape)} on {rows.device}"
+        )
+
+
 class TritonLoraBackend(LoraBackend):
+    """The kernels read adapter weights as rank rows of a per-layer pool, through a row table: adapter
+    id i (the slot number of the batch segments, and the row of `slots.ranks`/`slots.scalings`) has its
+    rank row k of every layer at pool row `rows[i, k]`.
+
+    Without `pool`/`rows` the pool is `slots.mem` itself (slot s's rank row k of layer l is row
+    s*L*R + k of `LoraLayout.slot_rows(mem, l)`) and the backend owns that identity table.
+
+    An externally owned rank-paged pool is passed as `pool` [num_layers, pool_rows, row_elems] (dtype of
+    the slots, row_elems of the layout, last dim contiguous) with its `rows`: device int32
+    [slots.num_slots, width], width >= layout.max_rank, contiguous rows. `rows` alone indexes the rows of
+    `slots.mem` as above. The contract for the owner: both tensors are allocated once and never replaced
+    (views and captured CUDA graphs hold their addresses), only updated in place in stream order before
+    the forward that reads them; `rows[i, k]` must be a valid pool row for every k < the largest rank of
+    id i in `slots.ranks` (entries past it may hold anything: they are loaded, never dereferenced); ranks
+    must not exceed the table width (the kernels clamp them to it)."""
+
     name = "triton"
 
-    def __init__(self, slots: LoraSlots, max_tokens: int):
+    def __init__(
+        self,
+        slots: LoraSlots,
+        max_tokens: int,
+        *,
+        pool: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+    ):
         super().__init__(slots, max_tokens)
+        self._init_rows(pool, rows)
         self._init_metadata()
         self._init_workspace()
         self._init_views()
 
+    def _init_rows(self, pool: torch.Tensor | None, rows: torch.Tensor | None) -> None:
+        if pool is not None and rows is None:
+            raise ValueError("a rank-paged pool needs its row table")
+        if rows is None:
+            rows = self.layout.slot_row_table(self.slots.num_slots, self.slots.device)  # [S, max_rank]
+        check_external(self.slots, pool, rows)
+        self._pool, self._rows = pool, rows
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The row table the kernels read (owned here unless passed in)."""
+        return self._rows
+
     def _init_views(self) -> None:
-        """Every (layer, group)'s A/B views and rank/scaling columns, made once: the slot tensors never
+        """Every (layer, group)'s A/B views and rank/scaling columns, made once: the pool and tables never
         move, and building views per call was a measurable share of a decode step's host time."""
-        mem, self._views = self.slots.mem, {}
+        self._views = {}
         for layer in range(self.layout.num_layers):
+            if self._pool is not None:
+                base = self._pool[layer]  # [pool_rows, row_elems]
+            else:
+                base = LoraLayout.slot_rows(self.slots.mem, layer)  # [(S-1)*L*R + R, row_elems]
             for g in self.layout.groups:
                 sl = slice(g.first_slice, g.first_slice + g.num_slices)
                 self._views[layer, g.name] = (
-                    LoraLayout.a_view(mem, layer, g),  # [num_slots, max_rank, n, in_dim]
-                    LoraLayout.b_view(mem, layer, g),  # [num_slots, max_rank, out_total]
-                    self.slots.ranks[:, layer, sl],  # [num_slots, n] int32
-                    self.slots.scalings[:, layer, sl],  # [num_slots, n] fp32
+                    LoraLayout.a_rows(base, g),  # [pool_rows, n, in_dim]
+                    LoraLayout.b_rows(base, g),  # [pool_rows, out_total]
+                    self.slots.ranks[:, layer, sl],  # [num_ids, n] int32
+                    self.slots.scalings[:, layer, sl],  # [num_ids, n] fp32
                 )
 
     def _init_metadata(self) -> None:
@@ -127,12 +188,13 @@ class TritonLoraBackend(LoraBackend):
         a, b, ranks, scalings = self._views[layer, group.name]
         # The views and configs were made here, once; the kernels' argument checks would cost a
         # measurable share of an eager step's host time (128 launches per forward of a 16-layer model).
-        lora_shrink(x, a, ranks, info, out=v, config=shrink_cfg, check=False)
+        lora_shrink(x, a, ranks, self._rows, info, out=v, config=shrink_cfg, check=False)
         lora_expand(
             v,
             b,
             ranks,
             scalings,
+            self._rows,
             out,
             group.out_offsets,
             group.out_dims,
