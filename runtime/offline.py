@@ -21,7 +21,9 @@ from stages.worker.runner import ModelRunner, RunnerConfig
 
 
 @dataclass(frozen=True)
-class Completion:
+class RequestOutput:
+    """One prompt's result (the SDK's streaming counterpart is `runtime.client.Completion`)."""
+
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" | "length"
@@ -114,7 +116,7 @@ class LLM:
         prompts: Sequence[str | Sequence[int]] | str,
         adapters: str | None | Sequence[str | None] = None,
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[Completion]:
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str):
             prompts = [prompts]
         n = len(prompts)
@@ -153,7 +155,7 @@ class LLM:
         self.last_stats = planner.stats
         self.last_phase_seconds = dict(executor.phase_seconds)
         return [
-            Completion(self._decode(outputs[rid]), outputs[rid], reasons[rid], ids, name)
+            RequestOutput(self._decode(outputs[rid]), outputs[rid], reasons[rid], ids, name)
             for rid, ids, name in zip(rids, prompt_ids, names, strict=True)
         ]
 

@@ -11,7 +11,8 @@ from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig, parse_dtype
 from runtime.common.packed import PackedAdapter
 from stages.worker.decode_graphs import DecodeGraphs
-from stages.worker.lora.backend import make_backend, slot_segments
+from stages.worker.lora.backend import slot_segments
+from stages.worker.lora.factory import make_backend
 from stages.worker.lora.slots import LoraSlots
 from stages.worker.model.attention import plan_for, resolve_backend
 from stages.worker.model.forward_batch import ForwardBatch, SeqExtent

@@ -10,7 +10,7 @@ import torch
 from kernels.batch_info import BatchInfoBuilder, plan_runs, plan_tiles
 from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
 from runtime.common.packed import PackedAdapter
-from stages.worker.lora.backend import make_backend
+from stages.worker.lora.factory import make_backend
 from stages.worker.lora.slots import LoraSlots
 from stages.worker.lora.triton_backend import TritonLoraBackend
 from tests.kernels.conftest import (
