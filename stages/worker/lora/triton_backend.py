@@ -35,20 +35,20 @@ def split_cap(num_tokens: int, ws_rows: int) -> int:
 
 def check_external(slots: LoraSlots, pool: torch.Tensor | None, rows: torch.Tensor) -> None:
     """A pool and row table fit the slots' layout, dtype, device and adapter ids (see the backend)."""
-    layout = slots.layout
+    layout, device = slots.layout, slots.mem.device  # the tensors' device: "cuda" names cuda:N there
     if pool is not None:
         want = (layout.num_layers, layout.row_elems)
         if pool.dim() != 3 or (pool.shape[0], pool.shape[2]) != want or pool.stride(2) != 1:
             raise ValueError(f"pool must be [{want[0]}, rows, {want[1]}] row-contiguous, got {pool.shape}")
-        if pool.dtype != slots.dtype or pool.device != slots.device:
+        if pool.dtype != slots.dtype or pool.device != device:
             raise ValueError(
-                f"pool is {pool.dtype} on {pool.device}, slots are {slots.dtype} on {slots.device}"
+                f"pool is {pool.dtype} on {pool.device}, slots are {slots.dtype} on {device}"
             )
     ok_shape = rows.dim() == 2 and rows.shape[0] == slots.num_slots and rows.shape[1] >= layout.max_rank
-    if rows.dtype != torch.int32 or not ok_shape or rows.stride(1) != 1 or rows.device != slots.device:
+    if rows.dtype != torch.int32 or not ok_shape or rows.stride(1) != 1 or rows.device != device:
         raise ValueError(
             f"rows must be int32 [{slots.num_slots}, >= {layout.max_rank}] row-contiguous on "
-            f"{slots.device}, got {rows.dtype} {tuple(rows.shape)} on {rows.device}"
+            f"{device}, got {rows.dtype} {tuple(rows.shape)} on {rows.device}"
         )
 
 

@@ -27,9 +27,9 @@ def test_buckets_cover_every_size_once():
 @pytest.fixture(scope="module")
 def engine(tiny_llama, llama_adapters):
     cfg = RunnerConfig(
-        model_dir=str(tiny_llama), dtype="float32", max_loras_per_batch=4, max_lora_rank=16,
-        lora_backend="triton", attention_backend="triton", page_size=PAGE, num_pages=400,
-        max_tokens_per_step=512,
+        model_dir=str(tiny_llama), device="cuda" if torch.cuda.is_available() else "cpu", dtype="float32",
+        max_loras_per_batch=4, max_lora_rank=16, lora_backend="triton", attention_backend="triton",
+        page_size=PAGE, num_pages=400, max_tokens_per_step=512,
     )  # fmt: skip
     runner = ModelRunner(cfg)
     for slot, (name, path) in enumerate(llama_adapters.items()):
