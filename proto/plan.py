@@ -120,6 +120,7 @@ class WorkerStarted(Message):
     lora_rows: int = 0  # rank rows of the adapter pool (an adapter of rank r takes r of them)
     lora_ids: int = 0  # adapter ids (resident adapters at most)
     lora_row_bytes: int = 0  # bytes of one rank row over all layers (capacity = lora_rows * this)
+    lora_max_rank: int = 0  # the largest adapter rank the pool takes (--max-lora-rank)
 
 
 SchedulerToWorker = edge("scheduler_to_worker", BatchPlan)

@@ -94,6 +94,7 @@ class LLM:
             pool_rows=pool.total_rows,
             pool_ids=pool.num_ids,
             pool_row_bytes=row_bytes(pool.layout, pool.dtype),
+            max_lora_rank=pool.layout.max_rank,
             max_loras_per_batch=max_loras_per_batch or pool.num_ids,
             max_running_requests=max_running_requests,
             max_tokens_per_step=max_tokens_per_step,

@@ -172,6 +172,7 @@ class SchedulerActor(Actor[SchedulerConfig]):
             pool_rows=msg.lora_rows,
             pool_ids=msg.lora_ids,
             pool_row_bytes=msg.lora_row_bytes,
+            max_lora_rank=msg.lora_max_rank,
             max_loras_per_batch=c.max_loras_per_batch or msg.lora_ids,
             max_running_requests=c.max_running_requests,
             max_tokens_per_step=c.max_tokens_per_step,

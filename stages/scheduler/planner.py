@@ -24,6 +24,7 @@ class PlannerConfig:
     pool_rows: int  # rank rows of the worker's GPU adapter pool (an adapter of rank r takes r)
     pool_ids: int  # adapter ids of the pool (resident adapters at most)
     pool_row_bytes: int = 0  # bytes of one rank row over all layers (for the pool's byte gauges)
+    max_lora_rank: int = 64  # the largest adapter rank: pinned adapters always leave room for one
     max_loras_per_batch: int = 8  # distinct adapters in one step (every running request's counts)
     max_running_requests: int = 64
     max_tokens_per_step: int = 2048
@@ -47,6 +48,10 @@ class PlannerConfig:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the KV cache's "
                 f"{self.num_pages * self.page_size} tokens; lower max_model_len or give the cache more pages"
+            )
+        if self.pool_rows < self.max_lora_rank:
+            raise ValueError(
+                f"the adapter pool's {self.pool_rows} rank rows do not hold an adapter of rank {self.max_lora_rank}"
             )
         if self.max_tokens_per_step < self.max_running_requests:
             raise ValueError(
@@ -99,7 +104,7 @@ class Planner:
         self.adapter_ready = adapter_ready
         self.clock = clock
         self.pages = PageAllocator(cfg.num_pages, cfg.page_size)
-        self.pool = PoolTable(cfg.pool_rows, cfg.pool_ids, cfg.pinned_adapters)
+        self.pool = PoolTable(cfg.pool_rows, cfg.pool_ids, cfg.pinned_adapters, cfg.max_lora_rank)
         self.residency = Residency(
             self.pool,
             adapter_ready,

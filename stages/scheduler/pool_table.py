@@ -32,15 +32,16 @@ class Resident:
 
 
 class PoolTable:
-    """`pinned` adapters stay once loaded, as long as pinned adapters hold at most half the rows (beyond
-    that a pin is not honoured, so that every adapter can still be loaded)."""
+    """`pinned` adapters stay once loaded, as long as the rows no pinned adapter holds still fit an
+    adapter of `max_rank` (beyond that a pin is not honoured, so that every adapter can still load)."""
 
-    def __init__(self, total_rows: int, num_ids: int, pinned: Collection[str] = ()):
+    def __init__(self, total_rows: int, num_ids: int, pinned: Collection[str] = (), max_rank: int = 0):
         if num_ids < 1:
             raise ValueError(f"the adapter pool needs at least one id, got {num_ids}")
         self.rows = RowAllocator(total_rows)
         self.num_ids = num_ids
         self.pinned = frozenset(pinned)
+        self.max_rank = max_rank
         self.residents: dict[str, Resident] = {}
         self.by_id: dict[int, Resident] = {}
         self._free_ids = list(range(num_ids))  # a heap: the lowest free id first
@@ -91,7 +92,8 @@ class PoolTable:
         runs = self.rows.allocate(rows)
         assert runs is not None  # victims() counted the rows
         pinned_rows = sum(r.rows for r in self.residents.values() if r.pinned)
-        pin = adapter in self.pinned and 2 * (pinned_rows + rows) <= self.rows.total_rows
+        pin = adapter in self.pinned and self.rows.total_rows - pinned_rows - rows >= self.max_rank
+        pin = pin and (self.num_ids - sum(r.pinned for r in self.residents.values()) > 1)
         self._clock += 1
         res = Resident(adapter, heapq.heappop(self._free_ids), runs, 0, self._clock, pin, loading)
         self.residents[adapter] = self.by_id[res.lora_id] = res

@@ -128,6 +128,7 @@ class WorkerActor(Actor[WorkerConfig]):
             lora_rows=pool.total_rows,
             lora_ids=pool.num_ids,
             lora_row_bytes=row_bytes(pool.layout, pool.dtype),
+            lora_max_rank=pool.layout.max_rank,
         )
         await self.to_scheduler.put(started)
 
