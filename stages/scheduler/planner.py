@@ -51,7 +51,8 @@ class PlannerConfig:
             )
         if self.pool_rows < self.max_lora_rank:
             raise ValueError(
-                f"the adapter pool's {self.pool_rows} rank rows do not hold an adapter of rank {self.max_lora_rank}"
+                f"the adapter pool's {self.pool_rows} rank rows do not hold an adapter of rank "
+                f"{self.max_lora_rank}"
             )
         if self.max_tokens_per_step < self.max_running_requests:
             raise ValueError(

@@ -61,7 +61,8 @@ class PoolWorker:
             prompt = n.prompt_ids.tolist()
             self.state[n.request_id] = dict(
                 tokens=len(prompt), prompt=len(prompt), computed=0, active=True, pages=list(n.page_ids),
-                max_tokens=n.sampling.max_tokens, slot=n.slot, adapter=self.planner._by_id[n.request_id].adapter,
+                max_tokens=n.sampling.max_tokens, slot=n.slot,
+                adapter=self.planner._by_id[n.request_id].adapter,
             )  # fmt: skip
             counts[n.request_id] = n.num_scheduled_tokens
         for c in plan.cached_requests:

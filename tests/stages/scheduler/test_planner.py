@@ -18,8 +18,8 @@ RANKS = {"a": 1, "b": 4, "c": 8, "d": 3, "e": 16}
 
 
 def _cfg(**kw) -> PlannerConfig:
-    base = dict(num_pages=64, page_size=16, pool_rows=16, pool_ids=4, max_tokens_per_step=64, max_model_len=256,
-                max_lora_rank=16)  # fmt: skip
+    base = dict(num_pages=64, page_size=16, pool_rows=16, pool_ids=4, max_tokens_per_step=64,
+                max_model_len=256, max_lora_rank=16)  # fmt: skip
     return PlannerConfig(**{**base, **kw})
 
 
