@@ -1,5 +1,6 @@
 """Multi-LoRA expand (SGMV): out[t, off_s:off_s+d_s] += scaling_s * v[t, s, :r] @ B_s[:r] for every token
-tile of one adapter slot, all slices of a fused group (unequal widths) in one launch, rank-bounded K loop."""
+tile of one adapter, all slices of a fused group (unequal widths) in one launch, rank-bounded K loop. The
+adapter's B^T rows are found anywhere in a rank-row pool through its row of the row table."""
 
 from __future__ import annotations
 
@@ -11,14 +12,36 @@ import triton
 import triton.language as tl
 
 from kernels.batch_info import META_COLS, BatchInfo, interpreting, read_tiles
+from kernels.lora_shrink import check_row_table
+
+
+@triton.jit
+def _row_gather(t_ptrs, k, offs_r, table_width):
+    """Pool rows of rank rows k..k+BLOCK_K (int64). Masked by the table width only, so that the first
+    chunk's gather can be issued before the rank is known; rows past the rank are never dereferenced."""
+    return tl.load(t_ptrs + k, mask=(k + offs_r) < table_width, other=0).to(tl.int64)
 
 
 @triton.jit
 def _rank_step(
-    v_ptrs, b_ptrs, k, r, r16, m_ok, n_ok, offs_r, stride_vp, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr
+    v_ptrs,
+    b_cols,
+    prow,
+    k,
+    r,
+    r16,
+    m_ok,
+    n_ok,
+    offs_r,
+    stride_br,
+    stride_vp,
+    NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
-    """One rank chunk: v[:, k:k+BLOCK_K] (summed over the split-K partials) @ B[k:k+BLOCK_K, :]."""
+    """One rank chunk: v[:, k:k+BLOCK_K] (summed over the split-K partials) @ B[prow, :] (the chunk's
+    BLOCK_K pool rows)."""
     k_ok = (k + offs_r) < r
+    b_ptrs = b_cols + (prow * stride_br)[:, None]
     bt = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
     v_ok = m_ok[:, None] & ((k + offs_r) < r16)[None, :]
     vt = tl.load(v_ptrs, mask=v_ok, other=0.0)  # [BLOCK_M, BLOCK_K] fp32
@@ -38,7 +61,9 @@ def _lora_expand_kernel(
     out_ptr,
     ranks_ptr,
     scal_ptr,
+    rows_ptr,
     meta_ptr,
+    table_width,
     d0,
     d1,
     d2,
@@ -48,12 +73,12 @@ def _lora_expand_kernel(
     stride_vp,
     stride_vt,
     stride_vi,
-    stride_bs,
     stride_br,
     stride_rs,
     stride_ri,
     stride_ss,
     stride_si,
+    stride_ts,
     stride_ot,
     NUM_SLICES: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -72,7 +97,7 @@ def _lora_expand_kernel(
     row = meta_ptr + (pid_t + 1) * META
     start = tl.load(row)
     end = tl.load(row + 1)
-    slot = tl.load(row + 2).to(tl.int64)
+    slot = tl.load(row + 2).to(tl.int64)  # adapter id: its row of the ranks, scalings and row tables
 
     # Which slice this column block belongs to (absent slices have width 0, so no block maps there).
     nb0 = tl.cdiv(d0, BLOCK_N)
@@ -81,7 +106,13 @@ def _lora_expand_kernel(
     n0 = (pid_n - tl.where(s == 0, 0, tl.where(s == 1, nb0, nb1))) * BLOCK_N
     width = tl.where(s == 0, d0, tl.where(s == 1, d1, d2))
     off = tl.where(s == 0, o0, tl.where(s == 1, o1, o2))
-    r = tl.minimum(tl.load(ranks_ptr + slot * stride_rs + s * stride_ri), BLOCK_R)
+    offs_r = tl.arange(0, BLOCK_K)
+    t_ptrs = rows_ptr + slot * stride_ts + offs_r  # [BLOCK_K] row table entries of the first chunk
+    r = tl.load(ranks_ptr + slot * stride_rs + s * stride_ri)
+    if BLOCK_K == BLOCK_R and NUM_SPLITS == 1:  # single step: its gather in flight with the rank load
+        prow0 = _row_gather(t_ptrs, 0, offs_r, table_width)
+    # A rank past the table would index the next adapter's entries.
+    r = tl.minimum(tl.minimum(r, BLOCK_R), table_width)
     if r == 0:
         return
     scale = tl.load(scal_ptr + slot * stride_ss + s * stride_si)
@@ -97,16 +128,19 @@ def _lora_expand_kernel(
     # The shrink wrote v in whole 16-column groups (zeros past the rank), so v loads need no rank mask
     # below r16; B rows past the real rank are stale and are never read.
     r16 = tl.cdiv(r, 16) * 16
-    offs_r = tl.arange(0, BLOCK_K)
-    b_ptrs = b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + (off + offs_n)[None, :]
+    b_cols = b_ptr + (off + offs_n)[None, :]  # [1, BLOCK_N]; each chunk adds its gathered row offsets
     v_ptrs = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + s * stride_vi + offs_r[None, :]
     if BLOCK_K == BLOCK_R and NUM_SPLITS == 1:  # one step, loads straight to registers (no pipeline)
-        acc = _rank_step(v_ptrs, b_ptrs, 0, r, r16, m_ok, n_ok, offs_r, stride_vp, NUM_SPLITS, UPCAST)
+        acc = _rank_step(
+            v_ptrs, b_cols, prow0, 0, r, r16, m_ok, n_ok, offs_r, stride_br, stride_vp, NUM_SPLITS, UPCAST
+        )
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, r, BLOCK_K):
-            acc += _rank_step(v_ptrs, b_ptrs, k, r, r16, m_ok, n_ok, offs_r, stride_vp, NUM_SPLITS, UPCAST)
-            b_ptrs += BLOCK_K * stride_br
+            prow = _row_gather(t_ptrs, k, offs_r, table_width)
+            acc += _rank_step(
+                v_ptrs, b_cols, prow, k, r, r16, m_ok, n_ok, offs_r, stride_br, stride_vp, NUM_SPLITS, UPCAST
+            )
             v_ptrs += BLOCK_K
     tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=o_mask)
 
@@ -131,13 +165,14 @@ def expand_config(info: BatchInfo, out_dims: Sequence[int], split_k: int = 1) ->
     return ExpandConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=2)
 
 
-def _check(v, b, ranks, scalings, out, out_offsets, out_dims, info) -> tuple[int, int]:
-    if v.dim() != 4 or b.dim() != 3 or out.dim() != 2:
+def _check(v, b, ranks, scalings, rows, out, out_offsets, out_dims, info) -> tuple[int, int]:
+    if v.dim() != 4 or b.dim() != 2 or out.dim() != 2 or ranks.dim() != 2:
         raise ValueError(
-            f"expected v [P, T, N, R], b [S, R, D], out [T, D]; got {v.shape}, {b.shape}, {out.shape}"
+            f"expected v [P, T, N, R], b [P, D], ranks [I, N], out [T, D]; got {v.shape}, {b.shape}, "
+            f"{ranks.shape}, {out.shape}"
         )
     splits, T, num_slices, br = v.shape
-    num_slots = b.shape[0]
+    num_ids = ranks.shape[0]
     if not 1 <= num_slices <= 3 or len(out_offsets) != num_slices or len(out_dims) != num_slices:
         raise ValueError(
             f"1 to 3 slices with one offset and width each, got {num_slices}, {out_offsets}, {out_dims}"
@@ -149,18 +184,17 @@ def _check(v, b, ranks, scalings, out, out_offsets, out_dims, info) -> tuple[int
     if T != info.num_tokens or out.shape[0] != T:
         raise ValueError(f"v/out have {T}/{out.shape[0]} tokens, batch was prepared for {info.num_tokens}")
     for name, t, dt in (("ranks", ranks, torch.int32), ("scalings", scalings, torch.float32)):
-        if tuple(t.shape) != (num_slots, num_slices) or t.dtype != dt:
-            raise ValueError(
-                f"{name} must be {dt} [{num_slots}, {num_slices}], got {t.dtype} {tuple(t.shape)}"
-            )
+        if tuple(t.shape) != (num_ids, num_slices) or t.dtype != dt:
+            raise ValueError(f"{name} must be {dt} [{num_ids}, {num_slices}], got {t.dtype} {tuple(t.shape)}")
+    check_row_table(rows, num_ids, info)
     if b.dtype != out.dtype or b.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"B and out must share a float dtype, got {b.dtype} and {out.dtype}")
-    if b.stride(2) != 1 or out.stride(1) != 1:
+    if b.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("B rows and out rows must be contiguous in their last dim")
     total = max(o + d for o, d in zip(out_offsets, out_dims, strict=True))
-    if total > b.shape[2] or total > out.shape[1] or min(out_dims) <= 0 or min(out_offsets) < 0:
+    if total > b.shape[1] or total > out.shape[1] or min(out_dims) <= 0 or min(out_offsets) < 0:
         raise ValueError(
-            f"slices {out_offsets}/{out_dims} do not fit B ({b.shape[2]}) and out ({out.shape[1]})"
+            f"slices {out_offsets}/{out_dims} do not fit B ({b.shape[1]}) and out ({out.shape[1]})"
         )
     if not (v.device == b.device == ranks.device == scalings.device == out.device == info.meta.device):
         raise ValueError("v, B, ranks, scalings, out and the batch metadata must be on one device")
@@ -172,6 +206,7 @@ def lora_expand(
     b: torch.Tensor,
     ranks: torch.Tensor,
     scalings: torch.Tensor,
+    rows: torch.Tensor,
     out: torch.Tensor,
     out_offsets: Sequence[int],
     out_dims: Sequence[int],
@@ -180,12 +215,13 @@ def lora_expand(
     config: ExpandConfig | None = None,
     check: bool = True,
 ) -> torch.Tensor:
-    """v [splits, T, num_slices, block_rank] fp32 partials (from `lora_shrink`); b [num_slots, max_rank,
-    D] (B^T rows, strided view); ranks/scalings [num_slots, num_slices] int32/fp32 (device); out [T, D]
-    updated in place, only at adapter tokens and slices of nonzero rank. `check=False` skips validating
-    the arguments (the backend's hot path)."""
+    """v [splits, T, num_slices, block_rank] fp32 partials (from `lora_shrink`); b [pool_rows, D] (one
+    layer's B^T rows of the rank-row pool, strided view, last dim contiguous); ranks/scalings [num_ids,
+    num_slices] int32/fp32; rows [num_ids, width] int32 (as for `lora_shrink`); all on the device. out
+    [T, D] updated in place, only at adapter tokens and slices of nonzero rank. `check=False` skips
+    validating the arguments (the backend's hot path)."""
     if check:
-        splits, num_slices = _check(v, b, ranks, scalings, out, out_offsets, out_dims, info)
+        splits, num_slices = _check(v, b, ranks, scalings, rows, out, out_offsets, out_dims, info)
     else:
         splits, num_slices = v.shape[0], v.shape[2]
     cfg = config or expand_config(info, out_dims)
@@ -202,18 +238,20 @@ def lora_expand(
         out,
         ranks,
         scalings,
+        rows,
         info.meta,
+        rows.shape[1],
         *d,
         *o,
         v.stride(0),
         v.stride(1),
         v.stride(2),
         b.stride(0),
-        b.stride(1),
         ranks.stride(0),
         ranks.stride(1),
         scalings.stride(0),
         scalings.stride(1),
+        rows.stride(0),
         out.stride(0),
         NUM_SLICES=num_slices,
         NUM_SPLITS=splits,
@@ -234,6 +272,7 @@ def lora_expand_ref(
     b: torch.Tensor,
     ranks: torch.Tensor,
     scalings: torch.Tensor,
+    rows: torch.Tensor,
     out: torch.Tensor,
     out_offsets: Sequence[int],
     out_dims: Sequence[int],
@@ -244,11 +283,11 @@ def lora_expand_ref(
     host_ranks, host_scal = ranks.cpu(), scalings.cpu()
     for start, end, slot in read_tiles(info):
         for s, (off, width) in enumerate(zip(out_offsets, out_dims, strict=True)):
-            r = min(int(host_ranks[slot, s]), info.block_rank)
+            r = min(int(host_ranks[slot, s]), info.block_rank, rows.shape[1])
             if r == 0:
                 continue
             vr = vs[start:end, s, :r].to(b.dtype).float()  # v rounded to the weight dtype, like the kernel
-            delta = vr @ b[slot, :r, off : off + width].float()
+            delta = vr @ b[rows[slot, :r].long(), off : off + width].float()  # gathered pool rows
             out[start:end, off : off + width] = (
                 out[start:end, off : off + width].float() + delta * float(host_scal[slot, s])
             ).to(out.dtype)

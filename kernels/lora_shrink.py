@@ -1,5 +1,6 @@
-"""Multi-LoRA shrink (SGMV): v[t, s, :r] = x[t] @ A_s[:r]^T for every token tile of one adapter slot,
-all slices of a fused group in one launch, the K loop optionally split across programs (fp32 partials)."""
+"""Multi-LoRA shrink (SGMV): v[t, s, :r] = x[t] @ A_s[:r]^T for every token tile of one adapter, all
+slices of a fused group in one launch, the K loop optionally split across programs (fp32 partials). The
+adapter's A rows are found anywhere in a rank-row pool through its row of the row table."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.batch_info import META_COLS, BatchInfo, interpreting, next_pow2, read_tiles
+from kernels.batch_info import META_COLS, BatchInfo, block_rank_for, interpreting, next_pow2, read_tiles
 
 
 @triton.jit
@@ -19,15 +20,17 @@ def _lora_shrink_kernel(
     a_ptr,
     v_ptr,
     ranks_ptr,
+    rows_ptr,
     meta_ptr,
     K,
     k_per_split,
+    table_width,
     stride_xt,
-    stride_as,
     stride_ar,
     stride_ai,
     stride_rs,
     stride_ri,
+    stride_ts,
     stride_vp,
     stride_vt,
     stride_vi,
@@ -48,14 +51,18 @@ def _lora_shrink_kernel(
     row = meta_ptr + (pid_t + 1) * META
     start = tl.load(row)
     end = tl.load(row + 1)
-    slot = tl.load(row + 2).to(tl.int64)
+    slot = tl.load(row + 2).to(tl.int64)  # adapter id: its row of the ranks and row tables
 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     sl = cols // BLOCK_R
     rk = cols % BLOCK_R
     in_group = sl < NUM_SLICES
     r = tl.load(ranks_ptr + slot * stride_rs + sl * stride_ri, mask=in_group, other=0)
-    col_ok = in_group & (rk < r)  # rows past a slot's real rank hold stale data: never read
+    # Pool row of each column's rank row. Masked by the table width, not the rank, so this gather is in
+    # flight together with the rank load; entries past the rank are loaded but never dereferenced.
+    prow = tl.load(rows_ptr + slot * stride_ts + rk, mask=in_group & (rk < table_width), other=0)
+    r = tl.minimum(r, table_width)  # a rank past the table would index the next adapter's entries
+    col_ok = in_group & (rk < r)  # rows past an adapter's real rank hold stale data: never read
     if tl.max(col_ok.to(tl.int32), axis=0) == 0:
         return
 
@@ -64,7 +71,8 @@ def _lora_shrink_kernel(
     k0 = pid_k * k_per_split
     offs_k = k0 + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
-    a_ptrs = a_ptr + slot * stride_as + (sl * stride_ai + rk * stride_ar)[:, None] + offs_k[None, :]
+    a_rows = prow.to(tl.int64) * stride_ar + sl * stride_ai  # [BLOCK_N] int64: pools pass 2^31 elements
+    a_ptrs = a_ptr + a_rows[:, None] + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for _ in range(0, k_per_split, BLOCK_K):
         k_ok = offs_k < K
@@ -126,22 +134,37 @@ def shrink_config(info: BatchInfo, in_dim: int, num_slices: int, max_split: int 
     return ShrinkConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3)
 
 
-def _check(x, a, ranks, info: BatchInfo, cfg: ShrinkConfig, out, shape) -> None:
-    if x.dim() != 2 or a.dim() != 4 or ranks.dim() != 2:
+def check_row_table(rows: torch.Tensor, num_ids: int, info: BatchInfo) -> None:
+    """The row table both kernels read: int32 [num_ids, width], rows contiguous, on the batch's device,
+    wide enough for every rank the batch was planned for (its rank tile is that of a rank <= width)."""
+    if rows.dtype != torch.int32 or rows.dim() != 2 or rows.shape[0] != num_ids:
+        raise ValueError(f"rows must be int32 [{num_ids}, width], got {rows.dtype} {tuple(rows.shape)}")
+    if rows.stride(1) != 1:
+        raise ValueError("the row table must be contiguous in its last dim")
+    if rows.device != info.meta.device:
+        raise ValueError(f"the row table is on {rows.device}, the batch metadata on {info.meta.device}")
+    if block_rank_for(rows.shape[1]) < info.block_rank:
         raise ValueError(
-            f"expected x [T, K], a [S, R, N, K], ranks [S, N]; got {x.shape}, {a.shape}, {ranks.shape}"
+            f"the row table covers ranks up to {rows.shape[1]}, the batch has rank tile {info.block_rank}"
+        )
+
+
+def _check(x, a, ranks, rows, info: BatchInfo, cfg: ShrinkConfig, out, shape) -> None:
+    if x.dim() != 2 or a.dim() != 3 or ranks.dim() != 2:
+        raise ValueError(
+            f"expected x [T, K], a [P, N, K], ranks [I, N]; got {x.shape}, {a.shape}, {ranks.shape}"
         )
     T, K = x.shape
-    num_slots, max_rank, num_slices, a_k = a.shape
+    _, num_slices, a_k = a.shape
+    num_ids = ranks.shape[0]
     if a_k != K:
         raise ValueError(f"x has K={K} but A rows have {a_k} elements")
-    if tuple(ranks.shape) != (num_slots, num_slices) or ranks.dtype != torch.int32:
-        raise ValueError(
-            f"ranks must be int32 [{num_slots}, {num_slices}], got {ranks.dtype} {tuple(ranks.shape)}"
-        )
+    if ranks.shape[1] != num_slices or ranks.dtype != torch.int32:
+        raise ValueError(f"ranks must be int32 [ids, {num_slices}], got {ranks.dtype} {tuple(ranks.shape)}")
+    check_row_table(rows, num_ids, info)
     if x.dtype != a.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x and A must share a float dtype, got {x.dtype} and {a.dtype}")
-    if x.stride(1) != 1 or a.stride(3) != 1:
+    if x.stride(1) != 1 or a.stride(2) != 1:
         raise ValueError("x rows and A rows must be contiguous in their last dim")
     if not (x.device == a.device == ranks.device == info.meta.device):
         raise ValueError("x, A, ranks and the batch metadata must be on one device")
@@ -162,24 +185,27 @@ def lora_shrink(
     x: torch.Tensor,
     a: torch.Tensor,
     ranks: torch.Tensor,
+    rows: torch.Tensor,
     info: BatchInfo,
     *,
     out: torch.Tensor | None = None,
     config: ShrinkConfig | None = None,
     check: bool = True,
 ) -> torch.Tensor:
-    """x [T, K]; a [num_slots, max_rank, num_slices, K] (A rows, strided view, last dim contiguous);
-    ranks [num_slots, num_slices] int32 (device). Returns fp32 partial sums v [split_k, T, num_slices,
-    block_rank] whose sum over dim 0 is x @ A^T per slice. Only rows of adapter tokens are written, in
-    whole 16-column groups (zeros past each rank); everything else is left untouched. `check=False`
-    skips validating the arguments (the backend's hot path, whose views are built once)."""
+    """x [T, K]; a [pool_rows, num_slices, K] (one layer's A rows of the rank-row pool, strided view,
+    last dim contiguous); ranks [num_ids, num_slices] int32; rows [num_ids, width] int32, rows[id, k] =
+    pool row of adapter id's rank row k (read only below the id's rank); all on the device. Returns fp32
+    partial sums v [split_k, T, num_slices, block_rank] whose sum over dim 0 is x @ A^T per slice. Only
+    rows of adapter tokens are written, in whole 16-column groups (zeros past each rank); everything
+    else is left untouched. `check=False` skips validating the arguments (the backend's hot path, whose
+    views are built once)."""
     T, K = x.shape
-    num_slices = a.shape[2]
+    num_slices = a.shape[1]
     br = info.block_rank
     cfg = config or shrink_config(info, K, num_slices)
     shape = (cfg.split_k, T, num_slices, br)
     if check:
-        _check(x, a, ranks, info, cfg, out, shape)
+        _check(x, a, ranks, rows, info, cfg, out, shape)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=x.device)  # [split, T, slices, block_rank]
     if info.num_tiles == 0:
@@ -191,15 +217,17 @@ def lora_shrink(
         a,
         out,
         ranks,
+        rows,
         info.meta,
         K,
         k_per_split,
+        rows.shape[1],
         x.stride(0),
         a.stride(0),
         a.stride(1),
-        a.stride(2),
         ranks.stride(0),
         ranks.stride(1),
+        rows.stride(0),
         out.stride(0),
         out.stride(1),
         out.stride(2),
@@ -216,13 +244,16 @@ def lora_shrink(
     return out
 
 
-def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, info: BatchInfo) -> torch.Tensor:
+def lora_shrink_ref(
+    x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, rows: torch.Tensor, info: BatchInfo
+) -> torch.Tensor:
     """Plain torch: v [T, num_slices, block_rank] float32, zero outside adapter tokens and real ranks."""
-    T, num_slices = x.shape[0], a.shape[2]
+    T, num_slices = x.shape[0], a.shape[1]
     v = torch.zeros((T, num_slices, info.block_rank), dtype=torch.float32, device=x.device)
     host_ranks = ranks.cpu()
     for start, end, slot in read_tiles(info):
         for s in range(num_slices):
-            r = min(int(host_ranks[slot, s]), info.block_rank)
-            v[start:end, s, :r] = x[start:end].float() @ a[slot, :r, s].float().t()
+            r = min(int(host_ranks[slot, s]), info.block_rank, rows.shape[1])
+            a_s = a[rows[slot, :r].long(), s]  # [r, K] gathered pool rows
+            v[start:end, s, :r] = x[start:end].float() @ a_s.float().t()
     return v

@@ -22,7 +22,9 @@ from stages.worker.runner import ModelRunner, RunnerConfig
 
 
 @dataclass(frozen=True)
-class Completion:
+class RequestOutput:
+    """One prompt's result (the SDK's streaming counterpart is `runtime.client.Completion`)."""
+
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" | "length"
@@ -41,6 +43,7 @@ class LLM:
         max_lora_rank: int = 64,
         lora_gpu_memory_gb: float | None = None,
         lora_backend: str | None = None,
+        attention_backend: str | None = None,
         page_size: int = 16,
         num_pages: int | None = None,
         max_running_requests: int = 64,
@@ -70,6 +73,7 @@ class LLM:
                 max_lora_rank=max_lora_rank,
                 lora_gpu_memory_gb=lora_gpu_memory_gb,
                 lora_backend=lora_backend,
+                attention_backend=attention_backend,
                 page_size=page_size,
                 num_pages=num_pages,
                 max_tokens_per_step=max_tokens_per_step,
@@ -130,7 +134,7 @@ class LLM:
         prompts: Sequence[str | Sequence[int]] | str,
         adapters: str | None | Sequence[str | None] = None,
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[Completion]:
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str):
             prompts = [prompts]
         n = len(prompts)
@@ -170,7 +174,7 @@ class LLM:
                     reasons[item.request_id] = item.finish_reason
         self.last_phase_seconds = dict(executor.phase_seconds)
         return [
-            Completion(self._decode(outputs[rid]), outputs[rid], reasons[rid], ids, name)
+            RequestOutput(self._decode(outputs[rid]), outputs[rid], reasons[rid], ids, name)
             for rid, ids, name in zip(rids, prompt_ids, names, strict=True)
         ]
 

@@ -47,6 +47,7 @@ class ServeArgs:
     page_size: int = 16
     num_pages: int | None = None
     lora_backend: str | None = None  # None: triton on cuda, torch on cpu
+    attention_backend: str | None = None  # None: triton on cuda, torch on cpu
     pinned_adapters: tuple[str, ...] = ()
     overlap_loading: bool = True  # slot loads run beside steps that do not need them
     prefetch_depth: int = 8  # waiting requests looked ahead at for slot loads (0: off)
@@ -117,6 +118,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--num-pages", type=int, metavar="N", default=None, help="KV cache pages (default: sized from memory)"
     )
     p.add_argument("--lora-backend", choices=("torch", "triton"), default=None)
+    p.add_argument(
+        "--attention-backend",
+        choices=("torch", "triton"),
+        default=None,
+        help="paged attention: the Triton kernel (default on CUDA) or the torch loop (default on CPU)",
+    )
     p.add_argument(
         "--pin-adapter", action="append", default=[], metavar="NAME", help="keep in the GPU pool once loaded"
     )
@@ -344,6 +351,7 @@ def stage_configs(
         max_lora_rank=args.max_lora_rank,
         lora_gpu_memory_gb=args.lora_gpu_memory_gb,
         lora_backend=args.lora_backend,
+        attention_backend=args.attention_backend,
         page_size=args.page_size,
         num_pages=args.num_pages,
         max_tokens_per_step=args.max_tokens_per_step,

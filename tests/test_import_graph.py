@@ -105,3 +105,58 @@ def test_each_rule_catches_its_leak(module, source):
 )
 def test_allowed_imports_pass(module, source):
     assert violations(module, source) == []
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle among `graph`'s modules (one representative path per strongly connected set)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            comp = []
+            while True:
+                top = stack.pop()
+                comp.append(top)
+                if top == node:
+                    break
+            if len(comp) > 1 or node in graph.get(node, ()):
+                found.append(sorted(comp))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _module_graph() -> dict[str, set[str]]:
+    mods = dict(_tree())
+    graph: dict[str, set[str]] = {}
+    for module, path in mods.items():
+        targets = set()
+        for name in _imports(module, path.read_text()):
+            while name and name not in mods:  # `from a.b import c` names module a.b (or a.b.c)
+                name = name.rpartition(".")[0]
+            if name and name != module and not module.startswith(name + "."):
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def test_no_import_cycles():
+    assert cycles(_module_graph()) == []
+
+
+def test_cycle_finder_sees_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

@@ -1,6 +1,8 @@
 """Benchmark the multi-LoRA shrink/expand kernels on Llama-3-8B shapes against the memory floor and the
 PEFT way (gather, two matmuls, scatter-add per adapter); prints one table, writes JSON to --out.
-Times are CUDA-graph replays of back-to-back launches over rotated inputs (L2 flushed before each)."""
+Times are CUDA-graph replays of back-to-back launches over rotated inputs (L2 flushed before each).
+Adapter rows are read through a row table over slot memory: the backend's identity table, or with
+`--rows scattered` the same rows in a random order (every rank row elsewhere, as in a paged pool)."""
 
 from __future__ import annotations
 
@@ -60,8 +62,9 @@ class Case:
     share one batch metadata buffer (hot, like every layer of a real forward) and read distinct layers'
     weights and inputs (cold: the graph touches each layer once after do_bench flushes L2)."""
 
-    def __init__(self, slots_mem, layout, g, r, T, n_ad, device):
+    def __init__(self, slots_mem, rows, layout, g, r, T, n_ad, device):
         self.g, self.r, self.T, self.n_ad, self.layout = g, r, T, n_ad, layout
+        self.rows = rows  # [NUM_SLOTS, MAX_RANK] int32 row table over `slots_mem`
         per = T // n_ad
         self.indptr = [a * per for a in range(n_ad + 1)]
         self.seg_slots = list(range(n_ad))
@@ -83,11 +86,16 @@ class Case:
         return self._infos[key]
 
     def views(self, j: int, ranks, scalings):
+        """One replica's A [P, n, K] and B^T [P, D] pool rows, rank and scaling columns."""
         rep, g = self.replicas[j], self.g
         sl = slice(g.first_slice, g.first_slice + g.num_slices)
-        a = LoraLayout.a_view(self.mem, rep["layer"], g)
-        b = LoraLayout.b_view(self.mem, rep["layer"], g)
+        base = LoraLayout.slot_rows(self.mem, rep["layer"])  # [P, row]
+        a, b = LoraLayout.a_rows(base, g), LoraLayout.b_rows(base, g)
         return a, b, ranks[:, rep["layer"], sl], scalings[:, rep["layer"], sl]
+
+    def adapter_rows(self, slot: int) -> torch.Tensor:
+        """Pool rows of `slot`'s first r rank rows (int64, for the torch checks and the PEFT way)."""
+        return self.rows[slot, : self.r].long()
 
 
 def graph_us(launches, device, rep_ms: int = 40) -> float:
@@ -118,7 +126,9 @@ def shrink_launches(case, ranks, scalings, block_m, cfg):
         v = torch.empty((cfg.split_k, case.T, case.g.num_slices, info.block_rank), device=a.device)
         vs.append(v)
         launches.append(
-            lambda x=rep["x"], a=a, rk=rk, info=info, v=v: lora_shrink(x, a, rk, info, out=v, config=cfg)
+            lambda x=rep["x"], a=a, rk=rk, info=info, v=v: lora_shrink(
+                x, a, rk, case.rows, info, out=v, config=cfg
+            )
         )
     return launches, vs
 
@@ -133,7 +143,7 @@ def run_shrink(case, ranks, scalings, block_m, cfg, rep_ms=40):
     rep = case.replicas[0]
     for i, slot in enumerate(rep["seg_slots"]):
         lo, hi = case.indptr[i], case.indptr[i + 1]
-        ref[lo:hi] = torch.einsum("tk,rsk->tsr", rep["x"][lo:hi].float(), a[slot, : case.r].float())
+        ref[lo:hi] = torch.einsum("tk,rsk->tsr", rep["x"][lo:hi].float(), a[case.adapter_rows(slot)].float())
     err = float((got - ref).norm() / ref.norm())
     return graph_us(launches, case.mem.device, rep_ms), err, vs
 
@@ -146,7 +156,7 @@ def run_expand(case, ranks, scalings, block_m, cfg, vs, rep_ms=40):
         g = case.g
         launches.append(
             lambda v=vs[j], b=b, rk=rk, sc=sc, out=rep["out"], info=info, g=g: lora_expand(
-                v, b, rk, sc, out, g.out_offsets, g.out_dims, info, config=cfg
+                v, b, rk, sc, case.rows, out, g.out_offsets, g.out_dims, info, config=cfg
             )
         )
     rep, g = case.replicas[0], case.g
@@ -159,7 +169,8 @@ def run_expand(case, ranks, scalings, block_m, cfg, vs, rep_ms=40):
     for i, slot in enumerate(rep["seg_slots"]):
         lo, hi = case.indptr[i], case.indptr[i + 1]
         for s, (off, w) in enumerate(zip(g.out_offsets, g.out_dims, strict=True)):
-            delta[lo:hi, off : off + w] = 2.0 * vsum[lo:hi, s] @ b[slot, : case.r, off : off + w].float()
+            b_s = b[case.adapter_rows(slot), off : off + w].float()  # [r, w]
+            delta[lo:hi, off : off + w] = 2.0 * vsum[lo:hi, s] @ b_s
     err = float((rep["out"].float() - before - delta).norm() / delta.norm())
     return graph_us(launches, case.mem.device, rep_ms), err
 
@@ -171,11 +182,9 @@ def run_peft(case, ranks, scalings) -> float:
     work = []
     for i, slot in enumerate(rep["seg_slots"]):
         idx = torch.arange(case.indptr[i], case.indptr[i + 1], device=a.device)
-        wa = [a[slot, : case.r, s].contiguous() for s in range(g.num_slices)]  # lora_A.weight [r, K]
-        wb = [
-            b[slot, : case.r, o : o + w].t().contiguous()
-            for o, w in zip(g.out_offsets, g.out_dims, strict=True)
-        ]
+        rows = case.adapter_rows(slot)
+        wa = [a[rows, s].contiguous() for s in range(g.num_slices)]  # lora_A.weight [r, K]
+        wb = [b[rows, o : o + w].t().contiguous() for o, w in zip(g.out_offsets, g.out_dims, strict=True)]
         work.append((idx, wa, wb))
     x, out = rep["x"], rep["out"]
 
@@ -244,10 +253,11 @@ def _compile_worker(tasks) -> int:
     device = torch.device("cuda")
     layout = llama3_8b_layout()
     mem = torch.zeros((2, NUM_LAYERS, MAX_RANK, layout.row_elems), dtype=torch.bfloat16, device=device)
+    rows = layout.slot_row_table(2, device)  # same width and strides as the timed run's table
     done = 0
     for t in tasks:
         try:
-            _compile_one(device, layout, mem, *t)
+            _compile_one(device, layout, mem, rows, *t)
             done += 1
         except Exception as e:  # noqa: BLE001 - a config that cannot compile is reported when timed
             print(f"compile failed {t}: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -255,7 +265,7 @@ def _compile_worker(tasks) -> int:
     return done
 
 
-def _compile_one(device, layout, mem, gname, r, T, n_ad, bm, kind, cfg, split) -> None:
+def _compile_one(device, layout, mem, rows, gname, r, T, n_ad, bm, kind, cfg, split) -> None:
     g = layout.group(gname)
     ranks = torch.full((2, NUM_LAYERS, 7), r, dtype=torch.int32, device=device)
     scal = torch.ones((2, NUM_LAYERS, 7), device=device)
@@ -265,13 +275,14 @@ def _compile_one(device, layout, mem, gname, r, T, n_ad, bm, kind, cfg, split) -
     )
     sl = slice(g.first_slice, g.first_slice + g.num_slices)
     v = torch.zeros((split, T, g.num_slices, info.block_rank), device=device)
+    base = LoraLayout.slot_rows(mem, 0)  # [P, row]
     if kind == "shrink":
         x = torch.zeros((T, g.in_dim), dtype=mem.dtype, device=device)
-        lora_shrink(x, LoraLayout.a_view(mem, 0, g), ranks[:, 0, sl], info, out=v, config=cfg)
+        lora_shrink(x, LoraLayout.a_rows(base, g), ranks[:, 0, sl], rows, info, out=v, config=cfg)
     else:
         out = torch.zeros((T, g.out_total), dtype=mem.dtype, device=device)
-        b = LoraLayout.b_view(mem, 0, g)
-        lora_expand(v, b, ranks[:, 0, sl], scal[:, 0, sl], out, g.out_offsets, g.out_dims, info, config=cfg)
+        b, rk, sc = LoraLayout.b_rows(base, g), ranks[:, 0, sl], scal[:, 0, sl]
+        lora_expand(v, b, rk, sc, rows, out, g.out_offsets, g.out_dims, info, config=cfg)
 
 
 def precompile(tasks, workers: int) -> None:
@@ -340,6 +351,12 @@ def main() -> None:
     ap.add_argument("--ranks", default="16,64")
     ap.add_argument("--no-peft", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on the CPU")
+    ap.add_argument(
+        "--rows",
+        choices=("identity", "scattered"),
+        default="identity",
+        help="row table: the slots' own rows, or the same rows in a random order (paged-pool access)",
+    )
     args = ap.parse_args()
     global DECODE, PREFILL
     if args.smoke:
@@ -354,6 +371,10 @@ def main() -> None:
     mem.normal_(0.0, 0.02)  # [slots, layers, max_rank, row]: random, never zeros
     ranks = torch.zeros((NUM_SLOTS, NUM_LAYERS, 7), dtype=torch.int32, device=device)
     scalings = torch.full((NUM_SLOTS, NUM_LAYERS, 7), 2.0, device=device)
+    row_table = layout.slot_row_table(NUM_SLOTS, device)  # [slots, max_rank] int32
+    if args.rows == "scattered":  # every rank row of every adapter somewhere else in the slot memory
+        perm = torch.randperm(row_table.numel(), device=device)
+        row_table = row_table.flatten()[perm].view_as(row_table)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
 
@@ -381,7 +402,7 @@ def main() -> None:
     def make_case(spec):
         g, r, T, n = spec
         ranks.fill_(r)
-        return Case(mem, layout, g, r, T, n, device)
+        return Case(mem, row_table, layout, g, r, T, n, device)
 
     # Compile everything the table and the first sweep phase need, in parallel processes.
     tasks, phase1 = [], {}
@@ -400,6 +421,7 @@ def main() -> None:
 
     def save() -> None:
         meta = dict(command=" ".join(sys.argv), device=dev_name, torch=torch.__version__, num_sms=num_sms)
+        meta.update(row_table=args.rows)
         meta.update(triton=triton.__version__, launch_us=launch_us, copy_tbps=copy_tbps)
         result = dict(**meta, hbm_bytes_per_s=HBM_BYTES_PER_S, rows=rows, sweep=sweep)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
-"""The one helper every ZeroMQ socket goes through: typed async PUSH/PULL/ROUTER/DEALER wrappers (and sync
-PUSH/PULL for the worker's step loop) with finite high-water marks, linger, one proto `Codec` each,
-buffers as extra frames, ProtocolError on malformed input and ipc socket files removed on close."""
+"""The one helper every ZeroMQ socket goes through: typed async PUSH/PULL/ROUTER/DEALER wrappers with
+finite high-water marks, linger, one proto `Codec` each, buffers as extra frames, ProtocolError on
+malformed input and ipc socket files removed on close."""
 
 from __future__ import annotations
 
@@ -29,8 +29,6 @@ __all__ = [
     "PullSocket",
     "PushSocket",
     "RouterSocket",
-    "SyncPullSocket",
-    "SyncPushSocket",
 ]
 
 
@@ -200,40 +198,3 @@ class RouterSocket(_Base[In, Out]):
             if exc.errno == zmq.EHOSTUNREACH:
                 raise PeerGone(identity) from None
             raise
-
-
-class _SyncMixin:
-    def _context(self, ctx: zmq.Context | None) -> zmq.Context:
-        if ctx is not None and isinstance(ctx, zmq.asyncio.Context):
-            raise TypeError("sync sockets need a plain zmq.Context")
-        return ctx if ctx is not None else zmq.Context.instance()
-
-
-class SyncPushSocket(_SyncMixin, _Base[None, T]):
-    """Blocking PUSH for code outside the event loop (the worker's step loop). One thread per socket."""
-
-    kind = zmq.PUSH
-
-    def __init__(self, addr: str, msg_type: Any, *, bind: bool = False, **kw: Any) -> None:
-        super().__init__(addr, None, msg_type, bind=bind, **kw)
-
-    def send(self, msg: T, timeout_ms: int | None = None) -> bool:
-        """Send; with a timeout, return False if the peer stayed full that long."""
-        if timeout_ms is not None and not self.sock.poll(timeout_ms, zmq.POLLOUT):
-            return False
-        self.sock.send_multipart(self._encode(msg), copy=False)
-        return True
-
-
-class SyncPullSocket(_SyncMixin, _Base[T, None]):
-    """Blocking PULL for the worker's step loop: `recv(timeout_ms)` returns None when nothing came."""
-
-    kind = zmq.PULL
-
-    def __init__(self, addr: str, msg_type: Any, *, bind: bool = True, **kw: Any) -> None:
-        super().__init__(addr, msg_type, None, bind=bind, **kw)
-
-    def recv(self, timeout_ms: int | None = None) -> T | None:
-        if timeout_ms is not None and not self.sock.poll(timeout_ms, zmq.POLLIN):
-            return None
-        return self._decode(self.sock.recv_multipart(copy=False))

@@ -123,12 +123,37 @@ class LoraLayout:
     @staticmethod
     def a_view(mem: torch.Tensor, layer: int, g: GroupLayout) -> torch.Tensor:
         """[..., rank, num_slices, in_dim] view of A for `layer` (mem is [..., layers, rank, row])."""
-        rows = mem.select(-3, layer)
-        a = rows[..., g.a_offset : g.a_offset + g.num_slices * g.in_stride]
-        return a.unflatten(-1, (g.num_slices, g.in_stride))[..., : g.in_dim]
+        return LoraLayout.a_rows(mem.select(-3, layer), g)
 
     @staticmethod
     def b_view(mem: torch.Tensor, layer: int, g: GroupLayout) -> torch.Tensor:
         """[..., rank, out_total] view of B^T for `layer`."""
-        rows = mem.select(-3, layer)
+        return LoraLayout.b_rows(mem.select(-3, layer), g)
+
+    # Views of rank rows [..., rows, row_elems]: one layer of a rank-paged pool, or `slot_rows`.
+    @staticmethod
+    def a_rows(rows: torch.Tensor, g: GroupLayout) -> torch.Tensor:
+        """[..., rows, num_slices, in_dim] view of A in rank rows [..., rows, row_elems]."""
+        a = rows[..., g.a_offset : g.a_offset + g.num_slices * g.in_stride]
+        return a.unflatten(-1, (g.num_slices, g.in_stride))[..., : g.in_dim]
+
+    @staticmethod
+    def b_rows(rows: torch.Tensor, g: GroupLayout) -> torch.Tensor:
+        """[..., rows, out_total] view of B^T in rank rows [..., rows, row_elems]."""
         return rows[..., g.b_offset : g.b_offset + g.out_total]
+
+    @staticmethod
+    def slot_rows(mem: torch.Tensor, layer: int) -> torch.Tensor:
+        """Slot memory [S, L, R, row] seen as one layer of a rank-paged pool: [(S-1)*L*R + R, row] rows
+        from mem[0, layer] on, where slot s's rank row k of `layer` is row s*L*R + k (`slot_row_table`)."""
+        S, L, R, row = mem.shape
+        flat = mem.view(S * L * R, row)  # no copy: slot memory is one contiguous block
+        return flat[layer * R : layer * R + (S - 1) * L * R + R]
+
+    def slot_row_table(self, num_slots: int, device: torch.device | str) -> torch.Tensor:
+        """int32 [num_slots, max_rank]: the row table of `slot_rows` (slot s, rank row k -> s*L*R + k)."""
+        L, R = self.num_layers, self.max_rank
+        if num_slots * L * R > 2**31 - 1:
+            raise ValueError(f"{num_slots} slots x {L} layers x rank {R} rows overflow an int32 row table")
+        rows = torch.arange(num_slots, dtype=torch.int64)[:, None] * (L * R) + torch.arange(R)
+        return rows.to(torch.int32).to(device)  # [num_slots, max_rank]

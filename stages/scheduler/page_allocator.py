@@ -27,9 +27,6 @@ class PageAllocator:
     def pages_for(self, num_tokens: int) -> int:
         return (num_tokens + self.page_size - 1) // self.page_size
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPages(f"need {n} KV pages, {len(self._free)} free")
@@ -37,8 +34,3 @@ class PageAllocator:
 
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
-
-    def grow(self, pages: list[int], num_tokens: int) -> list[int]:
-        """Pages to append so that `pages` hold `num_tokens` tokens (raises OutOfPages)."""
-        need = self.pages_for(num_tokens) - len(pages)
-        return self.allocate(need) if need > 0 else []

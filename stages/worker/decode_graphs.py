@@ -20,7 +20,6 @@ import torch
 
 from kernels.paged_attention import META_COLS, AttentionPlan, choose_splits, decode_block_m, plan_blocks
 from stages.worker.lora.backend import LoraBackend, slot_segments
-from stages.worker.model.attention import plan_key
 from stages.worker.model.forward_batch import ForwardBatch
 from stages.worker.model.kv_cache import KVCache
 from stages.worker.model.llama import LlamaModel
@@ -67,7 +66,10 @@ class DecodeGraphs:
         capture: bool,
         ring: int = 3,
     ):
-        """`lora`: the Triton backend, or None when batches with adapters must run eagerly."""
+        """`lora`: the Triton backend, or None when batches with adapters must run eagerly. The model
+        must attend with the Triton kernel: the torch loop depends on each batch's extents."""
+        if model.attention_backend != "triton":
+            raise ValueError("decode graphs need the Triton attention backend")
         cfg = model.cfg
         self.model, self.kv, self.lora = model, kv, lora
         self.device = kv.k.device
@@ -199,11 +201,11 @@ class DecodeGraphs:
         fb = ForwardBatch(
             input_ids=self.ids[:padded],
             positions=self.positions[:padded],
-            slot_mapping=self.rows[:padded],
+            kv_rows=self.rows[:padded],
             page_table=self.page_table[:padded],
             logits_indices=self.logits_indices[:padded],
             seqs=(),  # the attention kernel reads the plan below, never the extents
-            derived={plan_key(self.num_heads, self.num_kv_heads): plan},
+            attn_plan=plan,
         )
         self.out[:padded].copy_(self.model.forward(fb, self.kv, self.lora if has_lora else None))
 

@@ -11,9 +11,10 @@ from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig, parse_dtype
 from runtime.common.packed import PackedAdapter
 from stages.worker.decode_graphs import DecodeGraphs
-from stages.worker.lora.backend import make_backend, slot_segments
+from stages.worker.lora.backend import slot_segments
+from stages.worker.lora.factory import make_backend
 from stages.worker.lora.pool import LoraPool, Runs, default_pool_bytes, pool_geometry
-from stages.worker.model import attention
+from stages.worker.model.attention import plan_for, resolve_backend
 from stages.worker.model.forward_batch import ForwardBatch, SeqExtent
 from stages.worker.model.kv_cache import KVCache
 from stages.worker.model.llama import LlamaModel
@@ -30,6 +31,7 @@ class RunnerConfig:
     # (CUDA), 64 MiB elsewhere; at least one adapter of max_lora_rank (stages/worker/lora/pool.py)
     lora_gpu_memory_gb: float | None = None
     lora_backend: str | None = None  # None: triton on CUDA, torch elsewhere
+    attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
     page_size: int = 16
     num_pages: int | None = None  # None: fill gpu_memory_utilization on CUDA, cpu_kv_tokens on CPU
     gpu_memory_utilization: float = 0.85
@@ -54,6 +56,7 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.model_cfg = ModelConfig.from_dir(cfg.model_dir)
         self.dtype = parse_dtype(cfg.dtype, self.model_cfg.dtype)
+        self.attention_backend = resolve_backend(cfg.attention_backend, self.device)
         self._init_model()
         self._init_lora()
         self._init_kv_cache()
@@ -62,7 +65,7 @@ class ModelRunner:
     def _init_model(self) -> None:
         weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
         self.lora_layout = LoraLayout.for_model(self.model_cfg, self.cfg.max_lora_rank)
-        self.model = LlamaModel(self.model_cfg, weights, self.lora_layout)
+        self.model = LlamaModel(self.model_cfg, weights, self.lora_layout, self.attention_backend)
 
     def _init_lora(self) -> None:
         """The adapter pool, sized before the KV cache (which takes what is left)."""
@@ -116,7 +119,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.cfg.cuda_graph_max_batch <= 0 or self.device.type != "cuda":
             return
-        if not attention.use_triton(torch.empty(0, device=self.device)):
+        if self.attention_backend != "triton":
             return  # the torch attention loop depends on each batch's extents: not capturable
         max_len = self.cfg.max_model_len or self.model_cfg.max_position_embeddings
         max_len = min(max_len, self.kv.num_pages * self.kv.page_size)
@@ -193,12 +196,14 @@ class ModelRunner:
         def t(x):
             return torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True)
 
+        m = self.model_cfg
         fb = ForwardBatch(
             input_ids=t(ids),
             positions=t(positions),
-            slot_mapping=t(rows),
+            kv_rows=t(rows),
             page_table=t(table),
             logits_indices=t(last),
             seqs=tuple(extents),
+            attn_plan=plan_for(self.attention_backend, extents, m.num_heads, m.num_kv_heads, dev),
         )
         return fb, *slot_segments(seqs)

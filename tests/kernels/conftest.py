@@ -56,13 +56,18 @@ def random_slot_tables(
     num_slots: int,
     dtype: torch.dtype,
     empty: tuple[int, ...] = (4,),
+    first: tuple[int, ...] = (1, 7, 24, 13, 16),
+    choices: tuple[int, ...] = tuple(RANK_CHOICES),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mem [S, L, R, row] random with NaN in every row past a slice's rank (stale data that must never be
-    read), ranks [S, L, 7] int32 mixing 1, odd ranks and 0, scalings [S, L, 7] fp32; CPU tensors."""
+    read), ranks [S, L, 7] int32 drawn from `choices` (slice 0 of slot s: first[s % len(first)]) and 0
+    for the `empty` slots, scalings [S, L, 7] fp32; CPU tensors."""
     mem = torch.randn((num_slots, layout.num_layers, layout.max_rank, layout.row_elems), generator=gen)
-    pick = torch.randint(0, len(RANK_CHOICES), (num_slots, layout.num_layers, NUM_SLICES), generator=gen)
-    ranks = torch.tensor(RANK_CHOICES, dtype=torch.int32)[pick]
-    ranks[:, :, 0] = torch.tensor([1, 7, 24, 13, 16] * num_slots, dtype=torch.int32)[:num_slots, None]
+    pick = torch.randint(0, len(choices), (num_slots, layout.num_layers, NUM_SLICES), generator=gen)
+    ranks = torch.tensor(choices, dtype=torch.int32)[pick]
+    ranks[:, :, 0] = torch.tensor([first[s % len(first)] for s in range(num_slots)], dtype=torch.int32)[
+        :, None
+    ]
     for s in empty:
         ranks[s] = 0
     scalings = torch.rand((num_slots, layout.num_layers, NUM_SLICES), generator=gen) * 2 + 0.25
@@ -76,3 +81,51 @@ def random_slot_tables(
                 mem[slot, layer, r:, a0 : a0 + g.in_dim] = float("nan")
                 mem[slot, layer, r:, b0 : b0 + g.out_dims[i]] = float("nan")
     return mem.to(dtype), ranks, scalings
+
+
+# Adapters of ranks above 64 (block rank 128) in a pool: slice 0 of id s has rank LARGE_FIRST[s], the
+# other slices draw from LARGE_CHOICES (80 and 128 with odd and small ones); id 4 is empty.
+LARGE_FIRST = (80, 1, 128, 33, 0, 128)
+LARGE_CHOICES = (1, 7, 80, 128, 0, 65, 100)
+
+
+def owned_rows(ranks: torch.Tensor) -> list[int]:
+    """Rank rows each adapter owns in a pool: its largest rank over layers and slices ([I, L, 7] in)."""
+    return [int(r) for r in ranks.flatten(1).amax(1)]
+
+
+def scatter_to_pool(
+    gen: torch.Generator, mem: torch.Tensor, owned: list[int], width: int, spare: int = 7
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy adapter i's first owned[i] rank rows of mem [I, L, R, row] to random, interleaved, out-of-order
+    rows of a pool [L, P, row] that also holds `spare` NaN rows; table [I, width] int32 maps (i, k) to
+    the pool row. Entries past owned[i] point at NaN rows: a read through them shows. CPU tensors."""
+    num_ids, num_layers, _, row = mem.shape
+    total = sum(owned) + spare
+    perm = torch.randperm(total, generator=gen)
+    pool = torch.full((num_layers, total, row), float("nan"), dtype=mem.dtype)
+    poison = perm[sum(owned) :]
+    table = poison[torch.randint(0, spare, (num_ids, width), generator=gen)].to(torch.int32)
+    order = torch.randperm(num_ids, generator=gen).tolist()  # adapters take their rows in random order
+    taken = 0
+    for i in order:
+        table[i, : owned[i]] = perm[taken : taken + owned[i]].to(torch.int32)
+        taken += owned[i]
+        pool[:, table[i, : owned[i]].long()] = mem[i, :, : owned[i]]
+    return pool, table
+
+
+def pool_operands(
+    gen: torch.Generator, mem: torch.Tensor, ranks: torch.Tensor, layout: LoraLayout, kind: str, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pool rows [L, P, row] or [P, row] per layer via `layer_rows`, row table) on `device` for the
+    slot memory itself (kind "slots": the identity table of the backend) or a scattered pool."""
+    if kind == "slots":
+        return mem.to(device), layout.slot_row_table(mem.shape[0], device)
+    pool, table = scatter_to_pool(gen, mem, owned_rows(ranks), layout.max_rank)
+    return pool.to(device), table.to(device)
+
+
+def layer_rows(base: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
+    """[P, row] rank rows of `layer`: a row view of slot memory, or the pool's layer."""
+    return LoraLayout.slot_rows(base, layer) if kind == "slots" else base[layer]

@@ -1,5 +1,7 @@
-"""lora_shrink against a float64 torch computation: ragged segments, ranks per slot (1, odd, 0), base-only
-tokens, widths not multiples of 16, NaN in every stale row past a rank, NaN-poisoned output."""
+"""lora_shrink against a float64 torch computation of each adapter's own weights: ragged segments, ranks
+per adapter (1, odd, 0, above 64), base-only tokens, widths not multiples of 16, NaN in every stale row
+past a rank, NaN-poisoned output, adapter rows read through the row table from slot memory (identity
+table) or from a scattered pool (rows out of order, interleaved with other adapters' and NaN rows)."""
 
 from __future__ import annotations
 
@@ -7,13 +9,17 @@ import pytest
 import torch
 
 from kernels.batch_info import BatchInfoBuilder, block_rank_for
-from kernels.lora_shrink import ShrinkConfig, lora_shrink, lora_shrink_ref
+from kernels.lora_shrink import ShrinkConfig, lora_shrink, lora_shrink_ref, shrink_config
 from runtime.common.lora_layout import LoraLayout
 from tests.kernels.conftest import (
+    LARGE_CHOICES,
+    LARGE_FIRST,
     MIXED_LENGTHS,
     MIXED_SLOTS,
     TOL,
     indptr_of,
+    layer_rows,
+    pool_operands,
     random_slot_tables,
     rel_err,
     small_layout,
@@ -36,13 +42,16 @@ def expected_shrink(x, a, ranks, indptr, seg_slots, block_rank):
     return v, written
 
 
-def run_case(device, dtype, group_name, lengths, seg_slots, block_m, config, seed):
+def run_case(device, dtype, group_name, lengths, seg_slots, block_m, config, seed, pool="slots", tables=None):
+    """`pool`: "slots" (slot memory, identity row table) or "scattered"; `tables`: (max_rank, first,
+    choices) of `random_slot_tables` (default: ranks up to 24)."""
     gen = torch.Generator().manual_seed(seed)
-    layout = small_layout()
+    max_rank, *rank_args = tables or (24,)
+    layout = small_layout(max_rank=max_rank)
     g = layout.group(group_name)
-    mem, ranks_all, _ = random_slot_tables(gen, layout, 5, dtype)
+    mem, ranks_all, _ = random_slot_tables(gen, layout, 6 if tables else 5, dtype, (4,), *rank_args)
     layer = seed % layout.num_layers
-    a_cpu = LoraLayout.a_view(mem, layer, g)  # [S, R, N, K] strided
+    a_cpu = LoraLayout.a_view(mem, layer, g)  # [S, R, N, K] strided: each adapter's own A
     ranks_cpu = ranks_all[:, layer, g.first_slice : g.first_slice + g.num_slices]
     indptr = indptr_of(lengths)
     x_cpu = torch.randn((indptr[-1], g.in_dim), generator=gen).to(dtype)
@@ -50,15 +59,13 @@ def run_case(device, dtype, group_name, lengths, seg_slots, block_m, config, see
     used = [s for s in seg_slots if s >= 0]
     info = BatchInfoBuilder(128, device).build(indptr, seg_slots, int(ranks_all[used].max()), block_m=block_m)
     assert info.block_rank == block_rank_for(int(ranks_all[used].max()))
-    mem_d = mem.to(device)
-    a = LoraLayout.a_view(mem_d, layer, g)
+    base, rows = pool_operands(gen, mem, ranks_all, layout, pool, device)
+    a = LoraLayout.a_rows(layer_rows(base, layer, pool), g)  # [P, N, K] strided
     ranks = ranks_all.to(device)[:, layer, g.first_slice : g.first_slice + g.num_slices]  # strided view
-    split = config.split_k if config else None
-    out = None
-    if config is not None:
-        shape = (split, indptr[-1], g.num_slices, info.block_rank)
-        out = torch.full(shape, float("nan"), dtype=torch.float32, device=device)
-    v = lora_shrink(x_cpu.to(device), a, ranks, info, out=out, config=config).cpu()
+    config = config or shrink_config(info, g.in_dim, g.num_slices)
+    shape = (config.split_k, indptr[-1], g.num_slices, info.block_rank)
+    out = torch.full(shape, float("nan"), dtype=torch.float32, device=device)  # poisoned: untouched stays NaN
+    v = lora_shrink(x_cpu.to(device), a, ranks, rows, info, out=out, config=config).cpu()
 
     ref, written = expected_shrink(x_cpu, a_cpu, ranks_cpu, indptr, seg_slots, info.block_rank)
     adapter_rows = written.any(dim=(1, 2))
@@ -67,15 +74,14 @@ def run_case(device, dtype, group_name, lengths, seg_slots, block_m, config, see
         r = int(written[t, s].sum())
         zero_pad[t, s, r : (r + 15) // 16 * 16] = True
     assert torch.isfinite(v[:, written]).all(), "an entry the kernel must write is missing or NaN"
-    if config is not None:
-        rest = v[:, ~written]
-        assert ((rest == 0) | torch.isnan(rest)).all(), "the kernel wrote nonzeros outside the real ranks"
-        assert torch.isnan(v[:, ~adapter_rows]).all(), "the kernel wrote rows of base-only tokens"
-        assert (v[:, zero_pad] == 0).all(), "columns past a rank, up to a multiple of 16, must hold zeros"
+    rest = v[:, ~written]
+    assert ((rest == 0) | torch.isnan(rest)).all(), "the kernel wrote nonzeros outside the real ranks"
+    assert torch.isnan(v[:, ~adapter_rows]).all(), "the kernel wrote rows of base-only tokens"
+    assert (v[:, zero_pad] == 0).all(), "columns past a rank, up to a multiple of 16, must hold zeros"
     err = rel_err(v.sum(0)[written], ref[written])
     assert err < TOL[dtype], err
     # The plain torch reference computes the same function.
-    plain = lora_shrink_ref(x_cpu.to(device), a, ranks, info).cpu()
+    plain = lora_shrink_ref(x_cpu.to(device), a, ranks, rows, info).cpu()
     assert rel_err(plain[written], ref[written]) < TOL[dtype]
     assert (plain[~written] == 0).all()
 
@@ -86,6 +92,28 @@ def test_shrink_mixed_batch_default_config(device, dtype, group_name):
     run_case(device, dtype, group_name, MIXED_LENGTHS, MIXED_SLOTS, None, None, seed=1)
 
 
+@pytest.mark.parametrize("group_name", ["qkv", "down"])
+def test_shrink_scattered_pool(device, group_name):
+    """Every adapter's rows scattered over a shared pool, other adapters' and NaN rows in between."""
+    run_case(device, torch.bfloat16, group_name, MIXED_LENGTHS, MIXED_SLOTS, None, None, 4, "scattered")
+
+
+# Ranks above 64 (block rank 128): 80, 100, 128 and small or odd ones mixed; a table as wide as the largest
+# rank (128) or narrower than the rank tile (80: columns 80..127 of the tile have no table entry).
+LARGE_TABLES = [(128, LARGE_FIRST, LARGE_CHOICES), (80, (80, 1, 65, 33, 0, 7), (1, 7, 80, 0, 65, 33))]
+LARGE_SLOTS = [2, -1, 0, 4, 1, 5, 3, -1, 2, 0]
+LARGE_LENGTHS = [3, 2, 5, 1, 4, 2, 17, 1, 3, 1]
+
+
+@pytest.mark.parametrize("tables", LARGE_TABLES, ids=["width128", "width80"])
+@pytest.mark.parametrize("pool", ["slots", "scattered"])
+def test_shrink_large_ranks(device, tables, pool):
+    run_case(device, torch.bfloat16, "qkv", LARGE_LENGTHS, LARGE_SLOTS, None, None, 5, pool, tables)
+    config = ShrinkConfig(block_n=64, block_k=32, split_k=2)  # rank chunks narrower than the 128 tile
+    run_case(device, torch.float32, "o", LARGE_LENGTHS, LARGE_SLOTS, 16, config, 6, pool, tables)
+
+
+@pytest.mark.parametrize("pool", ["slots", "scattered"])
 @pytest.mark.parametrize(
     "block_m,config",
     [
@@ -95,15 +123,15 @@ def test_shrink_mixed_batch_default_config(device, dtype, group_name):
         (64, ShrinkConfig(block_n=128, block_k=16, split_k=1, num_stages=2)),  # all slices in one block
     ],
 )
-def test_shrink_block_shapes(device, block_m, config):
-    run_case(device, torch.bfloat16, "qkv", MIXED_LENGTHS, MIXED_SLOTS, block_m, config, seed=block_m)
+def test_shrink_block_shapes(device, block_m, config, pool):
+    run_case(device, torch.bfloat16, "qkv", MIXED_LENGTHS, MIXED_SLOTS, block_m, config, block_m, pool)
 
 
 def test_shrink_decode_distinct_adapters(device):
     """Segments of one token, each its own slot or none (decode)."""
     lengths = [1] * 9
     slots = [0, 1, -1, 2, 3, 4, 0, -1, 2]
-    run_case(device, torch.bfloat16, "qkv", lengths, slots, 16, ShrinkConfig(16, 16, 2), seed=3)
+    run_case(device, torch.bfloat16, "qkv", lengths, slots, 16, ShrinkConfig(16, 16, 2), 3, "scattered")
 
 
 def test_shrink_no_adapter_tokens_launches_nothing(device):
@@ -116,8 +144,9 @@ def test_shrink_no_adapter_tokens_launches_nothing(device):
     out = torch.full((1, 5, 1, 16), float("nan"), device=device)
     lora_shrink(
         torch.randn(5, g.in_dim, device=device),
-        LoraLayout.a_view(mem, 0, g),
+        LoraLayout.a_rows(LoraLayout.slot_rows(mem, 0), g),
         ranks,
+        layout.slot_row_table(2, device),
         info,
         out=out,
         config=ShrinkConfig(16, 16, 1),
@@ -129,21 +158,51 @@ def test_shrink_rejects_bad_inputs(device):
     layout = small_layout()
     g = layout.group("qkv")
     mem = torch.randn((2, layout.num_layers, layout.max_rank, layout.row_elems), device=device)
-    a = LoraLayout.a_view(mem, 0, g)
+    a = LoraLayout.a_rows(LoraLayout.slot_rows(mem, 0), g)
     ranks = torch.ones((2, 3), dtype=torch.int32, device=device)
+    rows = layout.slot_row_table(2, device)
     info = BatchInfoBuilder(16, device).build([0, 4], [1], 1)
     x = torch.randn(4, g.in_dim, device=device)
     with pytest.raises(ValueError, match="K="):
-        lora_shrink(torch.randn(4, g.in_dim + 1, device=device), a, ranks, info)
+        lora_shrink(torch.randn(4, g.in_dim + 1, device=device), a, ranks, rows, info)
     with pytest.raises(ValueError, match="int32"):
-        lora_shrink(x, a, ranks.long(), info)
+        lora_shrink(x, a, ranks.long(), rows, info)
     with pytest.raises(ValueError, match="dtype"):
-        lora_shrink(x.half(), a, ranks, info)
+        lora_shrink(x.half(), a, ranks, rows, info)
     with pytest.raises(ValueError, match="contiguous"):
-        lora_shrink(torch.randn(g.in_dim, 4, device=device).t(), a, ranks, info)
+        lora_shrink(torch.randn(g.in_dim, 4, device=device).t(), a, ranks, rows, info)
     with pytest.raises(ValueError, match="tokens"):
-        lora_shrink(torch.randn(5, g.in_dim, device=device), a, ranks, info)
+        lora_shrink(torch.randn(5, g.in_dim, device=device), a, ranks, rows, info)
     with pytest.raises(ValueError, match="out must be"):
         lora_shrink(
-            x, a, ranks, info, out=torch.empty(1, 4, 3, 8, device=device), config=ShrinkConfig(16, 16, 1)
+            x,
+            a,
+            ranks,
+            rows,
+            info,
+            out=torch.empty(1, 4, 3, 8, device=device),
+            config=ShrinkConfig(16, 16, 1),
         )
+    with pytest.raises(ValueError, match="expected"):
+        lora_shrink(x, LoraLayout.a_view(mem, 0, g), ranks, rows, info)  # slot-shaped A, no longer taken
+
+
+def test_shrink_rejects_bad_row_tables(device):
+    layout = small_layout()
+    g = layout.group("o")
+    a = LoraLayout.a_view(torch.randn((layout.num_layers, 50, layout.row_elems), device=device), 0, g)
+    ranks = torch.ones((3, 1), dtype=torch.int32, device=device)
+    rows = torch.zeros((3, 24), dtype=torch.int32, device=device)
+    x = torch.randn(4, g.in_dim, device=device)
+    info = BatchInfoBuilder(16, device).build([0, 4], [1], 24)  # rank tile 32
+    lora_shrink(x, a, ranks, rows, info)  # a table 24 wide covers ranks up to 24 (tile 32)
+    with pytest.raises(ValueError, match="int32"):
+        lora_shrink(x, a, ranks, rows.long(), info)
+    with pytest.raises(ValueError, match="rows must be"):
+        lora_shrink(x, a, ranks, rows[:2], info)  # one entry per adapter id
+    with pytest.raises(ValueError, match="rows must be"):
+        lora_shrink(x, a, ranks, rows[0], info)
+    with pytest.raises(ValueError, match="contiguous"):
+        lora_shrink(x, a, ranks, torch.zeros((24, 3), dtype=torch.int32, device=device).t(), info)
+    with pytest.raises(ValueError, match="covers ranks up to 16"):
+        lora_shrink(x, a, ranks, rows[:, :16], info)  # the batch was planned for ranks above 16

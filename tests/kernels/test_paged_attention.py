@@ -163,22 +163,24 @@ def test_wrapper_rejects_bad_inputs(device):
         paged_attention(q, k, v, table, plan, sliding_window=0, **kw)
 
 
-def test_dispatch_switch(monkeypatch, device):
-    q = torch.zeros((1, 4, 16), device=device)
-    monkeypatch.setattr(attention, "USE_TRITON", None)
-    monkeypatch.delenv("LORAPIPE_ATTENTION", raising=False)
-    assert attention.use_triton(q) == (device.type == "cuda")
-    monkeypatch.setenv("LORAPIPE_ATTENTION", "torch")
-    assert not attention.use_triton(q)
-    monkeypatch.setattr(attention, "USE_TRITON", True)
-    assert attention.use_triton(q)
+def test_backend_is_chosen_by_configuration():
+    assert attention.resolve_backend(None, torch.device("cuda")) == "triton"
+    assert attention.resolve_backend(None, torch.device("cpu")) == "torch"
+    assert attention.resolve_backend("torch", torch.device("cuda")) == "torch"
+    assert attention.resolve_backend("triton", torch.device("cpu")) == "triton"
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        attention.resolve_backend("flash", torch.device("cpu"))
+    assert attention.attention_fn("torch") is attention.torch_paged_attention
+    assert attention.attention_fn("triton") is attention.triton_paged_attention
 
 
-def runner_steps(model_dir, device, use_triton: bool, monkeypatch) -> list[torch.Tensor]:
+def runner_steps(model_dir, device, backend: str) -> list[torch.Tensor]:
     """Three steps on shuffled pages: two prompts; a decode, a prompt's second chunk and a new prompt;
     three decodes. Returns each step's logits."""
     runner = ModelRunner(
-        RunnerConfig(model_dir=str(model_dir), device=str(device), page_size=4, num_pages=32)
+        RunnerConfig(
+            model_dir=str(model_dir), device=str(device), page_size=4, num_pages=32, attention_backend=backend
+        )
     )
     pages = torch.randperm(32, generator=torch.Generator().manual_seed(5)).tolist()
     a, b, c = pages[:6], pages[6:12], pages[12:18]
@@ -188,17 +190,16 @@ def runner_steps(model_dir, device, use_triton: bool, monkeypatch) -> list[torch
         [SeqInput(tok(1, 3), 11, a, -1), SeqInput(tok(9, 4), 5, b, -1), SeqInput(tok(3, 5), 0, c, -1)],
         [SeqInput(tok(1, 6), 12, a, -1), SeqInput(tok(1, 7), 14, b, -1), SeqInput(tok(1, 8), 3, c, -1)],
     ]
-    monkeypatch.setattr(attention, "USE_TRITON", use_triton)
     return [runner.execute(s).cpu() for s in steps]
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_mistral"])
-def test_model_logits_kernel_vs_torch(model, request, monkeypatch, device):
+def test_model_logits_kernel_vs_torch(model, request, device):
     """The offline engine's forward with the kernel forced on (interpreter on the CPU) against the torch
     path, fp32; tiny_mistral has a sliding window of 8 that the 14-token sequence crosses."""
     model_dir = request.getfixturevalue(model)
-    got = runner_steps(model_dir, device, True, monkeypatch)
-    ref = runner_steps(model_dir, device, False, monkeypatch)
+    got = runner_steps(model_dir, device, "triton")
+    ref = runner_steps(model_dir, device, "torch")
     for g, r in zip(got, ref, strict=True):
         assert rel_err(g, r) < 1e-4
 
@@ -213,8 +214,8 @@ def test_large_head_dims_on_gpu(head_dim):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_path_never_syncs(monkeypatch):
-    """The dispatch on CUDA (plan built on the first layer's call, then reused) with sync debug on."""
+def test_cuda_path_never_syncs():
+    """The Triton path on CUDA (one plan per forward, read by every layer) with sync debug on."""
     gen = torch.Generator().manual_seed(1)
     q, k, v, table, seqs, _ = make_case(
         gen, MIXED, num_kv_heads=2, group=2, head_dim=16, page_size=4, dtype=torch.float32, device="cuda"
@@ -223,17 +224,17 @@ def test_cuda_path_never_syncs(monkeypatch):
                  dtype=torch.float32, device=torch.device("cuda"))  # fmt: skip
     kv.k[:, : k.shape[0]] = k  # the cache has one more (scratch) page
     kv.v[:, : v.shape[0]] = v
-    make_fb = lambda: ForwardBatch(q, q, q, table, q, tuple(SeqExtent(*s) for s in seqs))
-    monkeypatch.setattr(attention, "USE_TRITON", None)
-    monkeypatch.delenv("LORAPIPE_ATTENTION", raising=False)
-    first = attention.paged_attention(q, kv, 0, make_fb(), 0.25, None)  # compiles
-    fb = make_fb()
+    extents = tuple(SeqExtent(*s) for s in seqs)
+    make_fb = lambda: ForwardBatch(
+        q, q, q, table, q, extents, attention.plan_for("triton", extents, 4, 2, q.device)
+    )
+    first = attention.triton_paged_attention(q, kv, 0, make_fb(), 0.25, None)  # compiles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        outs = [attention.paged_attention(q, kv, layer, fb, 0.25, None) for layer in (0, 1)]
+        fb = make_fb()  # the plan's one host-to-device copy
+        outs = [attention.triton_paged_attention(q, kv, layer, fb, 0.25, None) for layer in (0, 1)]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(fb.derived) == 1  # one plan (one host-to-device copy) for both layers
     for out in outs:  # both layers hold the same cache; the last 2 rows belong to no sequence
         assert torch.equal(out[:-2], first[:-2])

@@ -45,15 +45,3 @@ def slot_segments(seqs: Sequence) -> tuple[list[int], list[int]]:
             slots.append(s.slot)
             indptr.append(indptr[-1] + n)
     return indptr, slots
-
-
-def make_backend(name: str, pool: LoraPool, max_tokens: int) -> LoraBackend:
-    if name == "torch":
-        from stages.worker.lora.torch_backend import TorchLoraBackend
-
-        return TorchLoraBackend(pool, max_tokens)
-    if name == "triton":
-        from stages.worker.lora.triton_backend import TritonLoraBackend
-
-        return TritonLoraBackend(pool, max_tokens)
-    raise ValueError(f"unknown lora backend {name!r} (choose 'torch' or 'triton')")

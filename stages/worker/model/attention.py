@@ -1,65 +1,62 @@
-"""Attention over the paged KV cache. One entry point, `paged_attention`: the Triton varlen kernel on CUDA
-(`kernels/paged_attention.py`), the plain torch loop below on the CPU and as the reference."""
+"""Attention over the paged KV cache, chosen once by configuration (`attention_backend`): the Triton
+varlen kernel (`kernels/paged_attention.py`), the default on CUDA, or the plain torch loop below, the CPU
+default and the reference. The Triton path reads a block plan the runner builds once per forward."""
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from stages.worker.model.forward_batch import ForwardBatch
+from stages.worker.model.forward_batch import ForwardBatch, SeqExtent
 from stages.worker.model.kv_cache import KVCache
 
-# None: the Triton kernel for CUDA tensors unless LORAPIPE_ATTENTION=torch; True/False force one path
-# (True also runs the kernel on CPU tensors, under TRITON_INTERPRET=1: for tests).
-USE_TRITON: bool | None = None
+BACKENDS = ("triton", "torch")
+
+# (q [T, H, D] rotated, kv, layer, fb, scale, sliding_window) -> [T, H * D]
+Attention = Callable[[torch.Tensor, KVCache, int, ForwardBatch, float, int | None], torch.Tensor]
 
 
-def use_triton(q: torch.Tensor) -> bool:
-    if USE_TRITON is not None:
-        return USE_TRITON
-    return q.is_cuda and os.environ.get("LORAPIPE_ATTENTION", "").lower() != "torch"
+def resolve_backend(name: str | None, device: torch.device) -> str:
+    """`name`, or the device's default: Triton on CUDA, the torch loop elsewhere."""
+    if name is None:
+        return "triton" if device.type == "cuda" else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r} (choose one of {', '.join(BACKENDS)})")
+    return name
 
 
-def plan_key(num_heads: int, num_kv_heads: int) -> str:
-    """Where a forward's attention block plan lives in `ForwardBatch.derived` (made once, read by all)."""
-    return f"paged_attention_plan:{num_heads}:{num_kv_heads}"
+def attention_fn(backend: str) -> Attention:
+    return triton_paged_attention if backend == "triton" else torch_paged_attention
 
 
-def paged_attention(
-    q: torch.Tensor,  # [T, H, D], already rotated
-    kv: KVCache,
-    layer: int,
-    fb: ForwardBatch,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole cached context. Returns [T, H * D]."""
-    if use_triton(q):
-        return triton_paged_attention(q, kv, layer, fb, scale, sliding_window)
-    return torch_paged_attention(q, kv, layer, fb, scale, sliding_window)
+def plan_for(backend: str, seqs: Sequence[SeqExtent], num_heads: int, num_kv_heads: int, device):
+    """The Triton kernel's block plan for one forward (one host-to-device copy, shared by every layer);
+    None for the torch loop, which reads the extents themselves."""
+    if backend != "triton":
+        return None
+    from kernels import paged_attention as kernel  # here: triton is only a dependency on Linux
+
+    return kernel.plan_attention(
+        [s.q_start for s in seqs],
+        [s.q_len for s in seqs],
+        [s.ctx_len for s in seqs],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        device=device,
+    )
 
 
 def triton_paged_attention(
     q: torch.Tensor, kv: KVCache, layer: int, fb: ForwardBatch, scale: float, sliding_window: int | None
 ) -> torch.Tensor:
-    """One kernel launch for the whole batch; no host-device synchronisation. The block plan is built on
-    the first layer's call (one host-to-device copy) and kept in `fb.derived` for the other layers."""
-    from kernels import paged_attention as kernel  # here: triton is only a dependency on Linux
+    """One kernel launch for the whole batch over `fb.attn_plan`; no host-device synchronisation."""
+    from kernels import paged_attention as kernel
 
-    num_heads, num_kv_heads = q.shape[1], kv.k.shape[2]
-    key = plan_key(num_heads, num_kv_heads)
-    plan = fb.derived.get(key)
+    plan = fb.attn_plan
     if plan is None:
-        plan = fb.derived[key] = kernel.plan_attention(
-            [s.q_start for s in fb.seqs],
-            [s.q_len for s in fb.seqs],
-            [s.ctx_len for s in fb.seqs],
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            device=q.device,
-        )
+        raise ValueError("the Triton attention path needs the forward's block plan (ForwardBatch.attn_plan)")
     return kernel.paged_attention(
         q,
         kv.k[layer],

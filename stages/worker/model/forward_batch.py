@@ -3,7 +3,7 @@ built by the runner from host-side lists and handed to every layer as an argumen
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,13 +22,13 @@ class SeqExtent:
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64: flat KV-cache row (page * page_size + offset) per token
+    kv_rows: torch.Tensor  # [T] int64: flat KV-cache row (page * page_size + offset) per token
     page_table: torch.Tensor  # [B, max_pages] int64 (rows padded with 0 past each sequence's pages)
     logits_indices: torch.Tensor  # [B] int64: the last new token of each sequence
     seqs: tuple[SeqExtent, ...]
-    # Per-forward values that layers derive from the fields above on first use and share (e.g. the
-    # attention kernel's block plan: one host-to-device copy per forward, not per layer).
-    derived: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
+    # The Triton attention kernel's block plan (`kernels.paged_attention.AttentionPlan`), built once per
+    # forward by the runner; None on the torch attention path.
+    attn_plan: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -31,7 +31,7 @@ class KVCache:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * page_size * num_kv_heads * head_dim * elem
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [T, KVH, D] stored at rows slot_mapping [T]."""
-        self.k[layer].index_copy_(0, slot_mapping, k)
-        self.v[layer].index_copy_(0, slot_mapping, v)
+    def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, KVH, D] stored at flat cache rows `rows` [T]."""
+        self.k[layer].index_copy_(0, rows, k)
+        self.v[layer].index_copy_(0, rows, v)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig, rope_inv_freq
 from stages.worker.lora.backend import LoraBackend
-from stages.worker.model.attention import paged_attention
+from stages.worker.model.attention import attention_fn
 from stages.worker.model.forward_batch import ForwardBatch
 from stages.worker.model.kv_cache import KVCache
 from stages.worker.model.weights import LayerWeights, ModelWeights
@@ -30,10 +30,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora_layout: LoraLayout | None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: ModelWeights,
+        lora_layout: LoraLayout | None,
+        attention_backend: str = "torch",
+    ):
         self.cfg = cfg
         self.w = weights
         self.lora_layout = lora_layout
+        self.attention_backend = attention_backend  # "triton" reads each ForwardBatch's attn_plan
+        self.attend = attention_fn(attention_backend)
         device = weights.embed.device
         inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
         pos = torch.arange(cfg.max_position_embeddings, device=device, dtype=torch.float32)
@@ -76,8 +84,8 @@ class LlamaModel:
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = rotate(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)  # [T, H, D]
         k = rotate(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, KVH, D]
-        kv.write(i, fb.slot_mapping, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim))
-        attn = paged_attention(q, kv, i, fb, self.scale, cfg.sliding_window)  # [T, H * D]
+        kv.write(i, fb.kv_rows, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim))
+        attn = self.attend(q, kv, i, fb, self.scale, cfg.sliding_window)  # [T, H * D]
         o = F.linear(attn, lw.o, lw.o_bias)  # [T, H]
         self._lora(lora, attn, o, i, "o")
         return o

@@ -21,8 +21,6 @@ from runtime.base.sockets import (
     PullSocket,
     PushSocket,
     RouterSocket,
-    SyncPullSocket,
-    SyncPushSocket,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -89,15 +87,6 @@ def test_router_dealer_and_peer_gone(tmp_path):
 def test_high_water_mark_must_be_finite(tmp_path):
     with pytest.raises(ValueError):
         PushSocket(f"ipc://{tmp_path}/d.sock", WorkerToTokenizer, hwm=0)
-
-
-def test_sync_sockets_time_out_instead_of_blocking(tmp_path):
-    addr = f"ipc://{tmp_path}/e.sock"
-    with SyncPullSocket(addr, WorkerToTokenizer) as pull, SyncPushSocket(addr, WorkerToTokenizer) as push:
-        assert pull.recv(timeout_ms=10) is None
-        assert push.send(_batch(3), timeout_ms=1000)
-        assert pull.recv(timeout_ms=5000) == _batch(3)
-    assert not (tmp_path / "e.sock").exists()
 
 
 def test_full_inbox_backpressures_the_sender(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from stages.loader.adapter_reader import read_adapter
 from stages.worker.decode_graphs import DecodeGraphs, batch_buckets
 from stages.worker.lora.torch_backend import TorchLoraBackend
-from stages.worker.model import attention
+from stages.worker.model.llama import LlamaModel
 from stages.worker.runner import ModelRunner, RunnerConfig, SeqInput
 
 PAGE = 4
@@ -28,7 +28,8 @@ def test_buckets_cover_every_size_once():
 def engine(tiny_llama, llama_adapters):
     cfg = RunnerConfig(
         model_dir=str(tiny_llama), dtype="float32", max_lora_rank=16,
-        lora_backend="triton", page_size=PAGE, num_pages=400, max_tokens_per_step=512,
+        lora_backend="triton", attention_backend="triton", page_size=PAGE, num_pages=400,
+        max_tokens_per_step=512,
     )  # fmt: skip
     runner = ModelRunner(cfg)
     for slot, (name, path) in enumerate(llama_adapters.items()):
@@ -54,13 +55,14 @@ def _prefill(runner: ModelRunner, slots: list[int], seed: int) -> list[SeqInput]
     return [SeqInput([3 + i], len(s.token_ids), s.page_ids, s.slot) for i, s in enumerate(seqs)]
 
 
-def _reference(runner: ModelRunner, torch_lora, seqs: list[SeqInput], monkeypatch) -> torch.Tensor:
-    monkeypatch.setattr(attention, "USE_TRITON", False)
+def _reference(runner: ModelRunner, torch_lora, seqs: list[SeqInput]) -> torch.Tensor:
+    """The plain path: the same weights with the torch attention loop and the torch LoRA backend."""
+    model = LlamaModel(runner.model_cfg, runner.model.w, runner.lora_layout, attention_backend="torch")
     fb, indptr, slots = runner._build_batch(seqs)
     torch_lora.prepare(indptr, slots)
     lora = torch_lora if any(s >= 0 for s in slots) else None
     with torch.inference_mode():
-        return runner.model.forward(fb, runner.kv, lora)
+        return model.forward(fb, runner.kv, lora)
 
 
 @pytest.mark.parametrize(
@@ -74,12 +76,11 @@ def _reference(runner: ModelRunner, torch_lora, seqs: list[SeqInput], monkeypatc
     ],
     ids=["3", "5", "base6", "run17", "13"],
 )
-def test_padded_decode_equals_plain_path(engine, slots, monkeypatch):
+def test_padded_decode_equals_plain_path(engine, slots):
     runner, graphs, torch_lora = engine
     seqs = sorted(_prefill(runner, slots, seed=len(slots)), key=lambda s: s.slot)
-    want = _reference(runner, torch_lora, seqs, monkeypatch)
+    want = _reference(runner, torch_lora, seqs)
     kv_k, kv_v = runner.kv.k.clone(), runner.kv.v.clone()
-    monkeypatch.setattr(attention, "USE_TRITON", True)
     assert graphs.supports(seqs)
     got = graphs.run(seqs)
     assert got.shape == want.shape
@@ -97,12 +98,11 @@ def test_padded_decode_equals_plain_path(engine, slots, monkeypatch):
 
 
 @pytest.mark.parametrize("splits", [2, 8])
-def test_forced_key_splits_give_the_same_logits(engine, splits, monkeypatch):
+def test_forced_key_splits_give_the_same_logits(engine, splits):
     """Graphs are captured for every split count a bucket may choose; each must be exact."""
     runner, graphs, torch_lora = engine
     seqs = sorted(_prefill(runner, [0, -1, 3], seed=40 + splits), key=lambda s: s.slot)
-    want = _reference(runner, torch_lora, seqs, monkeypatch)
-    monkeypatch.setattr(attention, "USE_TRITON", True)
+    want = _reference(runner, torch_lora, seqs)
     key = graphs._stage(seqs, graphs.bucket(len(seqs)), splits=splits)
     assert key[1] == splits
     graphs._forward(key)
