@@ -10,8 +10,8 @@ import asyncio
 import pytest
 
 from runtime.client import AsyncClient
-from tests.integration.serving import serve
 from tests.conftest import pool_gb
+from tests.integration.serving import serve
 from tests.runtime.test_overlap_loading import MAX_TOKENS, POOL_ROWS, bursty_workload, many_adapters, run
 
 pytestmark = pytest.mark.timeout(300)
