@@ -17,7 +17,7 @@ class NewRequestData(Record):
     request_id: str
     prompt_ids: TokenIds
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    slot: int = -1  # LoRA slot of its adapter; -1 = base model only
+    slot: int = -1  # adapter id of its adapter in the GPU pool; -1 = base model only
     page_ids: list[int] = []  # KV pages allocated so far, in sequence order
     num_computed_tokens: int = 0  # tokens whose KV is already in those pages (prefix cache / resume)
     num_scheduled_tokens: int = 0  # prompt tokens to run this step (< the rest = chunked prefill)
@@ -32,14 +32,17 @@ class CachedRequestData(Record):
     new_page_ids: list[int] = []  # appended to its page list
     num_scheduled_tokens: int = 1  # >1 while its prefill is still being chunked
     resumed: bool = False  # back after preemption: new_page_ids replace all its pages (KV recomputed)
-    slot: int = -1  # its LoRA slot when resumed (the adapter may sit in another slot by now)
+    slot: int = -1  # its adapter id when resumed (the adapter may have another id by now)
 
 
 class SlotLoad(Record):
-    """Copy a staged adapter from the host cache (shared memory written by the loader) into a slot on
-    the worker's load stream; the worker reports the slot in `slots_ready` once the copy's event fired."""
+    """Copy a staged adapter from the host cache (shared memory written by the loader) into the GPU
+    adapter pool on the worker's load stream, as adapter id `slot`: its rank row k of every layer goes to
+    pool row `row_starts[j] + (k - sum(row_counts[:j]))` of the run j that covers k. The scheduler chose
+    the id and the rows (no other resident adapter holds them). The worker reports `slot` in
+    `slots_ready` once the copy's event fired."""
 
-    slot: int
+    slot: int  # the adapter id: the row of the worker's rank/scaling/row tables
     adapter: str
     shm_name: str = ""  # shared_memory name of the host-cache pool ("": an in-process host cache)
     offset: int = 0  # byte offset of the packed block inside that pool
@@ -52,6 +55,8 @@ class SlotLoad(Record):
     # copy layer by layer with one event per layer, so a step may run layer i before later layers are in
     # (overlapped loads of large adapters); otherwise one copy, which small blocks need for full bandwidth
     layered: bool = False
+    row_starts: list[int] = []  # runs of pool rows holding rank rows 0..rank-1, in rank order
+    row_counts: list[int] = []  # rows of each run; they sum to `rank`
 
 
 class BatchPlan(Message):
@@ -106,12 +111,16 @@ class SlotsReady(Message):
 
 
 class WorkerStarted(Message):
-    """The worker's first message to the scheduler: what its KV cache turned out to hold (sized from
-    free device memory), so the scheduler can start planning."""
+    """The worker's first message to the scheduler: what its KV cache and its GPU adapter pool turned
+    out to hold (sized from free device memory), so the scheduler can start planning."""
 
     num_pages: int
     page_size: int
     max_model_len: int
+    lora_rows: int = 0  # rank rows of the adapter pool (an adapter of rank r takes r of them)
+    lora_ids: int = 0  # adapter ids (resident adapters at most)
+    lora_row_bytes: int = 0  # bytes of one rank row over all layers (capacity = lora_rows * this)
+    lora_max_rank: int = 0  # the largest adapter rank the pool takes (--max-lora-rank)
 
 
 SchedulerToWorker = edge("scheduler_to_worker", BatchPlan)

@@ -15,8 +15,9 @@ from proto.plan import SlotLoad
 from proto.sampling import SamplingParams
 from runtime.common.packed import PackedAdapter
 from stages.loader.adapter_reader import read_adapter
-from stages.scheduler.planner import Planner, PlannerConfig
+from stages.scheduler.planner import Planner, PlannerConfig, PlannerStats
 from stages.worker.executor import StepExecutor
+from stages.worker.lora.pool import row_bytes, runs_of
 from stages.worker.runner import ModelRunner, RunnerConfig
 
 
@@ -38,8 +39,9 @@ class LLM:
         adapters: dict[str, str | Path] | None = None,
         device: str = "cpu",
         dtype: str | torch.dtype | None = None,
-        max_loras_per_batch: int = 4,
+        max_loras_per_batch: int | None = None,
         max_lora_rank: int = 64,
+        lora_gpu_memory_gb: float | None = None,
         lora_backend: str | None = None,
         attention_backend: str | None = None,
         page_size: int = 16,
@@ -52,9 +54,13 @@ class LLM:
         prefetch_depth: int = 8,
         pinned_adapters: tuple[str, ...] = (),
         cuda_graph_max_batch: int | None = None,
+        max_adapter_bypass: int = 16,
     ):
         """`overlap_loading` and `prefetch_depth` drive the same planner logic as `lorapipe serve`;
-        here copies are synchronous, and a slot is reported ready in the result of its load's step.
+        here copies are synchronous, and a load is reported ready in the result of its step.
+        `lora_gpu_memory_gb`, `max_loras_per_batch` and `max_adapter_bypass` mean what the `serve`
+        flags of those names do (the GPU adapter pool; distinct adapters in one step, default as many
+        as the pool holds; the bypass bound of churn-aware admission).
         `cuda_graph_max_batch`: decode batches up to this size replay CUDA graphs on CUDA (default
         min(max_running_requests, 256); 0: always eager)."""
         if cuda_graph_max_batch is None:
@@ -64,8 +70,8 @@ class LLM:
                 model_dir=str(model),
                 device=device,
                 dtype=dtype if isinstance(dtype, str | None) else str(dtype).removeprefix("torch."),
-                max_loras_per_batch=max_loras_per_batch,
                 max_lora_rank=max_lora_rank,
+                lora_gpu_memory_gb=lora_gpu_memory_gb,
                 lora_backend=lora_backend,
                 attention_backend=attention_backend,
                 page_size=page_size,
@@ -85,16 +91,22 @@ class LLM:
                 f"{mcfg.max_position_embeddings}"
             )
         self.max_model_len = max_model_len
+        pool = self.runner.pool
         self.planner_cfg = PlannerConfig(
-            num_slots=max_loras_per_batch,
             num_pages=self.runner.num_pages,
             page_size=page_size,
+            pool_rows=pool.total_rows,
+            pool_ids=pool.num_ids,
+            pool_row_bytes=row_bytes(pool.layout, pool.dtype),
+            max_lora_rank=pool.layout.max_rank,
+            max_loras_per_batch=max_loras_per_batch or pool.num_ids,
             max_running_requests=max_running_requests,
             max_tokens_per_step=max_tokens_per_step,
             max_model_len=self.max_model_len,
             pinned_adapters=tuple(pinned_adapters),
             overlap_loading=overlap_loading,
             prefetch_depth=prefetch_depth,
+            bypass_limit=max_adapter_bypass,
         )
         tok_file = Path(model) / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.exists() else None
@@ -103,6 +115,12 @@ class LLM:
             self.add_adapter(name, path)
         self._seed = seed
         self._ids = itertools.count()
+        self.last_planner: Planner | None = None  # the last generate()'s planner (its stats, its pool)
+        self.last_phase_seconds: dict[str, float] = {}
+
+    @property
+    def last_stats(self) -> PlannerStats | None:
+        return self.last_planner.stats if self.last_planner is not None else None
 
     def add_adapter(self, name: str, path: str | Path) -> None:
         """Read, validate and pack an adapter (raises AdapterError naming it and the reason)."""
@@ -131,8 +149,10 @@ class LLM:
             p.validate()
         prompt_ids = [self._encode(p) for p in prompts]
 
-        planner = Planner(self.planner_cfg)
-        # Slots start empty for each call; a fresh executor gets a fresh seed stream.
+        planner = Planner(self.planner_cfg, adapter_rows=lambda name: self.adapters[name].rank)
+        self.last_planner = planner
+        # The pool starts empty for each call (its rows are overwritten); a fresh executor gets a fresh
+        # seed stream.
         executor = StepExecutor(
             self.runner,
             self._load_slot,
@@ -152,7 +172,6 @@ class LLM:
                 outputs[item.request_id].extend(item.token_ids)
                 if item.finish_reason:
                     reasons[item.request_id] = item.finish_reason
-        self.last_stats = planner.stats
         self.last_phase_seconds = dict(executor.phase_seconds)
         return [
             RequestOutput(self._decode(outputs[rid]), outputs[rid], reasons[rid], ids, name)
@@ -160,7 +179,9 @@ class LLM:
         ]
 
     def _load_slot(self, load: SlotLoad) -> None:
-        self.runner.load_adapter(load.slot, self.adapters[load.adapter])
+        self.runner.load_adapter(
+            load.slot, self.adapters[load.adapter], runs_of(load.row_starts, load.row_counts)
+        )
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         vocab = self.runner.model_cfg.vocab_size

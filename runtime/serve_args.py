@@ -36,7 +36,9 @@ class ServeArgs:
     adapters: tuple[tuple[str, str], ...] = ()  # (name, path), in command-line order
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str = "auto"
-    max_loras_per_batch: int = 4
+    max_loras_per_batch: int | None = None  # distinct adapters in one step; None: as many as the pool holds
+    lora_gpu_memory_gb: float | None = None  # the GPU adapter pool; None: see RunnerConfig
+    max_adapter_bypass: int = 16  # steps a request whose adapter is staged may be passed
     max_cpu_loras: int = 8
     max_lora_rank: int = 64
     max_running_requests: int = 64
@@ -83,8 +85,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--max-loras-per-batch",
         type=int,
         metavar="N",
-        default=d.max_loras_per_batch,
-        help="GPU adapter slots",
+        default=None,
+        help="distinct adapters in one step (default: as many as the GPU adapter pool holds)",
+    )
+    p.add_argument(
+        "--lora-gpu-memory-gb",
+        type=float,
+        metavar="GB",
+        default=None,
+        help="GiB of GPU memory for adapters, paged by rank (an adapter of rank r takes r rank rows); "
+        "default: 10%% of free device memory before the KV cache is sized (64 MiB on CPU)",
+    )
+    p.add_argument(
+        "--max-adapter-bypass",
+        type=int,
+        metavar="N",
+        default=d.max_adapter_bypass,
+        help="steps in which later requests may be admitted before one whose adapter is staged; then "
+        "the scheduler reserves room for its adapter (bounds every adapter wait)",
     )
     p.add_argument(
         "--max-cpu-loras", type=int, metavar="N", default=d.max_cpu_loras, help="adapters in the host cache"
@@ -106,7 +124,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="paged attention: the Triton kernel (default on CUDA) or the torch loop (default on CPU)",
     )
-    p.add_argument("--pin-adapter", action="append", default=[], metavar="NAME", help="keep in its slot")
+    p.add_argument(
+        "--pin-adapter", action="append", default=[], metavar="NAME", help="keep in the GPU pool once loaded"
+    )
     p.add_argument(
         "--overlap-loading",
         action=argparse.BooleanOptionalAction,
@@ -211,11 +231,6 @@ def validate(args: ServeArgs) -> ModelConfig:
     for name in args.pinned_adapters:
         if name not in seen:
             raise ServeArgsError(f"--pin-adapter {name}: no --adapter registers that name")
-    if len(set(args.pinned_adapters)) > args.max_loras_per_batch:
-        raise ServeArgsError(
-            f"--pin-adapter: {len(set(args.pinned_adapters))} pinned adapters but only "
-            f"{args.max_loras_per_batch} slots (--max-loras-per-batch)"
-        )
     _check_numbers(args, model_cfg)
     _check_device(args)
     _check_endpoint(args.endpoint)
@@ -226,6 +241,8 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
     for flag, value in [
         ("--max-loras-per-batch", args.max_loras_per_batch),
         ("--max-cpu-loras", args.max_cpu_loras),
+        ("--lora-gpu-memory-gb", args.lora_gpu_memory_gb),
+        ("--max-adapter-bypass", args.max_adapter_bypass),
         ("--max-lora-rank", args.max_lora_rank),
         ("--max-running-requests", args.max_running_requests),
         ("--max-tokens-per-step", args.max_tokens_per_step),
@@ -331,8 +348,8 @@ def stage_configs(
         model_dir=args.model,
         device=args.resolved_device(),
         dtype=dtype,
-        max_loras_per_batch=args.max_loras_per_batch,
         max_lora_rank=args.max_lora_rank,
+        lora_gpu_memory_gb=args.lora_gpu_memory_gb,
         lora_backend=args.lora_backend,
         attention_backend=args.attention_backend,
         page_size=args.page_size,
@@ -356,6 +373,7 @@ def stage_configs(
             overlap_loading=args.overlap_loading,
             prefetch_depth=args.prefetch_depth,
             overlap_min_bytes=int(args.overlap_min_mb * 2**20),
+            bypass_limit=args.max_adapter_bypass,
             **common,
         ),
         "worker": WorkerConfig(

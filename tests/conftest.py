@@ -93,3 +93,13 @@ def recorded_logits(monkeypatch) -> dict[str, list[torch.Tensor]]:
 
     monkeypatch.setattr(Sampler, "sample", sample)
     return seen
+
+
+def pool_gb(model_dir: Path, rows: int, max_rank: int = 16) -> float:
+    """`lora_gpu_memory_gb` for a GPU adapter pool of `rows` rank rows of this model (its own dtype)."""
+    from runtime.common.lora_layout import LoraLayout
+    from runtime.common.model_config import ModelConfig, parse_dtype
+    from stages.worker.lora.pool import row_bytes
+
+    cfg = ModelConfig.from_dir(model_dir)
+    return rows * row_bytes(LoraLayout.for_model(cfg, max_rank), parse_dtype(None, cfg.dtype)) / 2**30

@@ -84,7 +84,7 @@ def test_the_tree_keeps_its_floors():
         ("proto.plan", "from runtime.common.lora_layout import NUM_SLICES"),
         ("runtime.common.host_pool", "from stages.loader.host_cache import ALIGN"),
         ("runtime.base.actor", "from runtime.serve_args import ServeArgs"),
-        ("kernels.lora_shrink", "from stages.worker.lora.slots import LoraSlots"),
+        ("kernels.lora_shrink", "from stages.worker.lora.pool import LoraPool"),
         ("runtime.offline", "from tools.make_tiny_model import make_model"),
         ("stages.worker.actor", "from ..loader import actor"),
     ],

@@ -1,5 +1,5 @@
 """Host→device leg of adapter loads: plain pinned→device copies of one large buffer (the ceiling) against
-the worker's slot copy, `LoraSlots.load(slot, packed, stream)` on a load stream, for adapters of several
+the worker's pool copy, `LoraPool.load(id, packed, runs, stream)` on a load stream, for adapters of several
 sizes read with `read_adapter(..., pin_memory=True)` and, as the worker holds them, from the registered
 shared-memory host pool. Medians of CUDA-event times on the load stream (host clock on the CPU, where the
 numbers only exercise the tool). Reads the model's config.json only; adapters are generated.
@@ -37,7 +37,7 @@ from runtime.common.model_config import ModelConfig, parse_dtype
 from runtime.common.packed import PackedAdapter
 from runtime.synthetic.adapters import make_adapters
 from stages.loader.adapter_reader import read_adapter
-from stages.worker.lora.slots import LoraSlots
+from stages.worker.lora.pool import LoraPool
 
 SCHEMA_VERSION = 1
 HOLD_CYCLES = 40_000_000  # ~20 ms of GPU sleep: every copy is queued before the stream reaches them
@@ -137,7 +137,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         layout, adapters = make_packed(ns.model, Path(work), ranks, dtype, cuda, ns.seed)
     stream = torch.cuda.Stream(device) if cuda else None
     timer = Timer(stream, ns.reps, ns.warmup)
-    slots = LoraSlots(layout, 1, dtype, device)
+    slots = LoraPool(layout, layout.max_rank, 1, dtype, device)  # one adapter's rows: a contiguous run
 
     peak_bytes = max(int(ns.peak_mb * 1e6), *(a.nbytes for a in adapters))
     src = torch.empty(peak_bytes, dtype=torch.uint8, pin_memory=cuda).fill_(7)
@@ -168,16 +168,20 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def measure(packed: PackedAdapter, slots: LoraSlots, timer: Timer, copy, cuda: bool, peak: float, ns) -> dict:
+def measure(packed: PackedAdapter, slots: LoraPool, timer: Timer, copy, cuda: bool, peak: float, ns) -> dict:
     """Plain copy of the same bytes; the slot copy as the worker issues it for a load no step runs early
     (one copy), then with the stream held until it is queued (DMA time only) and the host time to issue
     it behind a busy stream; and the layer-by-layer copy with events of overlapped loads."""
     same = timer.times(copy(packed.nbytes))
-    slot_t = timer.times(lambda: slots.load(0, packed, timer.stream))
-    held = timer.times(lambda: slots.load(0, packed, timer.stream), hold=True) if cuda else None
-    issue = timer.issue(lambda: slots.load(0, packed, timer.stream))
-    layered = timer.times(lambda: slots.load(0, packed, timer.stream, layer_events=True))
-    got = slots.mem[0, :, : packed.rank].cpu()
+    slot_t = timer.times(lambda: slots.load(0, packed, [(0, packed.rank)], timer.stream))
+    held = (
+        timer.times(lambda: slots.load(0, packed, [(0, packed.rank)], timer.stream), hold=True)
+        if cuda
+        else None
+    )
+    issue = timer.issue(lambda: slots.load(0, packed, [(0, packed.rank)], timer.stream))
+    layered = timer.times(lambda: slots.load(0, packed, [(0, packed.rank)], timer.stream, layer_events=True))
+    got = slots.mem[:, : packed.rank].cpu()
     return {
         "name": packed.name,
         "rank": packed.rank,
@@ -195,7 +199,7 @@ def measure(packed: PackedAdapter, slots: LoraSlots, timer: Timer, copy, cuda: b
     }
 
 
-def measure_pool(adapters, rows, layout, slots: LoraSlots, timer: Timer, cuda: bool, peak: float, dtype):
+def measure_pool(adapters, rows, layout, slots: LoraPool, timer: Timer, cuda: bool, peak: float, dtype):
     """The same slot copies out of the shared-memory host pool, registered as pinned like the worker's."""
     pool = create_pool("lorapipe-h2d-", pool_bytes_for(layout, layout.max_rank, dtype, 1))
     registered = register_pinned(pool) if cuda else False
@@ -203,8 +207,8 @@ def measure_pool(adapters, rows, layout, slots: LoraSlots, timer: Timer, cuda: b
         for packed, row in zip(adapters, rows, strict=True):
             block_tensor(pool, 0, packed.rank, layout, dtype).copy_(packed.block)
             staged = packed_from_pool(pool, slot_load_of(packed, pool.name, layout), layout, dtype)
-            t = timer.times(lambda staged=staged: slots.load(0, staged, timer.stream))
-            ok = torch.equal(slots.mem[0, :, : packed.rank].cpu(), packed.block)
+            t = timer.times(lambda staged=staged: slots.load(0, staged, [(0, staged.rank)], timer.stream))
+            ok = torch.equal(slots.mem[:, : packed.rank].cpu(), packed.block)
             row.update(pool_pinned=staged.block.is_pinned(), pool_verified=bool(ok))
             row.update(pool_gbps=gbps(packed.nbytes, t), pool_ratio=gbps(packed.nbytes, t) / peak)
             row["pool_ms"] = [x * 1e3 for x in t]

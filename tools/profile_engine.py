@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-running", type=int, default=256)
-    p.add_argument("--slots", type=int, default=32)
+    p.add_argument("--slots", type=int, default=32, help="distinct adapters per step (--max-loras-per-batch)")
     p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--cuda-graph-max-batch", type=int, default=None)

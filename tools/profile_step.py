@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--slots", type=int, default=32)
+    p.add_argument("--slots", type=int, default=32, help="adapters resident in the GPU pool")
     p.add_argument(
         "--prefill", action="store_true", help="each sequence computes its whole ctx (a prefill step)"
     )
@@ -77,14 +77,16 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.prefill and a.batch * a.ctx > 2048:
         p.error("--prefill: batch * ctx must be at most 2048 (the runner's max_tokens_per_step)")
-    cfg = RunnerConfig(model_dir=a.model, device="cuda", dtype="bfloat16", max_loras_per_batch=a.slots,
+    cfg = RunnerConfig(model_dir=a.model, device="cuda", dtype="bfloat16",
                        max_lora_rank=16, num_pages=a.batch * (a.ctx // 16 + 2) + 16,
                        max_model_len=a.ctx + 32, cuda_graph_max_batch=a.batch)  # fmt: skip
     runner = ModelRunner(cfg)
     dirs = sorted(d for d in Path(a.adapter_dir).iterdir() if d.is_dir())[: a.slots]
+    row = 0
     for slot, d in enumerate(dirs):
         packed = read_adapter(d.name, d, runner.model_cfg, runner.lora_layout, runner.dtype, pin_memory=True)
-        runner.load_adapter(slot, packed)
+        runner.load_adapter(slot, packed, [(row, packed.rank)])  # side by side in the pool
+        row += packed.rank
     pages_per = a.ctx // 16 + 2
     results = {}
     graphs = runner.graphs

@@ -118,8 +118,11 @@ def block_tensor(
     return flat.view(layout.num_layers, rank, layout.row_elems)  # [num_layers, rank, row_elems]
 
 
-def slot_load_for(staged: AdapterStaged, slot: int, layered: bool = False) -> SlotLoad:
-    """The scheduler's SlotLoad for copying a staged adapter into `slot` (`layered`: see SlotLoad)."""
+def slot_load_for(
+    staged: AdapterStaged, slot: int, runs: list[tuple[int, int]], layered: bool = False
+) -> SlotLoad:
+    """The scheduler's SlotLoad for copying a staged adapter into adapter id `slot` at the pool rows of
+    `runs` ((first row, rows) each, in rank order; `layered`: see SlotLoad)."""
     return SlotLoad(
         slot=slot,
         adapter=staged.name,
@@ -132,6 +135,8 @@ def slot_load_for(staged: AdapterStaged, slot: int, layered: bool = False) -> Sl
         slice_ranks=list(staged.slice_ranks),
         slice_scalings=list(staged.slice_scalings),
         layered=layered,
+        row_starts=[start for start, _ in runs],
+        row_counts=[n for _, n in runs],
     )
 
 

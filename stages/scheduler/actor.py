@@ -42,6 +42,8 @@ from proto.plan import (
 from runtime.base.actor import Actor
 from runtime.base.sockets import PullSocket, PushSocket
 from stages.scheduler.adapter_lifecycle import AdapterLifecycle
+from stages.scheduler.adapter_ops import AdapterOps
+from stages.scheduler.adapters import AdapterRegistry, AdapterState
 from stages.scheduler.config import SchedulerConfig
 from stages.scheduler.metrics import SchedulerMetrics
 from stages.scheduler.planner import Planner, PlannerConfig
@@ -52,26 +54,36 @@ class SchedulerActor(Actor[SchedulerConfig]):
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
-        self.planner: Planner | None = None  # built once the worker says how many KV pages it has
+        self.planner: Planner | None = None  # built once the worker says what its KV cache and pool hold
         self.early: list[TokenizedRequest] = []
         self.in_flight: dict[int, BatchPlan] = {}
         self.pending_clears: list[int] = []
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.events = self.mailbox("events")
+        self.to_worker = self.mailbox("plans", 4)
+        self.to_tokenizer = self.mailbox("to_tokenizer")
+        self.to_loader = self.mailbox("to_loader")
+        self.adapters = AdapterRegistry(dict(config.adapters))
         self.series = SchedulerMetrics(
             self.metrics,
             planner=lambda: self.planner,
             early_requests=lambda: len(self.early),
-            tier_counts=lambda: self.lifecycle.tier_counts(),  # scraped only once setup() has run
+            tier_counts=lambda: self.ops.tier_counts(self.planner),
         )
+        self.lifecycle = AdapterLifecycle(
+            self.adapters,
+            self.to_loader,
+            self._fail,
+            self.series,
+            max_held=config.max_cpu_loras,
+            max_held_waiting=config.max_loras_per_batch or config.max_cpu_loras,
+        )
+        self.ops = AdapterOps(self.adapters, self.lifecycle, self.to_tokenizer, self._fail)
 
     async def setup(self) -> None:
-        self.idle = asyncio.Event()
-        self.idle.set()
         ep = self.config.endpoints
-        events = self.mailbox("events")
-        self.to_worker = self.mailbox("plans", 4)
-        self.to_tokenizer = self.mailbox("to_tokenizer")
-        to_loader = self.mailbox("to_loader")
-        self.lifecycle = AdapterLifecycle(self.config, to_loader, self.to_tokenizer, self._fail, self.series)
+        events, to_loader = self.events, self.to_loader
         for name, addr, union in (
             ("tokenizer", ep.tokenizer_to_scheduler, TokenizerToScheduler),
             ("worker", ep.worker_to_scheduler, WorkerToScheduler),
@@ -95,37 +107,39 @@ class SchedulerActor(Actor[SchedulerConfig]):
         await super().drain()
 
     async def handle(self, msg: Any) -> None:
-        life = self.lifecycle
+        life, ops, planner = self.lifecycle, self.ops, self.planner
         match msg:
             case TokenizedRequest():
                 await self.on_tokenized_request(msg)
             case AbortRequest(request_id=rid):
-                if self.planner is not None:
-                    self.planner.abort(rid)
+                if planner is not None:
+                    planner.abort(rid)
+                    await life.release_unneeded(planner)
                 self.early = [r for r in self.early if r.request_id != rid]
             case StepResult():
                 await self.on_step_result(msg)
             case SlotsReady():
-                await life.slots_ready(msg.slots_ready)
+                await life.loads_ready(msg.slots_ready, planner)
             case WorkerStarted():
                 await self.on_worker_started(msg)
             case LoaderStarted():
                 await life.on_loader_started()
             case AdapterStaged():
-                await life.on_adapter_staged(msg)
+                await ops.on_adapter_staged(msg)
+                await life.on_adapter_staged(msg, planner)
             case AdapterFailed():
-                await life.on_adapter_failed(msg)
+                await ops.on_adapter_failed(msg, planner)
             case Evicted():
                 life.on_evicted(msg)
             case LoadAdapterOp():
-                await life.on_load_adapter_op(msg)
+                await ops.on_load_adapter_op(msg)
             case UnloadAdapterOp():
-                await life.on_unload_adapter_op(msg)
+                await ops.on_unload_adapter_op(msg)
             case ListAdaptersOp(op_id=op_id):
-                await self.to_tokenizer.put(AdapterListing(op_id=op_id, adapters=life.listing()))
+                await self.to_tokenizer.put(AdapterListing(op_id=op_id, adapters=ops.listing(planner)))
             case HealthProbe(op_id=op_id):
                 await self.to_tokenizer.put(HealthStatus(op_id=op_id, stages=self._health()))
-        self.pending_clears.extend(await life.finish_unloads())
+        self.pending_clears.extend(await ops.finish_unloads(self.planner))
         await self._kick()
         if self._is_idle():
             self.idle.set()
@@ -134,10 +148,10 @@ class SchedulerActor(Actor[SchedulerConfig]):
 
     # --- requests ---------------------------------------------------------------------------------------
     async def on_tokenized_request(self, req: TokenizedRequest) -> None:
-        adapters = self.lifecycle.adapters
+        adapters = self.adapters
         if req.adapter is not None and not adapters.usable(req.adapter):
             e = adapters.get(req.adapter)
-            if e is not None and e.state == "failed":
+            if e is not None and e.state is AdapterState.FAILED:
                 return await self._fail(req.request_id, "adapter_load_failed", e.error)
             return await self._fail(
                 req.request_id, "unknown_adapter", f"adapter {req.adapter!r} is not loaded"
@@ -153,9 +167,13 @@ class SchedulerActor(Actor[SchedulerConfig]):
     async def on_worker_started(self, msg: WorkerStarted) -> None:
         c = self.config
         cfg = PlannerConfig(
-            num_slots=c.max_loras_per_batch,
             num_pages=msg.num_pages,
             page_size=msg.page_size,
+            pool_rows=msg.lora_rows,
+            pool_ids=msg.lora_ids,
+            pool_row_bytes=msg.lora_row_bytes,
+            max_lora_rank=msg.lora_max_rank,
+            max_loras_per_batch=c.max_loras_per_batch or msg.lora_ids,
             max_running_requests=c.max_running_requests,
             max_tokens_per_step=c.max_tokens_per_step,
             max_model_len=min(c.max_model_len, msg.max_model_len),
@@ -163,10 +181,14 @@ class SchedulerActor(Actor[SchedulerConfig]):
             overlap_loading=c.overlap_loading,
             prefetch_depth=c.prefetch_depth,
             overlap_min_bytes=c.overlap_min_bytes,
+            bypass_limit=c.bypass_limit,
         )
-        life = self.lifecycle
-        self.planner = Planner(cfg, adapter_ready=life.adapters.ready, load_bytes=life.load_bytes)
-        life.planner = self.planner
+        self.planner = Planner(
+            cfg,
+            adapter_rows=self.adapters.rows,
+            adapter_ready=self.adapters.ready,
+            load_bytes=self.lifecycle.load_bytes,
+        )
         early, self.early = self.early, []
         for req in early:
             await self.on_tokenized_request(req)
@@ -178,7 +200,7 @@ class SchedulerActor(Actor[SchedulerConfig]):
         self.planner.update(res)
         for err in res.errors:
             await self._fail(err.request_id, "server_error", err.message)
-        await self.lifecycle.after_step(res)
+        await self.lifecycle.after_step(res, self.planner)
 
     async def _fail(self, request_id: str, kind: str, message: str) -> None:
         self.series.failed.labels(kind=kind).inc()
@@ -189,7 +211,7 @@ class SchedulerActor(Actor[SchedulerConfig]):
         """Send plans until `max_plans_in_flight` are queued at the worker or nothing is left to run."""
         planner = self.planner
         while planner is not None and len(self.in_flight) < self.config.max_plans_in_flight:
-            await self.lifecycle.stage_upcoming()
+            await self.lifecycle.stage_upcoming(planner)
             plan = self.series.schedule(planner)
             if not (planner.running or plan.finished_request_ids or plan.slot_loads or self.pending_clears):
                 return

@@ -1,5 +1,5 @@
 """Continuous batching: decides each step which requests run, how many tokens each computes, which KV
-pages they get and which adapters must be in which slot. Pure CPU code; never touches a tensor."""
+pages they get, and which adapters go where in the GPU adapter pool. Pure CPU code; never a tensor."""
 
 from __future__ import annotations
 
@@ -11,16 +11,21 @@ from dataclasses import dataclass, field
 from proto.base import TokenIds
 from proto.plan import BatchPlan, CachedRequestData, NewRequestData, SlotLoad, StepResult
 from proto.sampling import SamplingParams
+from stages.scheduler.admission import Admission
 from stages.scheduler.page_allocator import PageAllocator
+from stages.scheduler.pool_table import PoolTable
 from stages.scheduler.residency import Place, Residency
-from stages.scheduler.slot_table import SlotTable
 
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    num_slots: int
     num_pages: int
     page_size: int
+    pool_rows: int  # rank rows of the worker's GPU adapter pool (an adapter of rank r takes r)
+    pool_ids: int  # adapter ids of the pool (resident adapters at most)
+    pool_row_bytes: int = 0  # bytes of one rank row over all layers (for the pool's byte gauges)
+    max_lora_rank: int = 64  # the largest adapter rank: pinned adapters always leave room for one
+    max_loras_per_batch: int = 8  # distinct adapters in one step (every running request's counts)
     max_running_requests: int = 64
     max_tokens_per_step: int = 2048
     max_model_len: int = 4096
@@ -33,6 +38,9 @@ class PlannerConfig:
     # Adapters smaller than this are neither marked loading nor prefetched into slots: evicting for a
     # load that cheap only churns slots (measured: 32 adapters of 11 MB in 8 slots ran 17% slower).
     overlap_min_bytes: int = 0
+    # Steps in which later requests may be admitted before one whose adapter is staged; then it is due
+    # and the planner reserves what it needs (stages/scheduler/admission.py). Bounds every adapter wait.
+    bypass_limit: int = 16
 
     def __post_init__(self):
         if self.max_model_len > self.num_pages * self.page_size:
@@ -40,6 +48,11 @@ class PlannerConfig:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the KV cache's "
                 f"{self.num_pages * self.page_size} tokens; lower max_model_len or give the cache more pages"
+            )
+        if self.pool_rows < self.max_lora_rank:
+            raise ValueError(
+                f"the adapter pool's {self.pool_rows} rank rows do not hold an adapter of rank "
+                f"{self.max_lora_rank}"
             )
         if self.max_tokens_per_step < self.max_running_requests:
             raise ValueError(
@@ -53,8 +66,8 @@ class PlannerStats:
     steps: int = 0
     adapter_loads: int = 0
     preemptions: int = 0
-    slot_hits: int = 0  # admissions whose adapter was already in a slot
-    slot_misses: int = 0  # admissions that had to load their adapter into a slot
+    gpu_hits: int = 0  # admissions whose adapter was already resident in the pool
+    gpu_misses: int = 0  # admissions that had to load their adapter into the pool
 
 
 @dataclass(eq=False)  # identity: queues are searched by `in`/`remove` every step
@@ -66,36 +79,41 @@ class PlannedRequest:
     num_tokens: int = 0  # prompt + outputs sampled or being sampled by steps already planned
     num_computed: int = 0  # tokens whose KV is (or is being) written
     pages: list[int] = field(default_factory=list)
-    slot: int = -1
+    slot: int = -1  # adapter id while running
     sent: bool = False  # the worker has its NewRequestData
     resumed: bool = False  # preempted since it was sent: the next plan replaces its pages
     arrival: float = 0.0  # when it entered the waiting queue (clock of the planner)
     waited_for_adapter: bool = False  # its adapter was not resident when it was first considered
+    bypassed: int = 0  # steps in which a later request was admitted while its adapter was staged
 
 
 class Planner:
-    """`adapter_ready(name)` says whether an adapter not in a slot can be copied into one now (the
-    pipeline: its host block is staged and held); the offline engine's host cache always can."""
+    """`adapter_ready(name)` says whether an adapter not in the pool can be copied into it now (the
+    pipeline: its host block is staged and held); the offline engine's host cache always can.
+    `adapter_rows(name)`: its rank rows in the pool (its largest rank; known once staged)."""
 
     def __init__(
         self,
         cfg: PlannerConfig,
+        adapter_rows: Callable[[str], int],
         adapter_ready: Callable[[str], bool] = lambda name: True,
         clock: Callable[[], float] = time.monotonic,
         load_bytes: Callable[[str], int] = lambda name: 0,
     ):
-        """`load_bytes(name)`: the size of the copy a slot load of `name` makes (0 if unknown)."""
+        """`load_bytes(name)`: the size of the copy a pool load of `name` makes (0 if unknown)."""
         self.cfg = cfg
         self.adapter_ready = adapter_ready
         self.clock = clock
         self.pages = PageAllocator(cfg.num_pages, cfg.page_size)
-        self.slots = SlotTable(cfg.num_slots, cfg.pinned_adapters)
+        self.pool = PoolTable(cfg.pool_rows, cfg.pool_ids, cfg.pinned_adapters, cfg.max_lora_rank)
         self.residency = Residency(
-            self.slots,
+            self.pool,
             adapter_ready,
+            adapter_rows,
             lambda name: cfg.overlap_loading and load_bytes(name) >= cfg.overlap_min_bytes,
             cfg.prefetch_depth,
         )
+        self.admission = Admission(self.pool, adapter_rows, cfg.max_loras_per_batch, cfg.bypass_limit)
         self.adapter_waits: list[float] = []  # seconds admitted requests waited for their adapter
         self.waiting: deque[PlannedRequest] = deque()
         self.running: list[PlannedRequest] = []
@@ -141,25 +159,23 @@ class Planner:
         )
 
     def adapters_needed(self) -> list[str]:
-        """Adapters of waiting requests that are not in a slot, in queue order (what to stage next)."""
+        """Adapters of waiting requests that are not resident, in queue order (what to stage next)."""
         seen: dict[str, None] = {}
         for r in self.waiting:
-            if r.adapter is not None and self.slots.slot_of(r.adapter) is None:
+            if r.adapter is not None and self.pool.get(r.adapter) is None:
                 seen.setdefault(r.adapter)
         return list(seen)
 
-    def slot_ready(self, slot: int) -> None:
-        """The worker reports a slot's copy complete: its requests may be admitted from the next plan."""
-        if 0 <= slot < len(self.slots.slots):
-            self.slots.mark_ready(slot)
+    def lora_ready(self, lora_id: int) -> None:
+        """The worker reports an id's copy complete: it may be evicted again once unreferenced."""
+        self.pool.mark_ready(lora_id)
 
     def evict_adapter(self, adapter: str) -> int | None:
-        """Empty the slot holding `adapter` if no running request uses it; returns that slot."""
-        slot = self.slots.slot_of(adapter)
-        if slot is None or self.slots.slots[slot].refs:
+        """Free `adapter`'s rows and id if no running request uses it; returns that id."""
+        res = self.pool.get(adapter)
+        if res is None or res.refs:
             return None
-        self.slots.clear(slot)
-        return slot
+        return self.pool.evict(adapter)
 
     @property
     def has_work(self) -> bool:
@@ -193,33 +209,8 @@ class Planner:
             budget -= extra
             self._emit(req, 1 + extra, self.pages.allocate(max(need, 0)), new, cached)
 
-        nearer: set[str] = set()  # adapters of waiting requests ahead of the one being considered
-        for req in list(self.waiting):
-            if len(self.running) >= self.cfg.max_running_requests or budget <= 0:
-                break
-            place, slot = self.residency.place(req.adapter, nearer)
-            if req.adapter is not None:
-                nearer.add(req.adapter)
-            if place is not Place.RESIDENT and place is not Place.BASE:
-                req.waited_for_adapter = True
-            if place is Place.WAIT:
-                continue  # its adapter is not staged yet or no slot is free: let others through
-            # LOAD and LOADING run now: the worker gates each layer on that layer's copy, so the load
-            # hides behind this very prefill instead of holding the request back a round trip.
-            n = min(req.num_tokens - req.num_computed, budget)
-            need = self.pages.pages_for(n)
-            if need > self.pages.num_free:
-                break  # first come, first served for memory
-            if place is Place.LOAD:
-                self.residency.issue(slot, req.adapter, loads)
-            self._admit(req, slot)
-            self._emit(req, n, self.pages.allocate(need), new, cached)
-            budget -= n
-
-        if self.cfg.prefetch_depth:
-            self.residency.prefetch((r.adapter for r in self.waiting), loads)
+        self._admit_waiting(budget, new, cached, loads)
         self.stats.adapter_loads = self.residency.loads_issued
-
         finished, self._finished_ids = self._finished_ids, []
         return BatchPlan(
             step=self._step,
@@ -230,11 +221,60 @@ class Planner:
             slot_loads=loads,
         )
 
+    def _admit_waiting(self, budget: int, new: list, cached: list, loads: list[SlotLoad]) -> None:
+        """Admit waiting requests in queue order while the token budget, KV pages, running slots and the
+        step's distinct-adapter bound allow; those whose adapter cannot be placed yet let others pass,
+        up to the bypass limit (admission.py), then prefetch."""
+        order = list(self.waiting)
+        step_adapters = {r.adapter for r in self.running if r.adapter is not None}
+        res = self.admission.reserve(order, self.running, self.adapter_ready)
+        nearer: set[str] = set()  # adapters of waiting requests ahead of the one being considered
+        ahead, admitted = True, []
+        for pos, req in enumerate(order):
+            if len(self.running) >= self.cfg.max_running_requests or budget <= 0:
+                break
+            due = res is not None and req.request_id == res.request_id
+            place, lora_id = self.residency.place(req.adapter, () if due else nearer)
+            if req.adapter is not None:
+                nearer.add(req.adapter)
+            if place is not Place.RESIDENT and place is not Place.BASE:
+                req.waited_for_adapter = True
+            ok = place is not Place.WAIT and self.admission.distinct_room(res, req, step_adapters)
+            if due:
+                ahead = False
+            if not ok or not self.admission.may_pass(res, req, ahead, place is Place.LOAD):
+                continue  # let others through (bounded by the bypass limit)
+            # LOAD and LOADING run now: the worker gates each layer on that layer's copy, so the load
+            # hides behind this very prefill instead of holding the request back a round trip.
+            n = min(req.num_tokens - req.num_computed, budget)
+            need = self.pages.pages_for(n)
+            if need > self.pages.num_free:
+                break  # first come, first served for memory
+            if place is Place.LOAD:
+                lora_id = self.residency.issue(req.adapter, loads, () if due else nearer)
+            self._admit(req, lora_id)
+            if req.adapter is not None:
+                step_adapters.add(req.adapter)
+            self._emit(req, n, self.pages.allocate(need), new, cached)
+            budget -= n
+            admitted.append(pos)
+        taken = set(admitted)
+        for pos, req in enumerate(order[: admitted[-1] if admitted else 0]):
+            if pos not in taken and req.adapter is not None and self._staged(req.adapter):
+                req.bypassed += 1
+        if self.cfg.prefetch_depth:
+            # with a reservation, nothing behind the due request takes rows ahead of it
+            stop = len(order) if res is None else [r.request_id for r in order].index(res.request_id) + 1
+            self.residency.prefetch((r.adapter for i, r in enumerate(order[:stop]) if i not in taken), loads)
+
+    def _staged(self, adapter: str) -> bool:
+        return self.pool.get(adapter) is not None or self.adapter_ready(adapter)
+
     def update(self, result: StepResult) -> None:
         """Apply a step's outcome: requests the worker finished leave (their tokens were counted when
         they were scheduled, so this needs nothing else and may arrive a step late)."""
-        for slot in result.slots_ready:
-            self.slot_ready(slot)
+        for lora_id in result.slots_ready:
+            self.lora_ready(lora_id)
         for fin in result.finished:
             req = self._by_id.get(fin.request_id)
             if req is not None:
@@ -244,16 +284,17 @@ class Planner:
             if req is not None:
                 self._finish(req)
 
-    def _admit(self, req: PlannedRequest, slot: int) -> None:
-        if slot >= 0:
-            self.slots.acquire(slot)
+    def _admit(self, req: PlannedRequest, lora_id: int) -> None:
+        if lora_id >= 0:
+            self.pool.acquire(lora_id)
             if req.waited_for_adapter:
-                self.stats.slot_misses += 1
+                self.stats.gpu_misses += 1
                 self.adapter_waits.append(self.clock() - req.arrival)
                 req.waited_for_adapter = False
             else:
-                self.stats.slot_hits += 1
-        req.slot = slot
+                self.stats.gpu_hits += 1
+        req.slot = lora_id
+        req.bypassed = 0
         self.waiting.remove(req)
         self.running.append(req)
 
@@ -293,7 +334,7 @@ class Planner:
         self.pages.free(req.pages)
         req.pages, req.num_computed = [], 0
         if req.slot >= 0:
-            self.slots.release(req.slot)
+            self.pool.release(req.slot)
             req.slot = -1
         req.resumed = req.sent
         req.arrival = self.clock()
@@ -305,6 +346,6 @@ class Planner:
         self.pages.free(req.pages)
         req.pages = []
         if req.slot >= 0:
-            self.slots.release(req.slot)
+            self.pool.release(req.slot)
         del self._by_id[req.request_id]
         self._finished_ids.append(req.request_id)  # the worker forgets it with the next plan

@@ -31,6 +31,7 @@ from runtime.common.host_pool import (
 )
 from stages.worker.config import WorkerConfig
 from stages.worker.executor import StepExecutor
+from stages.worker.lora.pool import row_bytes, runs_of
 from stages.worker.runner import ModelRunner
 from stages.worker.slot_loads import LoadHandle
 
@@ -75,8 +76,8 @@ class WorkerActor(Actor[WorkerConfig]):
         m.gauge("lorapipe_decode_graph_replays", "Decode steps replayed as CUDA graphs").set_function(
             self._graph_replays
         )
-        m.gauge("lorapipe_adapters_resident", "LoRA slots holding an adapter").set_function(
-            lambda: sum(n is not None for n in self.runner.slots.names) if hasattr(self, "runner") else 0
+        m.gauge("lorapipe_adapters_resident", "Adapters resident in the GPU adapter pool").set_function(
+            lambda: self.runner.pool.resident() if hasattr(self, "runner") else 0
         )
 
     def _phase_seconds(self, phase: str) -> float:
@@ -94,10 +95,10 @@ class WorkerActor(Actor[WorkerConfig]):
             self.log.info(
                 "captured %d decode CUDA graphs in %.1f s", len(graphs.graphs), graphs.capture_seconds
             )
-        self.pool = attach_pool(cfg.host_pool_name)
+        self.host_pool = attach_pool(cfg.host_pool_name)
         self.cuda = self.runner.device.type == "cuda"
         if self.cuda:
-            register_pinned(self.pool)
+            register_pinned(self.host_pool)
             self.load_stream = torch.cuda.Stream(self.runner.device)
         self.executor = StepExecutor(
             self.runner,
@@ -119,10 +120,15 @@ class WorkerActor(Actor[WorkerConfig]):
         self.add_sender("scheduler", self.to_scheduler, scheduler.send)
         self.add_sender("tokenizer", self.to_tokenizer, tokenizer.send)
         self.add_loop("slot_poll", self._poll_idle_loads)
+        pool = self.runner.pool
         started = WorkerStarted(
             num_pages=self.runner.num_pages,
             page_size=self.runner.cfg.page_size,
             max_model_len=cfg.max_model_len,
+            lora_rows=pool.total_rows,
+            lora_ids=pool.num_ids,
+            lora_row_bytes=row_bytes(pool.layout, pool.dtype),
+            lora_max_rank=pool.layout.max_rank,
         )
         await self.to_scheduler.put(started)
 
@@ -163,27 +169,28 @@ class WorkerActor(Actor[WorkerConfig]):
                     await self.to_scheduler.put(SlotsReady(slots_ready=ready))
 
     def _load_slot(self, load: SlotLoad) -> LoadHandle:
-        """Issue a staged block's copy into its slot. On CUDA it runs on the load stream after every
-        earlier step (they may still read the old adapter) and records an event; the executor makes
-        compute wait on it only in a step that uses the slot. The host block stays pinned until the
-        scheduler hears the slot is ready, which is after the event completed."""
+        """Issue a staged block's copy into its pool rows. On CUDA it runs on the load stream after every
+        earlier step (they may still read the adapter that held those rows) and records an event; the
+        executor makes compute wait on it only in a step that uses the adapter id. The host block stays
+        held until the scheduler hears the id is ready, which is after the event completed."""
         start = time.perf_counter()
         try:
-            packed = packed_from_pool(self.pool, load, self.runner.lora_layout, self.runner.dtype)
+            packed = packed_from_pool(self.host_pool, load, self.runner.lora_layout, self.runner.dtype)
+            runs = runs_of(load.row_starts, load.row_counts)
             if self.cuda:
                 compute = torch.cuda.current_stream(self.runner.device)
                 self.load_stream.wait_stream(compute)
                 begin = torch.cuda.Event(enable_timing=True)
                 begin.record(self.load_stream)
                 layers = self.runner.load_adapter(
-                    load.slot, packed, stream=self.load_stream, layer_events=load.layered
+                    load.slot, packed, runs, stream=self.load_stream, layer_events=load.layered
                 )
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(self.load_stream)
                 return LoadHandle(
                     load.slot, load.nbytes, start, event=done, start_event=begin, layer_events=layers
                 )
-            self.runner.load_adapter(load.slot, packed)
+            self.runner.load_adapter(load.slot, packed, runs)
         except Exception:
             self.m_loads.labels(result="failed").inc()
             raise
@@ -203,6 +210,6 @@ class WorkerActor(Actor[WorkerConfig]):
         await super().drain()
         if self.cuda:
             torch.cuda.synchronize(self.runner.device)
-            unregister_pinned(self.pool)
-        close_pool(self.pool)
+            unregister_pinned(self.host_pool)
+        close_pool(self.host_pool)
         self.thread.shutdown(wait=True)

@@ -128,14 +128,14 @@ class StepExecutor:
 
     def _apply_slots(self, plan: BatchPlan) -> tuple[list[int], list[SlotError]]:
         for slot in plan.slot_clears:
-            self.runner.slots.clear(slot)
+            self.runner.pool.clear(slot)
         ready, failed = [], []
         for load in plan.slot_loads:
             self.pending.discard(load.slot)
             try:
                 handle = self._load_adapter(load) or LoadHandle(load.slot, load.nbytes)
             except Exception as e:  # a bad block fails the requests on that slot, not the worker
-                self.runner.slots.clear(load.slot)
+                self.runner.pool.clear(load.slot)
                 failed.append(
                     SlotError(slot=load.slot, adapter=load.adapter, message=f"loading into slot: {e}")
                 )

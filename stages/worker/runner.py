@@ -1,5 +1,5 @@
-"""The worker's model runner: owns base weights, the KV cache and the LoRA slots, and turns a list of
-per-sequence inputs into one forward pass (tokens grouped by adapter slot) and its last-token logits."""
+"""The worker's model runner: owns base weights, the GPU adapter pool and the KV cache, and turns a list
+of per-sequence inputs into one forward pass (tokens grouped by adapter id) and its last-token logits."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from runtime.common.packed import PackedAdapter
 from stages.worker.decode_graphs import DecodeGraphs
 from stages.worker.lora.backend import slot_segments
 from stages.worker.lora.factory import make_backend
-from stages.worker.lora.slots import LoraSlots
+from stages.worker.lora.pool import LoraPool, Runs, default_pool_bytes, pool_geometry
 from stages.worker.model.attention import plan_for, resolve_backend
 from stages.worker.model.forward_batch import ForwardBatch, SeqExtent
 from stages.worker.model.kv_cache import KVCache
@@ -26,8 +26,10 @@ class RunnerConfig:
     model_dir: str
     device: str = "cpu"
     dtype: str | None = None  # None/"auto": the checkpoint's dtype
-    max_loras_per_batch: int = 4
     max_lora_rank: int = 64
+    # GiB of the rank-paged adapter pool; None: 10% of free device memory before the KV cache is sized
+    # (CUDA), 64 MiB elsewhere; at least one adapter of max_lora_rank (stages/worker/lora/pool.py)
+    lora_gpu_memory_gb: float | None = None
     lora_backend: str | None = None  # None: triton on CUDA, torch elsewhere
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
     page_size: int = 16
@@ -45,7 +47,7 @@ class SeqInput:
     token_ids: list[int]  # the tokens to compute this step
     start_pos: int  # tokens of this sequence already in the KV cache
     page_ids: list[int]  # all its pages, enough for start_pos + len(token_ids)
-    slot: int  # LoRA slot, -1 for none
+    slot: int  # adapter id in the pool, -1 for none
 
 
 class ModelRunner:
@@ -66,9 +68,17 @@ class ModelRunner:
         self.model = LlamaModel(self.model_cfg, weights, self.lora_layout, self.attention_backend)
 
     def _init_lora(self) -> None:
-        self.slots = LoraSlots(self.lora_layout, self.cfg.max_loras_per_batch, self.dtype, self.device)
+        """The adapter pool, sized before the KV cache (which takes what is left)."""
+        gb = self.cfg.lora_gpu_memory_gb
+        nbytes = (
+            int(gb * 2**30)
+            if gb is not None
+            else default_pool_bytes(self.lora_layout, self.dtype, self.device)
+        )
+        rows, ids = pool_geometry(self.lora_layout, self.dtype, nbytes)
+        self.pool = LoraPool(self.lora_layout, rows, ids, self.dtype, self.device)
         name = self.cfg.lora_backend or ("triton" if self.device.type == "cuda" else "torch")
-        self.lora = make_backend(name, self.slots, self.cfg.max_tokens_per_step)
+        self.lora = make_backend(name, self.pool, self.cfg.max_tokens_per_step)
 
     def _init_kv_cache(self) -> None:
         m, ps = self.model_cfg, self.cfg.page_size
@@ -131,12 +141,13 @@ class ModelRunner:
 
     def load_adapter(
         self,
-        slot: int,
+        lora_id: int,
         adapter: PackedAdapter,
+        runs: Runs,
         stream: torch.cuda.Stream | None = None,
         layer_events: bool = False,
     ) -> list[torch.cuda.Event] | None:
-        return self.slots.load(slot, adapter, stream, layer_events)
+        return self.pool.load(lora_id, adapter, runs, stream, layer_events)
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput], layer_waits: list[list] | None = None) -> torch.Tensor:

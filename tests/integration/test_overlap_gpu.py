@@ -64,7 +64,7 @@ class SlowLoads:
     copies queued on the load stream before each slot copy, so the copy's event completes late."""
 
     def __init__(self, runner: ModelRunner, pool):
-        self.runner, self.pool, self.cuda = runner, pool, True
+        self.runner, self.host_pool, self.cuda = runner, pool, True
         self.load_stream = torch.cuda.Stream(runner.device)
         self.m_loads = _Counter()
         self.handles: list[LoadHandle] = []
@@ -110,7 +110,6 @@ def _runner(model, graphs: bool) -> ModelRunner:
         model_dir=str(model),
         device="cuda",
         dtype="bfloat16",
-        max_loras_per_batch=2,
         max_lora_rank=16,
         lora_backend="triton",
         num_pages=64,
@@ -133,7 +132,7 @@ def _staged(packed: PackedAdapter, pool, runner: ModelRunner) -> SlotLoad:
         slice_ranks=packed.ranks.flatten().tolist(),
         slice_scalings=packed.scalings.flatten().tolist(),
     )
-    return slot_load_for(staged, 1)
+    return slot_load_for(staged, 1, [(16, packed.rank)])  # id 1 at pool rows 16..
 
 
 def _decode(runner, loads, slot: int, prompts, overlap: bool, load: SlotLoad | None = None) -> Trace:
@@ -183,8 +182,8 @@ def setup(request, tiny_llama, llama_adapters):
         )
         for name in (RESIDENT, LOADED)
     }
-    runner.load_adapter(0, read[RESIDENT])
-    runner.load_adapter(1, read[LOADED])  # synchronously, for the reference runs
+    runner.load_adapter(0, read[RESIDENT], [(0, read[RESIDENT].rank)])
+    runner.load_adapter(1, read[LOADED], [(16, read[LOADED].rank)])  # synchronously, for the reference runs
     torch.cuda.synchronize()
     pool = create_pool("lorapipe-gputest-", pool_bytes_for(runner.lora_layout, 16, runner.dtype, 1))
     register_pinned(pool)
@@ -200,8 +199,8 @@ def setup(request, tiny_llama, llama_adapters):
 
 
 def _empty_slot(runner: ModelRunner) -> None:
-    runner.slots.clear(1)
-    runner.slots.mem[1].zero_()
+    runner.pool.clear(1)
+    runner.pool.mem[:, 16:32].zero_()
     torch.cuda.synchronize()
 
 
@@ -218,8 +217,8 @@ def test_resident_requests_decode_while_a_slot_load_is_in_flight(setup, layered)
     assert got.tokens == reference.tokens, "resident requests decoded differently beside the load"
     assert got.slots_ready == [1] and loads.handles[-1].event.query() and not loads.handles[-1].waited
     rank = packed.rank
-    assert torch.equal(runner.slots.mem[1, :, :rank].cpu(), packed.block)
-    assert torch.equal(runner.slots.ranks[1].cpu(), packed.ranks) and runner.slots.names[1] == packed.name
+    assert torch.equal(runner.pool.mem[:, 16 : 16 + rank].cpu(), packed.block)
+    assert torch.equal(runner.pool.ranks[1].cpu(), packed.ranks) and runner.pool.names[1] == packed.name
     after = _decode(runner, loads, 1, PROMPTS[:1], overlap=True)
     assert after.tokens == on_loaded_slot.tokens, "the overlapped copy decodes unlike a synchronous load"
 
@@ -231,4 +230,4 @@ def test_synchronous_load_holds_its_step_back(setup):
     got = _decode(runner, loads, 0, PROMPTS, overlap=False, load=load)
     assert got.steps_during_load == 0 and loads.handles[-1].waited
     assert got.tokens == reference.tokens and got.slots_ready == [1]
-    assert torch.equal(runner.slots.mem[1, :, : packed.rank].cpu(), packed.block)
+    assert torch.equal(runner.pool.mem[:, 16 : 16 + packed.rank].cpu(), packed.block)

@@ -1,6 +1,7 @@
 """The pipeline with overlapped loading and prefetch on and off (`lorapipe serve` as a subprocess, CPU,
-tiny model): greedy outputs equal the offline engine's on a bursty workload with four times more
-adapters than slots, and the residency, copy and adapter-wait metrics are exported."""
+tiny model): greedy outputs equal the offline engine's on a bursty workload with about three times more
+adapter rows than the GPU pool holds, and the residency, pool, copy and adapter-wait metrics are
+exported."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import asyncio
 import pytest
 
 from runtime.client import AsyncClient
+from tests.conftest import pool_gb
 from tests.integration.serving import serve
-from tests.runtime.test_overlap_loading import MAX_TOKENS, SLOTS, bursty_workload, many_adapters, run
+from tests.runtime.test_overlap_loading import MAX_TOKENS, POOL_ROWS, bursty_workload, many_adapters, run
 
 pytestmark = pytest.mark.timeout(300)
 __all__ = ["many_adapters"]  # the module fixture, shared with the offline test
 
-BASE_FLAGS = ("--max-loras-per-batch", str(SLOTS), "--max-cpu-loras", "3", "--max-lora-rank", "16")
+BASE_FLAGS = ("--max-loras-per-batch", "2", "--max-cpu-loras", "3", "--max-lora-rank", "16")
 BASE_FLAGS += ("--num-pages", "256", "--max-running-requests", "6", "--max-tokens-per-step", "48")
 
 
@@ -36,7 +38,8 @@ def reference(tiny_llama, many_adapters):
 )
 def test_pipeline_outputs_equal_the_offline_engine(tiny_llama, many_adapters, reference, flags):
     work = bursty_workload(sorted(many_adapters))
-    with serve(tiny_llama, many_adapters, *BASE_FLAGS, *flags) as server:
+    pool = ("--lora-gpu-memory-gb", repr(pool_gb(tiny_llama, POOL_ROWS)))
+    with serve(tiny_llama, many_adapters, *BASE_FLAGS, *pool, *flags) as server:
 
         async def main():
             async with AsyncClient(server.endpoint, timeout=120) as c:
@@ -58,3 +61,6 @@ def test_pipeline_outputs_equal_the_offline_engine(tiny_llama, many_adapters, re
         assert server.metric("lorapipe_adapter_wait_seconds_count", "scheduler") > 0
         tiers = server.metric("lorapipe_adapters_by_tier", "scheduler")
         assert tiers == len(many_adapters)
+        assert server.metric("lorapipe_lora_pool_rows_capacity", "scheduler") == POOL_ROWS
+        assert server.metric("lorapipe_lora_pool_rows_used", "scheduler") <= POOL_ROWS
+        assert server.metric("lorapipe_adapter_wait_quantile_seconds", "scheduler") > 0

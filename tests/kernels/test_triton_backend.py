@@ -1,6 +1,6 @@
-"""TritonLoraBackend against TorchLoraBackend on LoraSlots loaded with random adapters (all four groups,
-stale NaN rows past every rank), on the slots themselves (identity row table) and on an external
-scattered pool with its row table, the tile planner, and (GPU only) a mixed batch with sync debug on."""
+"""TritonLoraBackend against TorchLoraBackend on a rank-paged LoraPool loaded with random adapters (all
+four groups, stale NaN rows past every rank and in the free rows, each adapter in several out-of-order
+runs of rows), the tile planner, and (GPU only) a mixed batch with sync debug on."""
 
 from __future__ import annotations
 
@@ -11,26 +11,40 @@ from kernels.batch_info import BatchInfoBuilder, plan_runs, plan_tiles
 from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
 from runtime.common.packed import PackedAdapter
 from stages.worker.lora.factory import make_backend
-from stages.worker.lora.slots import LoraSlots
-from stages.worker.lora.triton_backend import TritonLoraBackend
+from stages.worker.lora.pool import LoraPool
 from tests.kernels.conftest import (
     MIXED_LENGTHS,
     MIXED_SLOTS,
     TOL,
     indptr_of,
-    owned_rows,
     rel_err,
-    scatter_to_pool,
     small_layout,
 )
 
-ADAPTER_RANKS = [1, 7, 24, 16]  # slot i holds a rank-ADAPTER_RANKS[i] adapter; slot 4 stays empty
+ADAPTER_RANKS = [1, 7, 24, 16]  # id i holds a rank-ADAPTER_RANKS[i] adapter; id 4 stays empty
 
 
-def loaded_slots(layout: LoraLayout, dtype: torch.dtype, device: torch.device, seed: int) -> LoraSlots:
+def _scattered_runs(gen: torch.Generator, total: int, ranks: list[int]) -> list[list[tuple[int, int]]]:
+    """Each adapter's rows as runs of 1-5 rows at random free places of the pool, in random order."""
+    free = torch.randperm(total, generator=gen).tolist()
+    out = []
+    for r in ranks:
+        rows, runs = sorted(free[:r], reverse=True), []
+        free = free[r:]
+        for row in rows:  # descending rows: runs come out of order
+            if runs and runs[-1][0] == row + 1 and runs[-1][1] < 5:
+                runs[-1] = (row, runs[-1][1] + 1)
+            else:
+                runs.append((row, 1))
+        out.append(runs)
+    return out
+
+
+def loaded_pool(layout: LoraLayout, dtype: torch.dtype, device: torch.device, seed: int) -> LoraPool:
     gen = torch.Generator().manual_seed(seed)
-    slots = LoraSlots(layout, num_slots=5, dtype=dtype, device=device)
+    slots = LoraPool(layout, sum(ADAPTER_RANKS) + 9, 5, dtype, device)  # 9 rows never written
     slots.mem.fill_(float("nan"))  # never-written rows: stale garbage
+    all_runs = _scattered_runs(gen, slots.total_rows, ADAPTER_RANKS)
     for slot, rank in enumerate(ADAPTER_RANKS):
         block = torch.randn((layout.num_layers, rank, layout.row_elems), generator=gen)  # [L, r, row]
         ranks = torch.randint(0, rank + 1, (layout.num_layers, NUM_SLICES), generator=gen, dtype=torch.int32)
@@ -47,12 +61,12 @@ def loaded_slots(layout: LoraLayout, dtype: torch.dtype, device: torch.device, s
                     layer, r:, g.b_offset + g.out_offsets[i] : g.b_offset + g.out_offsets[i] + g.out_dims[i]
                 ] = float("nan")
         scalings = torch.rand((layout.num_layers, NUM_SLICES), generator=gen) + 0.5
-        slots.load(slot, PackedAdapter(f"a{slot}", block.to(dtype), ranks, scalings))
+        slots.load(slot, PackedAdapter(f"a{slot}", block.to(dtype), ranks, scalings), all_runs[slot])
     return slots
 
 
 def compare_backends(
-    slots: LoraSlots, indptr: list[int], seg_slots: list[int], seed: int, tri_backend=None, pad_to=None
+    slots: LoraPool, indptr: list[int], seg_slots: list[int], seed: int, tri_backend=None, pad_to=None
 ) -> None:
     """`tri_backend` (default: one on the slots themselves) against the torch backend on `slots`."""
     gen = torch.Generator().manual_seed(seed)
@@ -84,64 +98,25 @@ def compare_backends(
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_backend_matches_torch_mixed_batch(device, dtype):
-    slots = loaded_slots(small_layout(), dtype, device, seed=7)
+    slots = loaded_pool(small_layout(), dtype, device, seed=7)
     compare_backends(slots, indptr_of(MIXED_LENGTHS), MIXED_SLOTS, seed=1)
 
 
 def test_backend_successive_batches(device):
     """Decode (one token per adapter) after prefill: the fixed device buffers are rewritten each time."""
-    slots = loaded_slots(small_layout(), torch.bfloat16, device, seed=8)
+    slots = loaded_pool(small_layout(), torch.bfloat16, device, seed=8)
     compare_backends(slots, indptr_of(MIXED_LENGTHS), MIXED_SLOTS, seed=2)
     compare_backends(slots, indptr_of([1] * 7), [3, 0, -1, 1, 2, 4, 0], seed=3)
     compare_backends(slots, indptr_of([2, 3]), [-1, -1], seed=4)  # base only: nothing launched
 
 
-def pool_backend(slots: LoraSlots, seed: int, width: int) -> TritonLoraBackend:
-    """A backend on a scattered copy of the slots' adapters (rows out of order, interleaved, NaN rows in
-    between), with a row table `width` wide; slot memory is then NaN so that reading it shows."""
-    gen = torch.Generator().manual_seed(seed)
-    owned = owned_rows(slots.host_ranks)
-    pool, rows = scatter_to_pool(gen, slots.mem.cpu(), owned, width)  # [L, P, row], [S, width]
-    return TritonLoraBackend(slots, max_tokens=128, pool=pool.to(slots.device), rows=rows.to(slots.device))
-
-
-def test_backend_on_external_pool(device):
-    dtype = torch.bfloat16
-    slots = loaded_slots(small_layout(), dtype, device, seed=10)
-    backend = pool_backend(slots, seed=11, width=slots.layout.max_rank + 5)
-    reference = LoraSlots(slots.layout, slots.num_slots, dtype, device)  # the same adapters, in slots
-    reference.mem.copy_(slots.mem)
-    for t in ("ranks", "scalings", "host_ranks", "host_scalings"):
-        getattr(reference, t).copy_(getattr(slots, t))
-    slots.mem.fill_(float("nan"))  # the pool backend must read nothing of slot memory
-    compare_backends(reference, indptr_of(MIXED_LENGTHS), MIXED_SLOTS, seed=1, tri_backend=backend)
-    # a fixed-shape (padded) decode batch after it: the same views and table
-    compare_backends(reference, indptr_of([1] * 5), [3, 0, -1, 2, 1], seed=2, tri_backend=backend, pad_to=8)
-
-
-def test_backend_rows_contract(device):
-    slots = loaded_slots(small_layout(), torch.float32, device, seed=12)
-    layout, S = slots.layout, slots.num_slots
-    identity = make_backend("triton", slots, max_tokens=16).rows
-    assert identity.dtype == torch.int32 and tuple(identity.shape) == (S, layout.max_rank)
-    L, R = layout.num_layers, layout.max_rank
-    assert identity[3, 5].item() == 3 * L * R + 5  # slot 3's rank row 5, relative to mem[0, layer]
-    pool = torch.zeros((L, 40, layout.row_elems), dtype=slots.dtype, device=device)
-    rows = torch.zeros((S, R), dtype=torch.int32, device=device)
-    assert TritonLoraBackend(slots, 16, pool=pool, rows=rows).rows is rows  # externally owned, not copied
-    TritonLoraBackend(slots, 16, rows=rows)  # a table over the slot memory's rows
-    bad = [
-        dict(pool=pool),  # a pool without its table
-        dict(pool=pool, rows=rows.long()),
-        dict(pool=pool, rows=rows[:, : R - 1]),  # narrower than max_lora_rank
-        dict(pool=pool, rows=rows[: S - 1]),  # one row per adapter id
-        dict(pool=pool[:, :, :-1], rows=rows),
-        dict(pool=pool[:1], rows=rows),
-        dict(pool=pool.double(), rows=rows),
-    ]
-    for kw in bad:
-        with pytest.raises(ValueError):
-            TritonLoraBackend(slots, 16, **kw)
+def test_backend_reads_the_pool_through_its_row_table(device):
+    pool = loaded_pool(small_layout(), torch.float32, device, seed=12)
+    backend = make_backend("triton", pool, max_tokens=16)
+    assert backend.rows is pool.rows  # the pool's own table, never a copy (graphs hold its address)
+    assert pool.rows.dtype == torch.int32 and tuple(pool.rows.shape) == (5, pool.layout.max_rank)
+    # a padded decode batch replays on the same views and table
+    compare_backends(pool, indptr_of([1] * 5), [3, 0, -1, 2, 1], seed=2, tri_backend=backend, pad_to=8)
 
 
 def test_planner_merges_and_splits():
@@ -161,7 +136,7 @@ def test_planner_merges_and_splits():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_backend_no_sync_on_gpu():
     device = torch.device("cuda")
-    slots = loaded_slots(small_layout(), torch.bfloat16, device, seed=9)
+    slots = loaded_pool(small_layout(), torch.bfloat16, device, seed=9)
     backend = make_backend("triton", slots, max_tokens=128)
     indptr, seg_slots = indptr_of(MIXED_LENGTHS), MIXED_SLOTS
     xs = {
@@ -197,17 +172,18 @@ def test_backend_llama_shapes_on_gpu(rank):
     layout = LoraLayout.build(
         num_layers=1, hidden=4096, q_out=4096, kv_out=1024, intermediate=14336, max_rank=64
     )
-    slots = LoraSlots(layout, num_slots=8, dtype=torch.bfloat16, device=torch.device("cuda"))
+    slots = LoraPool(layout, 8 * 64, 8, torch.bfloat16, torch.device("cuda"))
     gen = torch.Generator().manual_seed(rank)
     for slot in range(8):
         block = (torch.randn((1, rank, layout.row_elems), generator=gen) * 0.05).to(torch.bfloat16)
         ranks = torch.full((1, NUM_SLICES), rank, dtype=torch.int32)
-        slots.load(slot, PackedAdapter(f"a{slot}", block, ranks, torch.full((1, NUM_SLICES), 2.0)))
+        runs = [((7 - slot) * 64, rank // 2), (slot * 64 + 32, rank - rank // 2)]  # two runs, interleaved
+        slots.load(slot, PackedAdapter(f"a{slot}", block, ranks, torch.full((1, NUM_SLICES), 2.0)), runs)
     compare_backends_big(slots, indptr_of([1] * 48), [i % 8 for i in range(48)])
     compare_backends_big(slots, indptr_of([300, 1, 700, 24]), [2, -1, 5, 1])
 
 
-def compare_backends_big(slots: LoraSlots, indptr: list[int], seg_slots: list[int]) -> None:
+def compare_backends_big(slots: LoraPool, indptr: list[int], seg_slots: list[int]) -> None:
     ref_backend = make_backend("torch", slots, max_tokens=2048)
     tri_backend = make_backend("triton", slots, max_tokens=2048)
     ref_backend.prepare(indptr, seg_slots)

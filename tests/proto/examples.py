@@ -76,6 +76,8 @@ SLOT_LOAD = SlotLoad(
     dtype="float16",
     slice_ranks=[8, 0, 8, 0, 0, 0, 0] * 2,
     slice_scalings=[2.0, 0.0] * 7,
+    row_starts=[40, 3],
+    row_counts=[5, 3],
 )
 
 EXAMPLES: list[Message] = [
@@ -148,7 +150,9 @@ EXAMPLES: list[Message] = [
         step_time=0.002,
     ),
     SlotsReady(slots_ready=[1]),
-    WorkerStarted(num_pages=128, page_size=16, max_model_len=2048),
+    WorkerStarted(
+        num_pages=128, page_size=16, max_model_len=2048, lora_rows=512, lora_ids=128, lora_row_bytes=9216
+    ),
     StageAdapter(name="a", path="/ad/a"),
     ReleaseAdapter(name="a"),
     DropAdapter(name="a"),

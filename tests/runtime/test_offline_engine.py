@@ -49,8 +49,8 @@ def test_half_dtypes_close_to_float32(tiny_llama, llama_adapters, dtype):
         b = half.runner
         seq = [SeqInput(ids[0], 0, list(range(1)), -1 if name is None else 0)]
         if name is not None:
-            a.load_adapter(0, ref.adapters[name])
-            b.load_adapter(0, half.adapters[name])
+            a.load_adapter(0, ref.adapters[name], [(0, ref.adapters[name].rank)])
+            b.load_adapter(0, half.adapters[name], [(0, half.adapters[name].rank)])
         la, lb = a.execute(seq)[0], b.execute(seq)[0]
         assert ((la - lb).norm() / la.norm()).item() < 3e-2
     assert half.generate(ids, sampling=params)[0].finish_reason == "length"

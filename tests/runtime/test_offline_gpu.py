@@ -10,6 +10,7 @@ import torch
 from proto.sampling import SamplingParams
 from runtime.offline import LLM
 from stages.worker.runner import SeqInput
+from tests.conftest import pool_gb
 from tests.peft_reference import PeftReference
 from tests.runtime.test_offline_vs_peft import PROMPTS
 
@@ -25,6 +26,7 @@ def _bf16_triton_llm(model, adapters, slots: int) -> LLM:
         max_lora_rank=16,
         lora_backend="triton",
         num_pages=512,
+        lora_gpu_memory_gb=pool_gb(model, slots * 16),
         max_loras_per_batch=slots,
     )
 
@@ -88,7 +90,8 @@ def _fp32_engine(model, adapters, graphs: int) -> LLM:
         max_lora_rank=16,
         lora_backend="triton",
         num_pages=512,
-        max_loras_per_batch=2,  # 4 adapters through 2 slots: loads between graphed steps
+        lora_gpu_memory_gb=pool_gb(model, 20),  # 26 rows of adapters through 20: loads between
+        max_loras_per_batch=2,  # graphed steps
         cuda_graph_max_batch=graphs,
     )
 

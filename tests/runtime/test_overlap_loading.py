@@ -1,6 +1,7 @@
 """Offline engine: greedy outputs are identical with overlapped loading on and off and prefetch on and
-off, on a bursty workload with four times more adapters than slots; the loads really overlapped
-(requests waited for their adapter while others ran) and pinned adapters were never evicted."""
+off, on a bursty workload with about four times more adapter rows than the GPU pool holds; the loads
+really overlapped (requests waited for their adapter while others ran) and pinned adapters were never
+evicted."""
 
 from __future__ import annotations
 
@@ -11,16 +12,17 @@ import pytest
 from proto.sampling import SamplingParams
 from runtime.offline import LLM
 from runtime.synthetic.adapters import make_adapters
+from tests.conftest import pool_gb
 
 pytestmark = pytest.mark.timeout(300)
 
-SLOTS = 2
+POOL_ROWS = 20  # room for a pin (the rest holds a rank-16 adapter); 48 rows in all
 MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
 def many_adapters(tiny_llama, tmp_path_factory) -> dict[str, Path]:
-    """Eight adapters (four times the slots), ranks 4 and 8 alternating."""
+    """Eight adapters, ranks 4 and 8 (48 rows, three times the pool)."""
     out = tmp_path_factory.mktemp("many_adapters")
     paths = make_adapters(tiny_llama, out / "r4", n=4, ranks=(4,), seed=11, prefix="a4_")
     paths += make_adapters(tiny_llama, out / "r8", n=4, ranks=(8,), seed=12, prefix="a8_")
@@ -42,7 +44,8 @@ def run(tiny_llama, adapters, overlap: bool, depth: int, **kw) -> tuple[list[lis
     llm = LLM(
         tiny_llama,
         adapters=adapters,
-        max_loras_per_batch=SLOTS,
+        lora_gpu_memory_gb=pool_gb(tiny_llama, POOL_ROWS),
+        max_loras_per_batch=2,
         max_lora_rank=16,
         max_running_requests=6,
         max_tokens_per_step=48,
@@ -79,4 +82,6 @@ def test_pinned_adapter_stays_resident_and_outputs_match(tiny_llama, many_adapte
     pinned = sorted(many_adapters)[0]
     tokens, llm = run(tiny_llama, many_adapters, True, 8, pinned_adapters=(pinned,))
     assert tokens == reference
-    assert llm.runner.slots.names.count(pinned) == 1, "the pinned adapter left its slot"
+    res = llm.last_planner.pool.get(pinned)
+    assert res is not None and res.pinned, "the pinned adapter left the pool"
+    assert llm.runner.pool.names[res.lora_id] == pinned

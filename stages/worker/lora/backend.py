@@ -9,18 +9,18 @@ from collections.abc import Sequence
 import torch
 
 from runtime.common.lora_layout import GroupLayout
-from stages.worker.lora.slots import LoraSlots
+from stages.worker.lora.pool import LoraPool
 
 
 class LoraBackend(ABC):
     """Tokens of a forward are ordered so that each adapter's tokens are contiguous: segment i is
-    tokens `[seg_indptr[i], seg_indptr[i+1])`, all using slot `seg_slots[i]` (-1: no adapter)."""
+    tokens `[seg_indptr[i], seg_indptr[i+1])`, all using adapter id `seg_slots[i]` (-1: no adapter)."""
 
     name: str
 
-    def __init__(self, slots: LoraSlots, max_tokens: int):
-        self.slots = slots
-        self.layout = slots.layout
+    def __init__(self, pool: LoraPool, max_tokens: int):
+        self.pool = pool
+        self.layout = pool.layout
         self.max_tokens = max_tokens
 
     @abstractmethod
@@ -30,12 +30,12 @@ class LoraBackend(ABC):
 
     @abstractmethod
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:
-        """out[T, group.out_total] += scaling * (x[T, group.in_dim] @ A^T) @ B^T, per token's slot."""
+        """out[T, group.out_total] += scaling * (x[T, group.in_dim] @ A^T) @ B^T, per token's adapter."""
 
 
 def slot_segments(seqs: Sequence) -> tuple[list[int], list[int]]:
     """(seg_indptr, seg_slots) of sequences whose tokens are laid out in order (each with `token_ids`
-    and `slot`); adjacent sequences of one slot share a segment."""
+    and `slot`, its adapter id); adjacent sequences of one adapter share a segment."""
     indptr, slots = [0], []
     for s in seqs:
         n = len(s.token_ids)

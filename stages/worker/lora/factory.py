@@ -4,17 +4,17 @@ imports its own implementations (no import cycle)."""
 from __future__ import annotations
 
 from stages.worker.lora.backend import LoraBackend
-from stages.worker.lora.slots import LoraSlots
+from stages.worker.lora.pool import LoraPool
 from stages.worker.lora.torch_backend import TorchLoraBackend
 
 BACKENDS = ("torch", "triton")
 
 
-def make_backend(name: str, slots: LoraSlots, max_tokens: int) -> LoraBackend:
+def make_backend(name: str, pool: LoraPool, max_tokens: int) -> LoraBackend:
     if name == "torch":
-        return TorchLoraBackend(slots, max_tokens)
+        return TorchLoraBackend(pool, max_tokens)
     if name == "triton":
         from stages.worker.lora.triton_backend import TritonLoraBackend  # triton: a Linux-only dependency
 
-        return TritonLoraBackend(slots, max_tokens)
+        return TritonLoraBackend(pool, max_tokens)
     raise ValueError(f"unknown lora backend {name!r} (choose one of {', '.join(BACKENDS)})")

@@ -1,10 +1,12 @@
 """Pitched host→device copies through the CUDA driver (`cuMemcpy2DAsync`): one DMA operation writes
-`rows` rows of `width` bytes from a packed pinned host buffer into device rows `pitch` bytes apart.
+`rows` rows of `width` bytes from a pinned host buffer (rows `src pitch` bytes apart) into device rows
+`dst pitch` bytes apart.
 
-A rank-r adapter fills the first r of max_rank rows of every layer of its slot, so its destination is
-strided. torch copies into a strided destination through a device temporary and a spread kernel; for
-a 20 MB adapter those cost as much as the transfer itself, and per-layer copies cost as much in
-launches. The driver's pitched copy needs neither."""
+A run of rank rows of an adapter goes to a run of pool rows in every layer, so both sides are strided
+(the host block is `[layers, rank, row]`, the pool `[layers, total_rows, row]`). torch copies into a
+strided destination through a device temporary and a spread kernel; for a 20 MB adapter those cost as
+much as the transfer itself, and per-layer copies cost as much in launches. The driver's pitched copy
+needs neither."""
 
 from __future__ import annotations
 
@@ -70,8 +72,9 @@ def _driver() -> _Driver | None:
 
 
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> bool:
-    """Queue on `stream` one copy of `src` (contiguous, CPU; pinned, or the copy is synchronous) into
-    `dst` (CUDA, same shape and dtype, each `dst[i]` contiguous, rows `dst.stride(0)` elements apart).
+    """Queue on `stream` one copy of `src` (CPU; pinned, or the copy is synchronous; each `src[i]`
+    contiguous, rows `src.stride(0)` elements apart) into `dst` (CUDA, same shape and dtype, each `dst[i]`
+    contiguous, rows `dst.stride(0)` elements apart).
     Returns False, having done nothing, where the driver call cannot be made (no driver library, or no
     context current on this thread): the caller copies another way. The caller keeps `src` alive until
     the copy has completed on `stream`. Kept to a few checks: it runs on the path of every slot load."""
@@ -82,18 +85,18 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -
     if dst.device.type != "cuda" or src.device.type != "cpu":
         raise ValueError("pitched copy goes from host memory to a CUDA device")
     if dst.dim() < 1:
-        raise ValueError("pitched copy needs a contiguous source and contiguous destination rows")
+        raise ValueError("pitched copy needs contiguous source and destination rows")
     if src.numel() == 0:
         return True
-    if not src.is_contiguous() or not dst[0].is_contiguous():
-        raise ValueError("pitched copy needs a contiguous source and contiguous destination rows")
+    if not src[0].is_contiguous() or not dst[0].is_contiguous():
+        raise ValueError("pitched copy needs contiguous source and destination rows")
     driver = _driver()
     if driver is None:
         return False
     item = src.element_size()
     width = src[0].numel() * item
     p = _Memcpy2D()
-    p.srcMemoryType, p.srcHost, p.srcPitch = _CU_MEMORYTYPE_HOST, src.data_ptr(), width
+    p.srcMemoryType, p.srcHost, p.srcPitch = _CU_MEMORYTYPE_HOST, src.data_ptr(), src.stride(0) * item
     p.dstMemoryType, p.dstDevice, p.dstPitch = _CU_MEMORYTYPE_DEVICE, dst.data_ptr(), dst.stride(0) * item
     p.WidthInBytes, p.Height = width, src.shape[0]
     other = dst.device.index is not None and dst.device.index != torch.cuda.current_device()

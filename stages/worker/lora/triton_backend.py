@@ -14,7 +14,7 @@ from kernels.lora_expand import ExpandConfig, expand_config, lora_expand
 from kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
 from runtime.common.lora_layout import GroupLayout, LoraLayout
 from stages.worker.lora.backend import LoraBackend
-from stages.worker.lora.slots import LoraSlots
+from stages.worker.lora.pool import LoraPool
 
 MAX_SPLIT_K = 16
 PADDED_BLOCK_M = 16  # token tile of fixed-shape (graphed) decode batches
@@ -33,91 +33,44 @@ def split_cap(num_tokens: int, ws_rows: int) -> int:
     return cap
 
 
-def check_external(slots: LoraSlots, pool: torch.Tensor | None, rows: torch.Tensor) -> None:
-    """A pool and row table fit the slots' layout, dtype, device and adapter ids (see the backend)."""
-    layout, device = slots.layout, slots.mem.device  # the tensors' device: "cuda" names cuda:N there
-    if pool is not None:
-        want = (layout.num_layers, layout.row_elems)
-        if pool.dim() != 3 or (pool.shape[0], pool.shape[2]) != want or pool.stride(2) != 1:
-            raise ValueError(f"pool must be [{want[0]}, rows, {want[1]}] row-contiguous, got {pool.shape}")
-        if pool.dtype != slots.dtype or pool.device != device:
-            raise ValueError(
-                f"pool is {pool.dtype} on {pool.device}, slots are {slots.dtype} on {device}"
-            )
-    ok_shape = rows.dim() == 2 and rows.shape[0] == slots.num_slots and rows.shape[1] >= layout.max_rank
-    if rows.dtype != torch.int32 or not ok_shape or rows.stride(1) != 1 or rows.device != device:
-        raise ValueError(
-            f"rows must be int32 [{slots.num_slots}, >= {layout.max_rank}] row-contiguous on "
-            f"{device}, got {rows.dtype} {tuple(rows.shape)} on {rows.device}"
-        )
-
-
 class TritonLoraBackend(LoraBackend):
-    """The kernels read adapter weights as rank rows of a per-layer pool, through a row table: adapter
-    id i (the slot number of the batch segments, and the row of `slots.ranks`/`slots.scalings`) has its
-    rank row k of every layer at pool row `rows[i, k]`.
-
-    Without `pool`/`rows` the pool is `slots.mem` itself (slot s's rank row k of layer l is row
-    s*L*R + k of `LoraLayout.slot_rows(mem, l)`) and the backend owns that identity table.
-
-    An externally owned rank-paged pool is passed as `pool` [num_layers, pool_rows, row_elems] (dtype of
-    the slots, row_elems of the layout, last dim contiguous) with its `rows`: device int32
-    [slots.num_slots, width], width >= layout.max_rank, contiguous rows. `rows` alone indexes the rows of
-    `slots.mem` as above. The contract for the owner: both tensors are allocated once and never replaced
-    (views and captured CUDA graphs hold their addresses), only updated in place in stream order before
-    the forward that reads them; `rows[i, k]` must be a valid pool row for every k < the largest rank of
-    id i in `slots.ranks` (entries past it may hold anything: they are loaded, never dereferenced); ranks
-    must not exceed the table width (the kernels clamp them to it)."""
+    """The kernels read adapter weights as rank rows of the pool's layer `l` (`pool.mem[l]`, [total_rows,
+    row_elems]) through its row table: adapter id i (the id of the batch segments, and the row of
+    `pool.ranks`/`pool.scalings`) has its rank row k at pool row `pool.rows[i, k]`. The pool allocates
+    these tensors once and only updates them in place in stream order before the forward that reads
+    them (views and captured CUDA graphs hold their addresses); `rows[i, k]` is a valid pool row for
+    every k below id i's largest rank (entries past it are loaded, never dereferenced)."""
 
     name = "triton"
 
-    def __init__(
-        self,
-        slots: LoraSlots,
-        max_tokens: int,
-        *,
-        pool: torch.Tensor | None = None,
-        rows: torch.Tensor | None = None,
-    ):
-        super().__init__(slots, max_tokens)
-        self._init_rows(pool, rows)
+    def __init__(self, pool: LoraPool, max_tokens: int):
+        super().__init__(pool, max_tokens)
         self._init_metadata()
         self._init_workspace()
         self._init_views()
 
-    def _init_rows(self, pool: torch.Tensor | None, rows: torch.Tensor | None) -> None:
-        if pool is not None and rows is None:
-            raise ValueError("a rank-paged pool needs its row table")
-        if rows is None:
-            rows = self.layout.slot_row_table(self.slots.num_slots, self.slots.device)  # [S, max_rank]
-        check_external(self.slots, pool, rows)
-        self._pool, self._rows = pool, rows
-
     @property
     def rows(self) -> torch.Tensor:
-        """The row table the kernels read (owned here unless passed in)."""
-        return self._rows
+        """The row table the kernels read: int32 [num_ids, max_rank]."""
+        return self.pool.rows
 
     def _init_views(self) -> None:
         """Every (layer, group)'s A/B views and rank/scaling columns, made once: the pool and tables never
         move, and building views per call was a measurable share of a decode step's host time."""
         self._views = {}
         for layer in range(self.layout.num_layers):
-            if self._pool is not None:
-                base = self._pool[layer]  # [pool_rows, row_elems]
-            else:
-                base = LoraLayout.slot_rows(self.slots.mem, layer)  # [(S-1)*L*R + R, row_elems]
+            base = self.pool.mem[layer]  # [total_rows, row_elems]
             for g in self.layout.groups:
                 sl = slice(g.first_slice, g.first_slice + g.num_slices)
                 self._views[layer, g.name] = (
-                    LoraLayout.a_rows(base, g),  # [pool_rows, n, in_dim]
-                    LoraLayout.b_rows(base, g),  # [pool_rows, out_total]
-                    self.slots.ranks[:, layer, sl],  # [num_ids, n] int32
-                    self.slots.scalings[:, layer, sl],  # [num_ids, n] fp32
+                    LoraLayout.a_rows(base, g),  # [total_rows, n, in_dim]
+                    LoraLayout.b_rows(base, g),  # [total_rows, out_total]
+                    self.pool.ranks[:, layer, sl],  # [num_ids, n] int32
+                    self.pool.scalings[:, layer, sl],  # [num_ids, n] fp32
                 )
 
     def _init_metadata(self) -> None:
-        self._builder = BatchInfoBuilder(self.max_tokens, self.slots.device)
+        self._builder = BatchInfoBuilder(self.max_tokens, self.pool.device)
         self._info: BatchInfo | None = None
         self._configs: dict[str, tuple[ShrinkConfig, ExpandConfig, torch.Tensor]] = {}
         self._padded_configs: dict[int, dict[str, tuple[ShrinkConfig, ExpandConfig, torch.Tensor]]] = {}
@@ -127,7 +80,7 @@ class TritonLoraBackend(LoraBackend):
         self._ws_rows = workspace_rows(self.max_tokens)
         max_slices = max(g.num_slices for g in self.layout.groups)
         numel = self._ws_rows * max_slices * block_rank_for(self.layout.max_rank)
-        self._workspace = torch.empty(numel, dtype=torch.float32, device=self.slots.device)  # [rows*N*R]
+        self._workspace = torch.empty(numel, dtype=torch.float32, device=self.pool.device)  # [rows*N*R]
 
     @property
     def batch_info(self) -> BatchInfo | None:
@@ -141,7 +94,7 @@ class TritonLoraBackend(LoraBackend):
             self._prepare_padded(seg_indptr, seg_slots, pad_to)
             return
         used = sorted({s for s in seg_slots if s >= 0})
-        max_rank = int(self.slots.host_ranks[used].max()) if used else 0
+        max_rank = int(self.pool.host_ranks[used].max()) if used else 0
         info = self._builder.build(seg_indptr, seg_slots, max_rank)
         self._configs = self._make_configs(info)
         self._info = info
@@ -151,7 +104,7 @@ class TritonLoraBackend(LoraBackend):
             raise ValueError(f"batch has {seg_indptr[-1]} tokens, more than pad_to={pad_to}")
         real = self._builder.build(seg_indptr, seg_slots, self.layout.max_rank, block_m=PADDED_BLOCK_M)
         # Tiles of runs cut at PADDED_BLOCK_M tokens: at most one partial tile per slot plus full ones.
-        bound = min(pad_to, self.slots.num_slots + pad_to // PADDED_BLOCK_M)
+        bound = min(pad_to, self.pool.num_ids + pad_to // PADDED_BLOCK_M)
         if real.num_tiles > bound:
             raise ValueError(f"{real.num_tiles} LoRA tiles exceed the padded bound {bound}")
         info = BatchInfo(
@@ -188,13 +141,13 @@ class TritonLoraBackend(LoraBackend):
         a, b, ranks, scalings = self._views[layer, group.name]
         # The views and configs were made here, once; the kernels' argument checks would cost a
         # measurable share of an eager step's host time (128 launches per forward of a 16-layer model).
-        lora_shrink(x, a, ranks, self._rows, info, out=v, config=shrink_cfg, check=False)
+        lora_shrink(x, a, ranks, self.pool.rows, info, out=v, config=shrink_cfg, check=False)
         lora_expand(
             v,
             b,
             ranks,
             scalings,
-            self._rows,
+            self.pool.rows,
             out,
             group.out_offsets,
             group.out_dims,

@@ -121,9 +121,10 @@ def test_packed_from_pool_equals_the_readers_packed_adapter(pool, model, llama_a
         slice_ranks=packed.ranks.flatten().tolist(),
         slice_scalings=packed.scalings.flatten().tolist(),
     )
-    load = slot_load_for(staged, slot=3)
+    load = slot_load_for(staged, slot=3, runs=[(40, 2), (7, packed.rank - 2)])
     assert (load.slot, load.adapter, load.shm_name, load.offset) == (3, "rs12", pool.name, offset)
-    assert not load.layered and slot_load_for(staged, slot=3, layered=True).layered
+    assert (load.row_starts, load.row_counts) == ([40, 7], [2, packed.rank - 2])
+    assert not load.layered and slot_load_for(staged, slot=3, runs=[(0, packed.rank)], layered=True).layered
     worker_pool = attach_pool(pool.name)
     got = packed_from_pool(worker_pool, load, layout, dtype)
     assert got.name == "rs12" and got.rank == packed.rank == 12

@@ -1,5 +1,6 @@
-"""The scheduler's adapter lifecycle without sockets: what it asks of the loader, what it tells the
-tokenizer, and the pins it holds, driven by the loader's answers, adapter ops and slot reports."""
+"""The scheduler's adapter lifecycle and ops without sockets: what they ask of the loader, what they tell
+the tokenizer, and the holds the scheduler keeps on host blocks (at most one per adapter: the loader
+only mirrors held/not held), driven by the loader's answers, adapter ops and pool-load reports."""
 
 from __future__ import annotations
 
@@ -11,14 +12,12 @@ from proto.pipeline import AdapterUpdate, LoadAdapterOp, OpDone, OpFailed, Unloa
 from proto.plan import SlotError, StepResult
 from proto.sampling import SamplingParams
 from runtime.base.actor import Mailbox
-from runtime.base.endpoints import Endpoints
 from runtime.base.metrics import StageMetrics
 from stages.scheduler.adapter_lifecycle import AdapterLifecycle
-from stages.scheduler.config import SchedulerConfig
+from stages.scheduler.adapter_ops import AdapterOps
+from stages.scheduler.adapters import AdapterRegistry, AdapterState
 from stages.scheduler.metrics import SchedulerMetrics
 from stages.scheduler.planner import Planner, PlannerConfig
-
-_EDGES = {f: "ipc://unused" for f in Endpoints.__struct_fields__ if f != "run_dir"}
 
 
 def _staged(name: str, offset: int = 0) -> AdapterStaged:
@@ -27,22 +26,29 @@ def _staged(name: str, offset: int = 0) -> AdapterStaged:
 
 class Harness:
     def __init__(self, adapters: dict[str, str] | None = None, with_planner: bool = False) -> None:
-        config = SchedulerConfig(
-            endpoints=Endpoints(run_dir="", **_EDGES),
-            max_loras_per_batch=2,
-            max_model_len=64,
-            adapters=adapters or {},
-        )
         self.to_loader: Mailbox[Any] = Mailbox("to_loader", 64)
         self.to_tokenizer: Mailbox[Any] = Mailbox("to_tokenizer", 64)
         self.failed: list[tuple[str, str]] = []
         self.planner: Planner | None = None
+        self.adapters = AdapterRegistry(adapters or {})
         series = SchedulerMetrics(StageMetrics("scheduler"), lambda: self.planner, lambda: 0, lambda: {})
-        self.life = AdapterLifecycle(config, self.to_loader, self.to_tokenizer, self._fail, series)
+        self.life = AdapterLifecycle(self.adapters, self.to_loader, self._fail, series, 8, 2)
+        self.ops = AdapterOps(self.adapters, self.life, self.to_tokenizer, self._fail)
         if with_planner:
-            cfg = PlannerConfig(num_slots=2, num_pages=16, page_size=16, max_model_len=64)
-            ready, load_bytes = self.life.adapters.ready, self.life.load_bytes
-            self.planner = self.life.planner = Planner(cfg, adapter_ready=ready, load_bytes=load_bytes)
+            cfg = PlannerConfig(
+                num_pages=16, page_size=16, pool_rows=8, pool_ids=2, max_model_len=64, max_lora_rank=4
+            )
+            self.planner = Planner(
+                cfg,
+                adapter_rows=self.adapters.rows,
+                adapter_ready=self.adapters.ready,
+                load_bytes=self.life.load_bytes,
+            )
+
+    async def staged(self, msg: AdapterStaged) -> None:
+        """What the actor does with an AdapterStaged."""
+        await self.ops.on_adapter_staged(msg)
+        await self.life.on_adapter_staged(msg, self.planner)
 
     async def _fail(self, request_id: str, kind: str, message: str) -> None:
         self.failed.append((request_id, kind))
@@ -55,23 +61,23 @@ class Harness:
         return out
 
 
-def test_load_op_is_validated_by_staging_and_its_spare_pin_released():
+def test_load_op_is_validated_by_staging_and_its_unneeded_hold_released():
     async def main() -> None:
         h = Harness()
         await h.life.on_loader_started()
-        await h.life.on_load_adapter_op(LoadAdapterOp(op_id=1, name="a", path="/a"))
-        await h.life.on_load_adapter_op(LoadAdapterOp(op_id=2, name="a", path="/a"))  # joins the first
+        await h.ops.on_load_adapter_op(LoadAdapterOp(op_id=1, name="a", path="/a"))
+        await h.ops.on_load_adapter_op(LoadAdapterOp(op_id=2, name="a", path="/a"))  # joins the first
         assert h.sent(h.to_loader) == [StageAdapter(name="a", path="/a")]
-        await h.life.on_adapter_staged(_staged("a"))
+        await h.staged(_staged("a"))
         assert h.sent(h.to_tokenizer) == [
             AdapterUpdate(name="a", state="registered"),
             OpDone(op_id=1),
             OpDone(op_id=2),
         ]
         assert h.sent(h.to_loader) == [ReleaseAdapter(name="a")]  # nothing waits for it
-        e = h.life.adapters.get("a")
-        assert e.state == "registered" and e.pins == 0 and e.staged is not None
-        await h.life.on_load_adapter_op(LoadAdapterOp(op_id=3, name="a", path="/other"))
+        e = h.adapters.get("a")
+        assert e.state is AdapterState.REGISTERED and not e.held and e.staged is not None
+        await h.ops.on_load_adapter_op(LoadAdapterOp(op_id=3, name="a", path="/other"))
         [reply] = h.sent(h.to_tokenizer)
         assert isinstance(reply, OpFailed) and reply.kind == "invalid_request"
 
@@ -82,57 +88,78 @@ def test_failed_load_op_registers_nothing():
     async def main() -> None:
         h = Harness()
         await h.life.on_loader_started()
-        await h.life.on_load_adapter_op(LoadAdapterOp(op_id=7, name="bad", path="/bad"))
-        await h.life.on_adapter_failed(AdapterFailed(name="bad", message="no adapter_config.json"))
+        await h.ops.on_load_adapter_op(LoadAdapterOp(op_id=7, name="bad", path="/bad"))
+        await h.ops.on_adapter_failed(AdapterFailed(name="bad", message="no adapter_config.json"), None)
         assert h.sent(h.to_tokenizer) == [
             OpFailed(op_id=7, kind="adapter_load_failed", message="no adapter_config.json"),
             AdapterUpdate(name="bad", state="removed"),
         ]
-        assert h.life.adapters.get("bad") is None
+        assert h.adapters.get("bad") is None
 
     asyncio.run(main())
 
 
-def test_slot_load_holds_a_pin_until_the_copy_is_reported_done():
+def test_pool_load_holds_the_block_until_the_copy_is_reported_done():
     async def main() -> None:
         h = Harness({"a": "/a"}, with_planner=True)
         await h.life.on_loader_started()
         h.planner.add("x", [1, 2, 3], "a", SamplingParams(max_tokens=4))
-        await h.life.stage_upcoming()
-        assert h.sent(h.to_loader) == [StageAdapter(name="a", path="/a")]
-        await h.life.on_adapter_staged(_staged("a", offset=128))
-        assert h.sent(h.to_loader) == []  # the waiting request needs the pin
+        h.planner.add("y", [1, 2], "a", SamplingParams(max_tokens=4))
+        await h.life.stage_upcoming(h.planner)
+        await h.life.stage_upcoming(h.planner)
+        assert h.sent(h.to_loader) == [StageAdapter(name="a", path="/a")]  # one hold for both requests
+        await h.staged(_staged("a", offset=128))
+        assert h.sent(h.to_loader) == []  # the waiting requests need the block
         plan = h.planner.schedule()
         [load] = [h.life.issue_load(lo) for lo in plan.slot_loads]
         assert (load.slot, load.adapter, load.shm_name, load.offset) == (0, "a", "pool", 128)
-        assert h.life.adapters.get("a").loads_in_flight == 1
+        assert (load.row_starts, load.row_counts) == ([0], [4])
+        assert h.adapters.get("a").loads_in_flight == 1
         h.planner.update(StepResult(step=plan.step, slots_ready=[0]))
-        await h.life.after_step(StepResult(step=plan.step, slots_ready=[0]))
+        await h.life.after_step(StepResult(step=plan.step, slots_ready=[0]), h.planner)
         assert h.sent(h.to_loader) == [ReleaseAdapter(name="a")]
-        e = h.life.adapters.get("a")
-        assert e.pins == 0 and e.loads_in_flight == 0 and not h.life.slot_loads
-        assert h.life.tier_counts() == {"gpu": 1, "loading": 0, "host": 0, "disk": 0}
+        e = h.adapters.get("a")
+        assert not e.held and e.loads_in_flight == 0 and not h.life.pool_loads
+        assert h.ops.tier_counts(h.planner) == {"gpu": 1, "loading": 0, "host": 0, "disk": 0}
 
     asyncio.run(main())
 
 
-def test_failed_slot_copy_fails_its_requests_and_releases_the_pin():
+def test_a_load_op_hold_is_kept_for_a_request_waiting_on_it():
+    """A request that comes while its adapter's load op validates uses that very hold: no
+    ReleaseAdapter, StageAdapter, AdapterStaged round trip before its pool load."""
+
+    async def main() -> None:
+        h = Harness(with_planner=True)
+        await h.life.on_loader_started()
+        await h.ops.on_load_adapter_op(LoadAdapterOp(op_id=1, name="a", path="/a"))
+        h.planner.add("x", [1, 2, 3], "a", SamplingParams(max_tokens=4))
+        await h.staged(_staged("a"))
+        await h.life.stage_upcoming(h.planner)
+        assert h.sent(h.to_loader) == [StageAdapter(name="a", path="/a")]  # the op's, and nothing since
+        plan = h.planner.schedule()
+        assert [lo.adapter for lo in plan.slot_loads] == ["a"]
+
+    asyncio.run(main())
+
+
+def test_failed_pool_copy_fails_its_requests_and_releases_the_hold():
     async def main() -> None:
         h = Harness({"a": "/a"}, with_planner=True)
         await h.life.on_loader_started()
         h.planner.add("x", [1, 2, 3], "a", SamplingParams(max_tokens=4))
-        await h.life.stage_upcoming()
-        await h.life.on_adapter_staged(_staged("a"))
+        await h.life.stage_upcoming(h.planner)
+        await h.staged(_staged("a"))
         plan = h.planner.schedule()
         for lo in plan.slot_loads:
             h.life.issue_load(lo)
         h.sent(h.to_loader)
         res = StepResult(step=plan.step, slot_errors=[SlotError(slot=0, adapter="a", message="boom")])
         h.planner.update(res)
-        await h.life.after_step(res)
+        await h.life.after_step(res, h.planner)
         assert h.failed == [("x", "adapter_load_failed")]
         assert h.sent(h.to_loader) == [ReleaseAdapter(name="a")]
-        assert h.planner.slots.slot_of("a") is None
+        assert h.planner.pool.get("a") is None and h.planner.pool.rows.num_free == 8
 
     asyncio.run(main())
 
@@ -142,11 +169,11 @@ def test_loader_restart_asks_again_for_unanswered_stages():
         h = Harness({"a": "/a"}, with_planner=True)
         await h.life.on_loader_started()
         h.planner.add("x", [1, 2, 3], "a", SamplingParams(max_tokens=4))
-        await h.life.stage_upcoming()
+        await h.life.stage_upcoming(h.planner)
         assert h.sent(h.to_loader) == [StageAdapter(name="a", path="/a")]
         await h.life.on_loader_started()  # the loader died before answering
         assert h.sent(h.to_loader) == [StageAdapter(name="a", path="/a")]
-        assert h.life.adapters.generation == 2
+        assert h.adapters.generation == 2
 
     asyncio.run(main())
 
@@ -154,13 +181,13 @@ def test_loader_restart_asks_again_for_unanswered_stages():
 def test_unload_drops_the_adapter_once_unused():
     async def main() -> None:
         h = Harness({"a": "/a"})
-        await h.life.on_unload_adapter_op(UnloadAdapterOp(op_id=4, name="a"))
+        await h.ops.on_unload_adapter_op(UnloadAdapterOp(op_id=4, name="a"))
         assert h.sent(h.to_tokenizer) == [AdapterUpdate(name="a", state="unloading"), OpDone(op_id=4)]
-        assert await h.life.finish_unloads() == []
+        assert await h.ops.finish_unloads(None) == []
         assert h.sent(h.to_loader) == [DropAdapter(name="a")]
         assert h.sent(h.to_tokenizer) == [AdapterUpdate(name="a", state="removed")]
-        assert h.life.adapters.get("a") is None
-        await h.life.on_unload_adapter_op(UnloadAdapterOp(op_id=5, name="a"))
+        assert h.adapters.get("a") is None
+        await h.ops.on_unload_adapter_op(UnloadAdapterOp(op_id=5, name="a"))
         [reply] = h.sent(h.to_tokenizer)
         assert isinstance(reply, OpFailed) and reply.kind == "unknown_adapter"
 

@@ -1,6 +1,7 @@
-"""Planner invariants under random workloads, with a simulated worker: KV pages are never
-over-committed, a step never needs more adapters than slots, a referenced slot is never evicted,
-every request finishes, and nothing leaks."""
+"""Planner invariants under random workloads, with a simulated worker holding an independent model of
+the GPU adapter pool: KV pages are never over-committed, a step never has more distinct adapters than
+`max_loras_per_batch`, a load never takes the rows of an adapter in use, every request finishes, and
+nothing leaks (pages, rows, references)."""
 
 from __future__ import annotations
 
@@ -11,80 +12,34 @@ import pytest
 from proto.plan import FinishedRequest, StepResult
 from proto.sampling import SamplingParams
 from stages.scheduler.planner import Planner, PlannerConfig
+from tests.stages.scheduler.pool_worker import PoolWorker, check_pool
+
+RANKS = {"a": 1, "b": 4, "c": 8, "d": 3, "e": 16}
 
 
-class FakeWorker:
-    """Tracks what the worker would: tokens per request; finishes after max_tokens outputs."""
-
-    def __init__(self):
-        self.state: dict[str, dict] = {}
-
-    def run(self, plan, planner: Planner) -> StepResult:
-        for rid in plan.finished_request_ids:
-            self.state.pop(rid, None)
-        for rid in plan.preempted_request_ids:
-            self.state[rid].update(computed=0, active=False, pages=[])
-        counts = {}
-        for n in plan.new_requests:
-            prompt = n.prompt_ids.tolist()
-            self.state[n.request_id] = dict(
-                tokens=len(prompt),
-                prompt=len(prompt),
-                computed=0,
-                active=True,
-                pages=list(n.page_ids),
-                max_tokens=n.sampling.max_tokens,
-                slot=n.slot,
-            )
-            counts[n.request_id] = n.num_scheduled_tokens
-        for c in plan.cached_requests:
-            st = self.state[c.request_id]
-            if c.resumed:
-                st.update(active=True, pages=list(c.new_page_ids), slot=c.slot)
-            else:
-                st["pages"] += c.new_page_ids
-            counts[c.request_id] = c.num_scheduled_tokens
-        finished = []
-        slots_in_step = set()
-        for rid, st in self.state.items():
-            if not st["active"]:
-                continue
-            n = counts.get(rid, 1)
-            st["computed"] += n
-            assert st["computed"] <= st["tokens"], f"{rid} computes tokens it does not have"
-            need = -(-st["computed"] // planner.cfg.page_size)
-            assert len(st["pages"]) >= need, f"{rid} has {len(st['pages'])} pages for {st['computed']} tokens"
-            if st["slot"] >= 0:
-                slots_in_step.add(st["slot"])
-                assert planner.slots.slots[st["slot"]].refs > 0, "a step uses an unreferenced slot"
-            if st["computed"] == st["tokens"]:
-                st["tokens"] += 1
-                if (
-                    st["tokens"] - st["prompt"] >= st["max_tokens"]
-                    or st["tokens"] >= planner.cfg.max_model_len
-                ):
-                    st["active"] = False
-                    finished.append(FinishedRequest(request_id=rid, reason="length", num_output_tokens=0))
-        assert len(slots_in_step) <= planner.cfg.num_slots
-        all_pages = [p for st in self.state.values() if st["active"] for p in st["pages"]]
-        assert len(all_pages) == len(set(all_pages)), "a KV page is shared by two running requests"
-        return StepResult(step=plan.step, finished=finished)
+def _cfg(**kw) -> PlannerConfig:
+    base = dict(num_pages=64, page_size=16, pool_rows=16, pool_ids=4, max_tokens_per_step=64,
+                max_model_len=256, max_lora_rank=16)  # fmt: skip
+    return PlannerConfig(**{**base, **kw})
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_workloads_keep_invariants(seed):
     rng = random.Random(seed)
     num_pages, page_size = rng.choice([12, 20, 40]), rng.choice([2, 4, 8])
-    cfg = PlannerConfig(
-        num_slots=rng.choice([1, 2, 3]),
+    cfg = _cfg(
         num_pages=num_pages,
         page_size=page_size,
+        pool_rows=rng.choice([16, 20, 33]),
+        pool_ids=rng.choice([2, 3, 8]),
+        max_loras_per_batch=rng.choice([1, 2, 3]),
         max_running_requests=rng.choice([2, 4, 8]),
         max_tokens_per_step=rng.choice([8, 16, 64]),
         max_model_len=min(64, num_pages * page_size),
     )
-    planner, worker = Planner(cfg), FakeWorker()
-    adapters = [None, "a", "b", "c", "d", "e"]
+    planner = Planner(cfg, adapter_rows=RANKS.__getitem__)
+    worker = PoolWorker(planner, RANKS, overlap=False)
+    adapters = [None, *RANKS]
     n = 30
     for i in range(n):
         prompt = [1] * rng.randint(1, min(20, cfg.max_model_len - 1))
@@ -98,21 +53,16 @@ def test_random_workloads_keep_invariants(seed):
             for i in aborted:
                 planner.abort(f"r{i}")
         plan = planner.schedule()
-        planner.update(worker.run(plan, planner))
-        for i, s in enumerate(planner.slots.slots):
-            users = sum(1 for r in planner.running if r.slot == i)
-            assert s.refs == users, f"slot {i} refcount {s.refs} != {users} running users"
+        planner.update(worker.run(plan))
+        check_pool(planner)
     assert planner.pages.num_free == cfg.num_pages, "KV pages leaked"
-    assert all(s.refs == 0 for s in planner.slots.slots), "slot references leaked"
-    # one last plan tells the worker to forget what finished last
-    worker.run(planner.schedule(), planner)
+    assert all(r.refs == 0 for r in planner.pool.residents.values()), "references leaked"
+    worker.run(planner.schedule())  # one last plan tells the worker to forget what finished last
     assert not worker.state
 
 
 def test_decodes_need_no_plan_entries():
-    planner = Planner(
-        PlannerConfig(num_slots=1, num_pages=64, page_size=16, max_tokens_per_step=64, max_model_len=256)
-    )
+    planner = Planner(_cfg(), adapter_rows=RANKS.__getitem__)
     for i in range(8):
         planner.add(f"r{i}", [1, 2, 3], None, SamplingParams(max_tokens=5))
     first = planner.schedule()
@@ -121,33 +71,51 @@ def test_decodes_need_no_plan_entries():
     assert not second.new_requests and not second.cached_requests  # 8 plain decodes: an empty diff
 
 
-def test_adapter_waits_for_a_free_slot_while_others_run():
-    planner = Planner(
-        PlannerConfig(num_slots=1, num_pages=64, page_size=16, max_tokens_per_step=64, max_model_len=256)
-    )
-    planner.add("x", [1, 2], "a", SamplingParams(max_tokens=3))
-    planner.add("y", [1, 2], "b", SamplingParams(max_tokens=3))
+def test_adapter_waits_for_rows_while_others_run():
+    # 16 rows: c (8) and e (16) cannot both be resident; the base-only request passes
+    planner = Planner(_cfg(), adapter_rows=RANKS.__getitem__)
+    planner.add("x", [1, 2], "c", SamplingParams(max_tokens=3))
+    planner.add("y", [1, 2], "e", SamplingParams(max_tokens=3))
     planner.add("z", [1, 2], None, SamplingParams(max_tokens=3))
     plan = planner.schedule()
     assert [r.request_id for r in plan.new_requests] == ["x", "z"]
-    assert [(lo.slot, lo.adapter) for lo in plan.slot_loads] == [(0, "a")]
-    planner.update(
-        StepResult(
-            step=plan.step, finished=[FinishedRequest(request_id="x", reason="stop", num_output_tokens=1)]
-        )
-    )
+    assert [(lo.slot, lo.adapter, lo.row_starts, lo.row_counts) for lo in plan.slot_loads] == [
+        (0, "c", [0], [8])
+    ]
+    done = [FinishedRequest(request_id="x", reason="stop", num_output_tokens=1)]
+    planner.update(StepResult(step=plan.step, finished=done))
     plan = planner.schedule()
     assert [r.request_id for r in plan.new_requests] == ["y"]
-    assert [(lo.slot, lo.adapter) for lo in plan.slot_loads] == [(0, "b")]
+    assert [(lo.slot, lo.adapter, lo.row_starts, lo.row_counts) for lo in plan.slot_loads] == [
+        (0, "e", [0], [16])
+    ]
     assert plan.finished_request_ids == ["x"]
+
+
+def test_small_ranks_share_the_pool():
+    """Rank-1, 3, 4 and 8 adapters (16 rows) are resident at once where max-rank slots would hold one."""
+    planner = Planner(_cfg(pool_ids=8), adapter_rows=RANKS.__getitem__)
+    for name in ("a", "b", "c", "d"):
+        planner.add(name, [1, 2], name, SamplingParams(max_tokens=3))
+    plan = planner.schedule()
+    assert sorted(r.request_id for r in plan.new_requests) == ["a", "b", "c", "d"]
+    assert planner.pool.used_rows == 16 and len(planner.pool.residents) == 4
+
+
+def test_max_loras_per_batch_bounds_distinct_adapters_only():
+    planner = Planner(_cfg(max_loras_per_batch=1), adapter_rows=RANKS.__getitem__)
+    planner.add("x", [1], "a", SamplingParams(max_tokens=3))
+    planner.add("y", [1], "b", SamplingParams(max_tokens=3))
+    planner.add("x2", [1], "a", SamplingParams(max_tokens=3))
+    planner.add("z", [1], None, SamplingParams(max_tokens=3))
+    plan = planner.schedule()
+    assert [r.request_id for r in plan.new_requests] == ["x", "x2", "z"]  # b would be a second adapter
 
 
 def test_rejects_configs_and_prompts_that_cannot_fit():
     with pytest.raises(ValueError, match="exceeds the KV cache"):
-        PlannerConfig(num_slots=1, num_pages=2, page_size=4, max_tokens_per_step=64, max_model_len=100)
-    planner = Planner(
-        PlannerConfig(num_slots=1, num_pages=2, page_size=4, max_tokens_per_step=64, max_model_len=8)
-    )
+        _cfg(num_pages=2, page_size=4, max_model_len=100)
+    planner = Planner(_cfg(num_pages=2, page_size=4, max_model_len=8), adapter_rows=RANKS.__getitem__)
     with pytest.raises(ValueError, match="limit is 7"):
         planner.add("big", [1] * 8, None, SamplingParams())
     with pytest.raises(ValueError, match="empty"):

@@ -28,17 +28,17 @@ def test_buckets_cover_every_size_once():
 def engine(tiny_llama, llama_adapters):
     cfg = RunnerConfig(
         model_dir=str(tiny_llama), device="cuda" if torch.cuda.is_available() else "cpu", dtype="float32",
-        max_loras_per_batch=4, max_lora_rank=16, lora_backend="triton", attention_backend="triton",
-        page_size=PAGE, num_pages=400, max_tokens_per_step=512,
+        max_lora_rank=16, lora_backend="triton", attention_backend="triton", page_size=PAGE, num_pages=400,
+        max_tokens_per_step=512,
     )  # fmt: skip
     runner = ModelRunner(cfg)
     for slot, (name, path) in enumerate(llama_adapters.items()):
         packed = read_adapter(name, path, runner.model_cfg, runner.lora_layout, runner.dtype)
-        runner.load_adapter(slot, packed)
+        runner.load_adapter(slot, packed, [(16 * slot, packed.rank)])
     graphs = DecodeGraphs(
         runner.model, runner.kv, runner.lora, max_batch=24, max_model_len=MAX_LEN, capture=False
     )
-    return runner, graphs, TorchLoraBackend(runner.slots, cfg.max_tokens_per_step)
+    return runner, graphs, TorchLoraBackend(runner.pool, cfg.max_tokens_per_step)
 
 
 def _prefill(runner: ModelRunner, slots: list[int], seed: int) -> list[SeqInput]:

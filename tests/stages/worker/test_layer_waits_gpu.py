@@ -1,6 +1,6 @@
 """On a GPU: a forward gated layer by layer on a slot copy still in flight (the load stream held back by a
 sleep kernel) gives the logits of a forward after a finished copy; without the gates the same forward
-reads the slot before its weights arrive and differs (the control that shows the test can fail)."""
+reads the adapter's rows before its weights arrive and differs (the control that shows the test can fail)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ HOLD_CYCLES = 300_000_000  # keeps the load stream busy for well over 100 ms bef
 
 
 def _forward_during_copy(runner: ModelRunner, packed, seqs, gated: bool) -> torch.Tensor:
-    runner.slots.mem[0].zero_()
-    runner.slots.ranks[0].zero_()
+    runner.pool.mem[:, : packed.rank].zero_()
+    runner.pool.ranks[0].zero_()
     torch.cuda.synchronize()
     load_stream = torch.cuda.Stream()
     with torch.cuda.stream(load_stream):
         torch.cuda._sleep(HOLD_CYCLES)
-    events = runner.load_adapter(0, packed, stream=load_stream, layer_events=True)
+    events = runner.load_adapter(0, packed, [(0, packed.rank)], stream=load_stream, layer_events=True)
     assert events is not None and len(events) == runner.model_cfg.num_layers
     waits = [[e] for e in events] if gated else None
     logits = runner.execute(seqs, layer_waits=waits)
@@ -35,14 +35,14 @@ def _forward_during_copy(runner: ModelRunner, packed, seqs, gated: bool) -> torc
 
 def test_layer_gated_forward_equals_forward_after_copy(tiny_llama, llama_adapters):
     cfg = RunnerConfig(
-        model_dir=str(tiny_llama), device="cuda", dtype="float32", max_loras_per_batch=2,
+        model_dir=str(tiny_llama), device="cuda", dtype="float32",
         max_lora_rank=16, lora_backend="triton", num_pages=64, cuda_graph_max_batch=0,
     )  # fmt: skip
     runner = ModelRunner(cfg)
     name, path = next(iter(llama_adapters.items()))
     packed = read_adapter(name, path, runner.model_cfg, runner.lora_layout, runner.dtype, pin_memory=True)
     seqs = [SeqInput([5, 17, 42, 99, 3, 8, 250, 11], 0, [0, 1], 0), SeqInput([7, 9, 4], 0, [2], -1)]
-    runner.load_adapter(0, packed)
+    runner.load_adapter(0, packed, [(0, packed.rank)])
     torch.cuda.synchronize()
     want = runner.execute(seqs).cpu()
 
@@ -52,4 +52,4 @@ def test_layer_gated_forward_equals_forward_after_copy(tiny_llama, llama_adapter
 
     stale = _forward_during_copy(runner, packed, seqs, gated=False)
     assert ((stale[0] - want[0]).norm() / want[0].norm()).item() > 1e-3, "ungated forward saw the adapter"
-    torch.testing.assert_close(stale[1], want[1])  # the base-only row never reads the slot
+    torch.testing.assert_close(stale[1], want[1])  # the base-only row never reads the pool

@@ -65,14 +65,14 @@ def test_waits_only_for_used_slots_and_reports_after_completion(stream):
 def _executor(tiny_llama, llama_adapters, overlap: bool) -> tuple[StepExecutor, list[FakeEvent]]:
     from stages.loader.adapter_reader import read_adapter
 
-    runner = ModelRunner(RunnerConfig(model_dir=str(tiny_llama), max_loras_per_batch=2, max_lora_rank=16))
+    runner = ModelRunner(RunnerConfig(model_dir=str(tiny_llama), max_lora_rank=16))
     packed = read_adapter(
         "qv5", llama_adapters["qv5"], runner.model_cfg, runner.lora_layout, runner.dtype, pin_memory=False
     )
     events: list[FakeEvent] = []
 
     def load(sl: SlotLoad) -> LoadHandle:
-        runner.load_adapter(sl.slot, packed)
+        runner.load_adapter(sl.slot, packed, [(sl.slot * 16, packed.rank)])
         events.append(FakeEvent())
         return LoadHandle(sl.slot, 1, event=events[-1])
 

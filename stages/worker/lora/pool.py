@@ -1,0 +1,219 @@
+"""The GPU adapter pool, paged by rank: one memory block of rank rows per layer, an adapter of rank r in r
+of them (anywhere, chosen by the scheduler), and per-id rank, scaling and row tables with host mirrors,
+so the host plans without reading the device. Every buffer is allocated once (CUDA-graph safe)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from runtime.common.lora_layout import NUM_SLICES, LoraLayout
+from runtime.common.packed import PackedAdapter
+from stages.worker.lora.pitched_copy import copy_rows
+
+MAX_IDS = 4096  # adapter ids at most: tables stay small (ids x max_rank x 4 bytes for the row table)
+MIN_USEFUL_RANK = 4  # ids = rows // this: room for a pool full of rank-4 adapters (rank 1-3 share ids)
+CPU_POOL_BYTES = 64 << 20  # the default pool off CUDA (tests, tiny models)
+GPU_POOL_FRACTION = 0.10  # the default pool on CUDA: this share of free memory, before the KV cache
+
+Runs = Sequence[tuple[int, int]]  # (first pool row, rows) per run, in rank-row order
+
+
+def row_bytes(layout: LoraLayout, dtype: torch.dtype) -> int:
+    """Bytes of one rank row over all layers (what one unit of rank costs in the pool)."""
+    return layout.num_layers * layout.row_elems * torch.empty((), dtype=dtype).element_size()
+
+
+def pool_geometry(layout: LoraLayout, dtype: torch.dtype, nbytes: int) -> tuple[int, int]:
+    """(rank rows, adapter ids) of a pool of `nbytes`; it must hold one adapter of the largest rank."""
+    rows = nbytes // row_bytes(layout, dtype)
+    if rows < layout.max_rank:
+        need = layout.max_rank * row_bytes(layout, dtype)
+        raise ValueError(
+            f"the GPU adapter pool of {nbytes} bytes holds {rows} rank rows, fewer than one adapter of "
+            f"rank {layout.max_rank} ({need} bytes); raise --lora-gpu-memory-gb or lower --max-lora-rank"
+        )
+    return rows, max(1, min(MAX_IDS, rows // MIN_USEFUL_RANK))
+
+
+def default_pool_bytes(layout: LoraLayout, dtype: torch.dtype, device: torch.device) -> int:
+    """`GPU_POOL_FRACTION` of the device's free memory (CUDA), else `CPU_POOL_BYTES`; at least one
+    adapter of the largest rank."""
+    floor = layout.max_rank * row_bytes(layout, dtype)
+    if device.type != "cuda":
+        return max(CPU_POOL_BYTES, floor)
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(int(free * GPU_POOL_FRACTION), floor)
+
+
+class LoraPool:
+    """`mem[num_layers, total_rows, row_elems]`; adapter id i has rank row k of every layer at pool row
+    `rows[i, k]` (k < its largest rank), and per-layer ranks/scalings in `ranks[i]`/`scalings[i]`.
+
+    The scheduler owns placement (which id, which rows) and never gives two resident adapters one row;
+    the worker only checks that runs are inside the pool and add up to the rank. Rows taken by a new
+    load retire the ids that held them (the scheduler evicted those adapters), so `names` says what is
+    resident without a message per eviction."""
+
+    def __init__(
+        self, layout: LoraLayout, total_rows: int, num_ids: int, dtype: torch.dtype, device: torch.device
+    ):
+        self.layout = layout
+        self.total_rows = total_rows
+        self.num_ids = num_ids
+        self.dtype = dtype
+        self.device = device
+        L, R = layout.num_layers, layout.max_rank
+        self.mem = torch.zeros((L, total_rows, layout.row_elems), dtype=dtype, device=device)
+        self.ranks = torch.zeros((num_ids, L, NUM_SLICES), dtype=torch.int32, device=device)  # 0: unused
+        self.scalings = torch.zeros((num_ids, L, NUM_SLICES), dtype=torch.float32, device=device)
+        self.rows = torch.zeros((num_ids, R), dtype=torch.int32, device=device)  # [num_ids, max_rank]
+        self.host_ranks = torch.zeros_like(self.ranks, device="cpu")
+        self.host_scalings = torch.zeros_like(self.scalings, device="cpu")
+        self.host_rows = torch.zeros_like(self.rows, device="cpu")
+        self.names: list[str | None] = [None] * num_ids
+        self._owner = np.full(total_rows, -1, dtype=np.int32)  # [total_rows] id holding each row
+        self._held: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # sources of pitched copies in flight
+        if device.type == "cuda":
+            # pinned staging of each id's tables: copied without waiting on anything, reused once the id's
+            # previous table copy is done (a fresh pin per load cost more host time than a copy)
+            self._stage_ranks = torch.empty_like(self.host_ranks).pin_memory()
+            self._stage_scalings = torch.empty_like(self.host_scalings).pin_memory()
+            self._stage_rows = torch.empty_like(self.host_rows).pin_memory()
+            self._staged: list[torch.cuda.Event | None] = [None] * num_ids
+
+    @property
+    def num_slots(self) -> int:
+        """Adapter ids (the kernels' and batch metadata's name for them)."""
+        return self.num_ids
+
+    def resident(self) -> int:
+        return sum(n is not None for n in self.names)
+
+    def load(
+        self,
+        lora_id: int,
+        adapter: PackedAdapter,
+        runs: Runs,
+        stream: torch.cuda.Stream | None = None,
+        layer_events: bool = False,
+    ) -> list[torch.cuda.Event] | None:
+        """Copy a packed adapter into the pool rows of `runs` and its tables into id `lora_id` (on
+        `stream` when given); the caller orders later reads after this copy. With `layer_events` (CUDA)
+        the tables go first, then each layer's rows in order, and the caller gets one event per layer, so
+        layer i may compute while later layers still copy. Without, one copy per run (a pitched DMA from
+        pinned memory), since per-layer copies of a small block cost more in launches than its transfer."""
+        rank_rows = self._check(lora_id, adapter, runs)
+        cuda = self.device.type == "cuda"
+        pinned = adapter.block.is_pinned()
+        events = [] if layer_events and cuda else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if events is None:  # the block first, so its DMA starts while the tables are issued
+                k = 0
+                for start, n in runs:
+                    src = adapter.block[:, k : k + n]  # [L, n, row_elems], rows of one layer contiguous
+                    dst = self.mem[:, start : start + n]
+                    if not (cuda and pinned and self._pitched(dst, src)):
+                        dst.copy_(src, non_blocking=pinned)
+                    k += n
+                self._copy_tables(lora_id, adapter, rank_rows)
+            else:  # the tables first: layer 0 may run once its own rows are in
+                self._copy_tables(lora_id, adapter, rank_rows)
+                for layer in range(self.layout.num_layers):
+                    k = 0
+                    for start, n in runs:
+                        self.mem[layer, start : start + n].copy_(
+                            adapter.block[layer, k : k + n], non_blocking=pinned
+                        )
+                        k += n
+                    events.append(torch.cuda.Event())
+                    events[-1].record()
+        self._retire(rank_rows, lora_id)
+        self.host_ranks[lora_id] = adapter.ranks
+        self.host_scalings[lora_id] = adapter.scalings
+        self.host_rows[lora_id, : adapter.rank] = rank_rows
+        self.names[lora_id] = adapter.name
+        return events
+
+    def _check(self, lora_id: int, adapter: PackedAdapter, runs: Runs) -> torch.Tensor:
+        """The adapter's pool rows in rank order ([rank] int32), after checking the load is well formed."""
+        if adapter.rank > self.layout.max_rank:
+            raise ValueError(
+                f"adapter {adapter.name!r}: rank {adapter.rank} > max_lora_rank {self.layout.max_rank}"
+            )
+        if adapter.block.dtype != self.dtype or adapter.block.shape[2] != self.layout.row_elems:
+            raise ValueError(f"adapter {adapter.name!r} was packed for another model layout or dtype")
+        if not 0 <= lora_id < self.num_ids:
+            raise ValueError(f"adapter id {lora_id} outside 0..{self.num_ids - 1}")
+        if any(n <= 0 or start < 0 or start + n > self.total_rows for start, n in runs):
+            raise ValueError(
+                f"adapter {adapter.name!r}: row runs {list(runs)} outside the {self.total_rows}-row pool"
+            )
+        rows = torch.cat([torch.arange(s, s + n, dtype=torch.int32) for s, n in runs]) if runs else None
+        if rows is None or rows.numel() != adapter.rank:
+            raise ValueError(
+                f"adapter {adapter.name!r}: row runs {list(runs)} do not hold rank {adapter.rank}"
+            )
+        return rows
+
+    def _retire(self, rows: torch.Tensor, lora_id: int) -> None:
+        """Ids whose rows this load takes (and `lora_id`'s old rows) are no longer resident."""
+        self._owner[self._owner == lora_id] = -1
+        index = rows.numpy()
+        for old in np.unique(self._owner[index]):
+            if old >= 0:
+                self._owner[self._owner == old] = -1
+                self.names[old] = None
+                self.host_ranks[old].zero_()  # the host mirror only: the scheduler no longer uses `old`
+        self._owner[index] = lora_id
+
+    def _copy_tables(self, lora_id: int, adapter: PackedAdapter, rank_rows: torch.Tensor) -> None:
+        """Ranks, scalings and rows into the id's device tables (on the current stream); on CUDA through
+        the id's pinned staging, since a copy from pageable memory may wait for the stream's earlier work."""
+        r = adapter.rank
+        if self.device.type != "cuda":
+            self.ranks[lora_id].copy_(adapter.ranks)
+            self.scalings[lora_id].copy_(adapter.scalings)
+            self.rows[lora_id, :r].copy_(rank_rows)
+            return
+        previous = self._staged[lora_id]
+        if previous is not None:
+            previous.synchronize()  # the staging rows' last copy (long done unless loads come back to back)
+        self._stage_ranks[lora_id].copy_(adapter.ranks)
+        self._stage_scalings[lora_id].copy_(adapter.scalings)
+        self._stage_rows[lora_id, :r].copy_(rank_rows)
+        self.ranks[lora_id].copy_(self._stage_ranks[lora_id], non_blocking=True)
+        self.scalings[lora_id].copy_(self._stage_scalings[lora_id], non_blocking=True)
+        self.rows[lora_id, :r].copy_(self._stage_rows[lora_id, :r], non_blocking=True)
+        done = self._staged[lora_id] = torch.cuda.Event()
+        done.record()
+
+    def _pitched(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """One pitched DMA of a run of rows of every layer, on the current stream; the block is held until
+        that copy completed (a caching host allocator may reuse it otherwise)."""
+        self._held = [(e, t) for e, t in self._held if not e.query()]
+        stream = torch.cuda.current_stream(self.device)
+        if not copy_rows(dst, src, stream):
+            return False
+        done = torch.cuda.Event()
+        done.record(stream)
+        self._held.append((done, src))
+        return True
+
+    def clear(self, lora_id: int) -> None:
+        """Mark an id empty (unload, failed load). Its rows are left as they are: rank 0 makes every kernel
+        skip the id, and the scheduler hands the rows to others."""
+        self.ranks[lora_id].zero_()
+        self.host_ranks[lora_id].zero_()
+        self._owner[self._owner == lora_id] = -1
+        self.names[lora_id] = None
+
+
+def runs_of(starts: Sequence[int], counts: Sequence[int]) -> list[tuple[int, int]]:
+    """A SlotLoad's row runs as (start, rows) pairs."""
+    if len(starts) != len(counts):
+        raise ValueError(f"{len(starts)} row starts but {len(counts)} row counts")
+    return list(zip(starts, counts, strict=True))
