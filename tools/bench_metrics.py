@@ -1,5 +1,6 @@
 """Server counters for bench_serving: scrapes the launcher's Prometheus `/metrics` (all stages merged),
-keeps the adapter-movement counters, samples them on a thread for the timeline, and derives hit rates."""
+keeps the adapter-movement counters and the adapter-wait histogram, samples them on a thread for the
+timeline, and derives hit rates and adapter-wait quantiles over the run."""
 
 from __future__ import annotations
 
@@ -27,12 +28,30 @@ COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
 }
 
 
-def scrape(url: str, timeout: float = 10.0) -> dict[str, float | None]:
-    """The COUNTERS now; None for a family the server does not expose."""
-    text = urllib.request.urlopen(url, timeout=timeout).read().decode()
-    values: dict[str, float | None] = dict.fromkeys(COUNTERS)
+# report key -> histogram family; scraped as {upper bound: cumulative count} (summed over stages)
+HISTOGRAMS: dict[str, str] = {
+    "adapter_wait": "lorapipe_adapter_wait_seconds",  # arrival to admission of requests that waited
+}
+
+
+def scrape(url: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The COUNTERS and HISTOGRAMS now; None for a family the server does not expose."""
+    return parse(urllib.request.urlopen(url, timeout=timeout).read().decode())
+
+
+def parse(text: str) -> dict[str, Any]:
+    """COUNTERS and HISTOGRAMS out of a Prometheus text exposition."""
+    values: dict[str, Any] = dict.fromkeys([*COUNTERS, *HISTOGRAMS])
     wanted = {fam: [k for k, (f, _) in COUNTERS.items() if f == fam] for fam, _ in COUNTERS.values()}
+    hists = {fam: key for key, fam in HISTOGRAMS.items()}
     for fam in text_string_to_metric_families(text):
+        if fam.name in hists:
+            buckets: dict[float, float] = {}
+            for smp in fam.samples:
+                if smp.name == fam.name + "_bucket":
+                    le = float(smp.labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + smp.value
+            values[hists[fam.name]] = buckets
         for key in wanted.get(fam.name, []):
             labels = COUNTERS[key][1]
             values[key] = sum(
@@ -43,11 +62,34 @@ def scrape(url: str, timeout: float = 10.0) -> dict[str, float | None]:
     return values
 
 
-def delta(start: dict[str, float | None], end: dict[str, float | None]) -> dict[str, float | None]:
-    return {
+def delta(start: dict[str, Any], end: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {
         k: None if start.get(k) is None or end.get(k) is None else end[k] - start[k]  # type: ignore[operator]
         for k in COUNTERS
     }
+    for k in HISTOGRAMS:
+        a, b = start.get(k), end.get(k)
+        out[k] = None if a is None or b is None else {le: b[le] - a.get(le, 0.0) for le in b}
+    return out
+
+
+def bucket_quantile(buckets: dict[float, float], q: float) -> float | None:
+    """The q-quantile of a cumulative histogram ({upper bound: count}), interpolated linearly inside its
+    bucket as Prometheus' histogram_quantile does; None without observations. A quantile in the +Inf
+    bucket is reported as the largest finite bound (a lower bound of the truth)."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * ((rank - below) / (count - below) if count > below else 1.0)
+        lower, below = le, count
+    return lower
 
 
 def _rate(hits: float | None, misses: float | None) -> float | None:
@@ -68,6 +110,11 @@ def derive(d: dict[str, float | None], adapter_requests: int) -> dict[str, Any]:
         "slot_loads": d["slot_loads"],
         "server_output_tokens": d["output_tokens"],
     }
+    waits = d.get("adapter_wait")
+    if waits:
+        out["adapter_waits"] = waits.get(float("inf"), 0.0)
+        for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
+            out[f"adapter_wait_{name}_s"] = bucket_quantile(waits, q)
     if d["slot_hits"] is not None and d["slot_misses"] is not None:
         out["gpu_slot_hit_rate"] = _rate(d["slot_hits"], d["slot_misses"])
         out["gpu_slot_hit_rate_source"] = "lorapipe_slot_lookups_total"

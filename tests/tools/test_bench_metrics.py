@@ -1,0 +1,60 @@
+"""bench_metrics against a real prometheus_client exposition: counters and the adapter-wait histogram
+parsed, differenced over a run, and quantiles within the bucket that holds the exact sample quantile."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from tools import bench_metrics
+
+BUCKETS = [2 ** (i / 4) / 1000 for i in range(64)]  # 1 ms .. ~55 s, 4 per doubling
+
+
+def _registry():
+    reg = CollectorRegistry()
+    hist = Histogram("lorapipe_adapter_wait_seconds", "wait", buckets=BUCKETS, registry=reg)
+    loads = Counter("lorapipe_adapter_loads", "loads", ["result"], registry=reg)
+    return reg, hist, loads
+
+
+def test_run_deltas_and_quantiles_match_the_samples():
+    rng = random.Random(7)
+    reg, hist, loads = _registry()
+    for _ in range(500):  # before the run: must not count
+        hist.observe(rng.uniform(5, 50))
+    loads.labels(result="staged").inc(3)
+    start = bench_metrics.parse(generate_latest(reg).decode())
+    waits = [rng.lognormvariate(-2.0, 1.2) for _ in range(3000)]
+    for w in waits:
+        hist.observe(w)
+    loads.labels(result="staged").inc(11)
+    end = bench_metrics.parse(generate_latest(reg).decode())
+    d = bench_metrics.delta(start, end)
+    assert d["adapter_loads"] == 11
+    out = bench_metrics.derive(d, adapter_requests=3000)
+    assert out["adapter_waits"] == 3000
+    qs = statistics.quantiles(waits, n=100, method="inclusive")
+    for name, exact in (("p50", statistics.median(waits)), ("p99", qs[98])):
+        got = out[f"adapter_wait_{name}_s"]
+        lo = max([b for b in BUCKETS if b < exact], default=0.0)
+        hi = min(b for b in BUCKETS if b >= exact)
+        assert lo <= got <= hi, f"{name}: {got} outside the bucket ({lo}, {hi}] of the exact {exact}"
+
+
+def test_quantile_edge_cases():
+    assert bench_metrics.bucket_quantile({}, 0.5) is None
+    assert bench_metrics.bucket_quantile({1.0: 0.0, float("inf"): 0.0}, 0.5) is None
+    # everything past the last finite bound: reported as that bound (a lower bound)
+    assert bench_metrics.bucket_quantile({1.0: 0.0, 2.0: 0.0, float("inf"): 4.0}, 0.99) == 2.0
+    # one bucket: linear inside it
+    assert bench_metrics.bucket_quantile({1.0: 0.0, 2.0: 10.0, float("inf"): 10.0}, 0.5) == pytest.approx(1.5)
+
+
+def test_missing_histogram_is_none():
+    start = bench_metrics.parse("")
+    assert start["adapter_wait"] is None
+    assert bench_metrics.delta(start, start)["adapter_wait"] is None
