@@ -43,6 +43,7 @@ from runtime.base.actor import Actor
 from runtime.base.sockets import PullSocket, PushSocket
 from stages.scheduler.adapter_lifecycle import AdapterLifecycle
 from stages.scheduler.config import SchedulerConfig
+from stages.scheduler.gateway_metrics import add_gateway_metrics
 from stages.scheduler.metrics import SchedulerMetrics
 from stages.scheduler.planner import Planner, PlannerConfig
 
@@ -61,6 +62,12 @@ class SchedulerActor(Actor[SchedulerConfig]):
             planner=lambda: self.planner,
             early_requests=lambda: len(self.early),
             tier_counts=lambda: self.lifecycle.tier_counts(),  # scraped only once setup() has run
+        )
+        add_gateway_metrics(
+            self.metrics,
+            planner=lambda: self.planner,
+            early_adapters=lambda: [r.adapter for r in self.early],
+            max_lora=config.max_loras_per_batch,
         )
 
     async def setup(self) -> None:

@@ -72,6 +72,7 @@ def children(ppid: int) -> dict[int, str]:
 def serve_args(model: Path, adapters: dict[str, Path] | None = None, **kw: Any) -> ServeArgs:
     kw.setdefault("endpoint", f"ipc://{model.parent}/client-{os.getpid()}.sock")
     kw.setdefault("metrics_port", -1)
+    kw.setdefault("port", 0)  # no HTTP server
     return ServeArgs(
         model=str(model),
         adapters=tuple((n, str(p)) for n, p in (adapters or {}).items()),
