@@ -72,9 +72,10 @@ def test_completions_greedy_equal_the_sdk_for_adapters_and_base(
             style = "base:adapter" if i % 2 else "name"
             out = oa.completions.create(
                 model=model_of(adapter, style), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                extra_body={"ignore_eos": True},
+                extra_body={"ignore_eos": True, "return_token_ids": True},
             )  # fmt: skip
             ids, text = sdk_reference[(prompt, adapter)]
+            assert out.choices[0].token_ids == ids, (adapter, prompt)
             assert out.choices[0].text == text, (adapter, prompt)
             assert out.choices[0].finish_reason == "length"
             assert out.usage.completion_tokens == len(ids) == MAX_TOKENS

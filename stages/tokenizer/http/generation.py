@@ -51,6 +51,7 @@ class Choice:
     stop: StopText
     echo: str = ""
     texts: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # kept only with return_token_ids
     tokens: int = 0
     finish_reason: str | None = None
     started: bool = False  # a streamed chunk was sent for it (chat sends the role first)
@@ -71,8 +72,9 @@ class Generation:
         for req in self.prepared.requests:
             await self.port.submit(self.identity, req)
 
-    async def events(self) -> AsyncIterator[tuple[Choice, str]]:
-        """(choice, new text) whenever a choice has new text or finished, until all have finished.
+    async def events(self) -> AsyncIterator[tuple[Choice, str, list[int]]]:
+        """(choice, new text, new token ids) whenever a choice has new text (or, with return_token_ids,
+        new tokens) or finished, until all have finished.
         An error reply for any choice raises ApiError (close() then aborts the others)."""
         while self.running:
             reply = await self.queue.get()
@@ -94,8 +96,10 @@ class Generation:
                 c.finish_reason = reply.finish_reason or "stop"
                 self.running.discard(rid)
             c.texts.append(text)
-            if text or c.finish_reason is not None:
-                yield c, text
+            ids = reply.token_ids if self.prepared.token_ids else []
+            c.ids.extend(ids)
+            if text or ids or c.finish_reason is not None:
+                yield c, text, ids
 
     async def run_to_end(self) -> list[Choice]:
         async for _ in self.events():

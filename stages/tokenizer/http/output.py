@@ -48,31 +48,38 @@ class Formatter:
         return Usage(prompt_tokens=prompt, completion_tokens=out, total_tokens=prompt + out)
 
     def whole(self, gen: Generation, choices: list[Choice]) -> Any:
-        usage = self.usage(gen)
+        usage, with_ids = self.usage(gen), gen.prepared.token_ids
         if self.chat:
             out = [
-                ChatChoice(c.index, Message("assistant", "".join(c.texts)), c.finish_reason) for c in choices
+                ChatChoice(
+                    c.index,
+                    Message("assistant", "".join(c.texts)),
+                    c.finish_reason,
+                    None,
+                    _ids(c.ids, with_ids),
+                )
+                for c in choices
             ]
             return ChatCompletion(self.id, self.created, self.model, out, usage)
-        return Completion(
-            self.id, self.created, self.model,
-            [CompletionChoice(c.index, c.echo + "".join(c.texts), c.finish_reason) for c in choices],
-            usage,
-        )  # fmt: skip
+        texts = [
+            CompletionChoice(c.index, c.echo + "".join(c.texts), c.finish_reason, None, _ids(c.ids, with_ids))
+            for c in choices
+        ]
+        return Completion(self.id, self.created, self.model, texts, usage)
 
-    def chunk(self, c: Choice, text: str) -> bytes:
+    def chunk(self, c: Choice, text: str, ids: list[int], with_ids: bool) -> bytes:
         if self.chat:
             out = b""
             if not c.started:  # the role comes first, in a chunk of its own (as OpenAI sends it)
                 first = ChatStreamChoice(c.index, Message("assistant", ""), None)
                 out = _event(ChatCompletion(self.id, self.created, self.model, [first], object=_CHUNK))
             delta = Message(content=text) if text else Message()
-            choice = ChatStreamChoice(c.index, delta, c.finish_reason)
+            choice = ChatStreamChoice(c.index, delta, c.finish_reason, None, _ids(ids, with_ids))
             c.started = True
             return out + _event(ChatCompletion(self.id, self.created, self.model, [choice], object=_CHUNK))
         if not c.started:
             text, c.started = c.echo + text, True
-        choice = CompletionChoice(c.index, text, c.finish_reason)
+        choice = CompletionChoice(c.index, text, c.finish_reason, None, _ids(ids, with_ids))
         return _event(Completion(self.id, self.created, self.model, [choice]))
 
     def usage_chunk(self, gen: Generation) -> bytes:
@@ -84,11 +91,16 @@ class Formatter:
 _CHUNK = "chat.completion.chunk"
 
 
+def _ids(ids: list[int], wanted: bool) -> list[int] | msgspec.UnsetType:
+    return list(ids) if wanted else msgspec.UNSET
+
+
 async def events(gen: Generation, fmt: Formatter) -> AsyncIterator[bytes]:
     """The SSE body; an error after the response started is sent as an `error` event before [DONE]."""
     try:
-        async for c, text in gen.events():
-            yield fmt.chunk(c, text)
+        with_ids = gen.prepared.token_ids
+        async for c, text, ids in gen.events():
+            yield fmt.chunk(c, text, ids, with_ids)
         if gen.prepared.include_usage:
             yield fmt.usage_chunk(gen)
     except ApiError as exc:
@@ -124,6 +136,9 @@ class EventStream(Response):
         finally:
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await self.body_iter.aclose()  # type: ignore[attr-defined]
+        failed = results[0]
+        if isinstance(failed, Exception) and not isinstance(failed, OSError):
+            raise failed  # a bug, not a disconnect: let the server log it

@@ -47,6 +47,7 @@ class Prepared:
     stream: bool = False
     include_usage: bool = False
     distinct_prompt_tokens: int = 0  # usage counts each prompt once, however many choices share it
+    token_ids: bool = False  # return_token_ids: choices carry their output token ids
 
 
 def resolve_model(name: str, ctx: Context) -> str | None:
@@ -164,7 +165,7 @@ async def prepare_completion(req: CompletionRequest, ctx: Context) -> Prepared:
     if len(prompts) * req.n > MAX_CHOICES:
         raise ApiError(400, f"{len(prompts)} prompts × n={req.n} exceeds {MAX_CHOICES} choices", "n")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    out = Prepared([], [], stops=_stops(req.stop), stream=req.stream)
+    out = Prepared([], [], stops=_stops(req.stop), stream=req.stream, token_ids=req.return_token_ids)
     for p, prompt in enumerate(prompts):
         text = prompt if isinstance(prompt, str) else None
         probe = _generate("", adapter, _sampling(req, max_tokens, 0), prompt) if text is None else None
@@ -220,6 +221,7 @@ async def prepare_chat(req: ChatCompletionRequest, ctx: Context) -> Prepared:
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = limit if limit is not None else max(ctx.max_model_len - len(ids), 1)
     out = Prepared([], [], stops=_stops(req.stop), stream=req.stream, distinct_prompt_tokens=len(ids))
+    out.token_ids = req.return_token_ids
     for i in range(req.n):
         gen = _generate(f"{i}-{uuid.uuid4().hex[:8]}", adapter, _sampling(req, max_tokens, i), ids)
         try:

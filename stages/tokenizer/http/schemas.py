@@ -36,6 +36,7 @@ class _Sampling(Body, kw_only=True):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     user: str | None = None
+    return_token_ids: bool = False  # vLLM extension: each choice also carries its output token ids
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -91,6 +92,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     finish_reason: str | None
     logprobs: None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # only with return_token_ids
 
 
 class Completion(msgspec.Struct):
@@ -112,6 +114,7 @@ class ChatChoice(msgspec.Struct):
     message: Message
     finish_reason: str | None
     logprobs: None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatStreamChoice(msgspec.Struct):
@@ -119,6 +122,7 @@ class ChatStreamChoice(msgspec.Struct):
     delta: Message
     finish_reason: str | None
     logprobs: None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletion(msgspec.Struct):
