@@ -49,6 +49,18 @@ class MetricsQuery(Message):
     query_id: int
 
 
+class MergedMetricsQuery(Message):
+    """A stage asks for every stage's metrics merged into one exposition (the tokenizer serves them on
+    its HTTP port); the launcher answers MergedMetrics with the same query_id."""
+
+    query_id: int
+
+
+class MergedMetrics(Message):
+    query_id: int
+    text: str  # the same text the launcher's own /metrics serves
+
+
 def check_ready(msg: Ready, expected_version: int = PROTOCOL_VERSION) -> None:
     """The launcher's half of the handshake: refuse a stage built against another protocol."""
     if msg.protocol_version != expected_version:
@@ -58,5 +70,5 @@ def check_ready(msg: Ready, expected_version: int = PROTOCOL_VERSION) -> None:
         )
 
 
-StageToLauncher = edge("stage_to_launcher", Ready, FatalError, MetricsReport, Draining)
-LauncherToStage = edge("launcher_to_stage", Shutdown, MetricsQuery)
+StageToLauncher = edge("stage_to_launcher", Ready, FatalError, MetricsReport, Draining, MergedMetricsQuery)
+LauncherToStage = edge("launcher_to_stage", Shutdown, MetricsQuery, MergedMetrics)

@@ -14,8 +14,8 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from proto.codec import ProtocolError
-from proto.control import LauncherToStage, MetricsQuery, MetricsReport, StageToLauncher
-from runtime.base.metrics import serve_metrics
+from proto.control import LauncherToStage, MergedMetrics, MetricsQuery, MetricsReport, StageToLauncher
+from runtime.base.metrics import merge_expositions, serve_metrics
 from runtime.base.sockets import PeerGone, RouterSocket
 
 log = logging.getLogger("lorapipe.launcher")
@@ -104,6 +104,7 @@ class MetricsEndpoint:
             self.restarts.labels(stage=stage)
         self._server: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._answers: set[asyncio.Task[None]] = set()
 
     def start(self, port: int) -> str:
         """Bind (port 0: any free one) and serve from a thread; returns the URL."""
@@ -118,6 +119,17 @@ class MetricsEndpoint:
         texts.update(await self.control.query_metrics(self.live(), SCRAPE_TIMEOUT_S))
         texts["launcher"] = generate_latest(self.registry).decode()
         return texts
+
+    def answer_merged(self, stage: str, query_id: int) -> None:
+        """A stage (the tokenizer, for its HTTP /metrics) asked for the merged text: scrape and answer."""
+
+        async def answer() -> None:
+            text = merge_expositions(await self.scrape()).decode()
+            await self.control.send(stage, MergedMetrics(query_id=query_id, text=text))
+
+        task = asyncio.ensure_future(answer())
+        self._answers.add(task)
+        task.add_done_callback(self._answers.discard)
 
     def _fetch(self) -> dict[str, str | None]:
         assert self._loop is not None

@@ -64,6 +64,7 @@ def run_demo(root: Path, device: str = "cpu", max_tokens: int = 12) -> int:
         max_lora_rank=16,
         endpoint=f"tcp://127.0.0.1:{_free_port()}",
         metrics_port=0,
+        port=0,  # the demo streams through the SDK; no HTTP server
         log_file=str(root / "serve.log"),
         drain_timeout_s=10.0,
     )

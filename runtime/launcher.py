@@ -19,7 +19,15 @@ from typing import Any, TextIO
 import msgspec
 import uvloop
 
-from proto.control import Draining, FatalError, ProtocolMismatch, Ready, Shutdown, check_ready
+from proto.control import (
+    Draining,
+    FatalError,
+    MergedMetricsQuery,
+    ProtocolMismatch,
+    Ready,
+    Shutdown,
+    check_ready,
+)
 from runtime.base.endpoints import Endpoints, make_run_dir
 from runtime.control_channel import ControlChannel, MetricsEndpoint
 from runtime.serve_args import ServeArgs, ServeArgsError, stage_configs, validate
@@ -219,6 +227,8 @@ class Launcher:
                 self._events.put_nowait(("fatal", stage, message))
             case Draining():
                 log.info("stage %r draining", stage)
+            case MergedMetricsQuery() if self.metrics is not None:
+                self.metrics.answer_merged(stage, msg.query_id)
 
     def _on_exit(self, proc: StageProcess, generation: int, pid: int, code: int) -> None:
         level = logging.INFO if self._stopping and code == 0 else logging.WARNING

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from runtime import http_args
 from runtime.base.endpoints import DEFAULT_CLIENT_PORT, Endpoints
 
 if TYPE_CHECKING:  # torch-importing modules load lazily: `lorapipe --help` stays fast
@@ -60,6 +61,10 @@ class ServeArgs:
     startup_timeout_s: float = 600.0  # the worker loads weights before it is Ready
     drain_timeout_s: float = 30.0  # SIGTERM: how long open requests may take to finish
     seed: int = 0
+    # OpenAI-compatible HTTP (served by the tokenizer stage)
+    host: str = http_args.DEFAULT_HOST
+    port: int = http_args.DEFAULT_PORT  # 0: no HTTP
+    served_model_name: str | None = None  # None: the model directory's name
 
     @property
     def adapter_paths(self) -> dict[str, str]:
@@ -170,6 +175,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, metavar="S", default=d.startup_timeout_s)
     p.add_argument("--drain-timeout", type=float, metavar="S", default=d.drain_timeout_s)
     p.add_argument("--seed", type=int, metavar="N", default=d.seed)
+    http_args.add_arguments(p)
 
 
 def from_namespace(ns: argparse.Namespace) -> ServeArgs:
@@ -261,6 +267,7 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
         raise ServeArgsError(f"--prefetch-depth must not be negative, got {args.prefetch_depth}")
     if args.drain_timeout_s < 0:
         raise ServeArgsError(f"--drain-timeout must not be negative, got {args.drain_timeout_s}")
+    http_args.check(args.port, args.served_model_name, ServeArgsError)
     if not -1 <= args.metrics_port <= 65535:
         raise ServeArgsError(f"--metrics-port {args.metrics_port}: not a port (0: any free port, -1: none)")
     if args.max_model_len is not None and args.max_model_len > model_cfg.max_position_embeddings:
@@ -342,7 +349,10 @@ def stage_configs(
     dtype = serving_dtype(args, model_cfg)
     pool = {"host_pool_name": pool_name, "host_pool_bytes": pool_bytes}
     tokenizer = TokenizerConfig.from_model_dir(
-        args.model, adapters=tuple(name for name, _ in args.adapters), **common
+        args.model,
+        adapters=tuple(name for name, _ in args.adapters),
+        **http_args.tokenizer_fields(args),
+        **common,
     )
     runner = RunnerConfig(
         model_dir=args.model,

@@ -15,10 +15,24 @@ OURS = ("runtime", "stages", "kernels", "proto", "tools", "tests")
 FLOOR = ("runtime.base", "runtime.common", "kernels")
 
 
-def _imports(module: str, source: str) -> list[str]:
-    """Every absolute module name `source` imports (relative imports resolved against `module`)."""
+def _type_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:` (annotations only: never run)."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skip
+
+
+def _imports(module: str, source: str, runtime_only: bool = False) -> list[str]:
+    """Every absolute module name `source` imports (relative imports resolved against `module`);
+    `runtime_only` leaves out imports made for type checking alone."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    skip = _type_only(tree) if runtime_only else set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -144,7 +158,7 @@ def _module_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, path in mods.items():
         targets = set()
-        for name in _imports(module, path.read_text()):
+        for name in _imports(module, path.read_text(), runtime_only=True):
             while name and name not in mods:  # `from a.b import c` names module a.b (or a.b.c)
                 name = name.rpartition(".")[0]
             if name and name != module and not module.startswith(name + "."):

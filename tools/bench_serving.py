@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,6 +62,23 @@ async def run_request(
         rec.error = "stream ended without a finished chunk"
 
 
+class _SdkBackend:
+    """The ZeroMQ SDK as a backend (the default)."""
+
+    def __init__(self, endpoint: str, timeout: float) -> None:
+        self.client = AsyncClient(endpoint, timeout=timeout)
+
+    async def __aenter__(self) -> _SdkBackend:
+        await self.client.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.close()
+
+    async def run(self, req: WorkloadRequest, rec: RequestRecord, t0: float, timeout: float) -> None:
+        await run_request(self.client, req, rec, t0, timeout)
+
+
 async def drive(
     endpoint: str,
     workload: Sequence[WorkloadRequest],
@@ -68,6 +86,9 @@ async def drive(
     max_concurrency: int | None = None,
     timeout: float = 600.0,
     progress: bool = True,
+    backend: str = "lorapipe",
+    base_url: str | None = None,
+    api_key: str | None = None,
 ) -> tuple[list[RequestRecord], float, float]:
     """Send every request at its arrival time (and when a concurrency slot is free); returns the
     records, the start time (time.monotonic) and the duration until the last request ended."""
@@ -78,7 +99,7 @@ async def drive(
 
     async def one(i: int) -> None:
         try:
-            await run_request(client, workload[i], records[i], t0, timeout)
+            await client.run(workload[i], records[i], t0, timeout)
         finally:
             limit.release()
             bar.in_flight -= 1
@@ -90,7 +111,14 @@ async def drive(
             bar.show()
             await asyncio.sleep(0.25)
 
-    async with AsyncClient(endpoint, timeout=timeout) as client:
+    if backend == "openai":
+        from tools.bench_http import OpenAIBackend
+
+        assert base_url, "--backend openai needs --base-url"
+        conn: Any = OpenAIBackend(base_url, timeout, api_key)
+    else:
+        conn = _SdkBackend(endpoint, timeout)
+    async with conn as client:
         t0 = time.monotonic()
         tick = asyncio.ensure_future(ticker())
         async with asyncio.TaskGroup() as tg:
@@ -126,6 +154,9 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
             max_concurrency=ns.max_concurrency,
             timeout=ns.request_timeout,
             progress=not ns.quiet,
+            backend=ns.backend,
+            base_url=ns.base_url,
+            api_key=os.environ.get("OPENAI_API_KEY"),
         )
     )
     server = None
@@ -163,6 +194,14 @@ def _rate_of(workload: Sequence[WorkloadRequest]) -> float | None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.bench_serving", description=__doc__)
     p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="the server's client endpoint")
+    p.add_argument(
+        "--backend",
+        choices=("lorapipe", "openai"),
+        default="lorapipe",
+        help="lorapipe: the ZeroMQ SDK at --endpoint; openai: streaming /v1/completions at --base-url "
+        "(key from $OPENAI_API_KEY)",
+    )
+    p.add_argument("--base-url", metavar="URL", help="e.g. http://127.0.0.1:8000/v1 (with --backend openai)")
     p.add_argument("--metrics-url", metavar="URL", help="e.g. http://127.0.0.1:8001/metrics")
     p.add_argument("--metrics-interval", type=float, default=1.0, metavar="S", help="timeline; 0: off")
     p.add_argument("--workload", type=Path, metavar="FILE", help="replay this workload JSONL")

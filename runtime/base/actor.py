@@ -5,6 +5,7 @@ MetricsQuery, FatalError), a parent-death watch and drain on SIGTERM/SIGINT. `se
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import signal
@@ -22,6 +23,8 @@ from proto.control import (
     Draining,
     FatalError,
     LauncherToStage,
+    MergedMetrics,
+    MergedMetricsQuery,
     MetricsQuery,
     MetricsReport,
     Ready,
@@ -32,6 +35,7 @@ from runtime.base.metrics import StageMetrics
 from runtime.base.sockets import DealerSocket, _Base
 
 T = TypeVar("T")
+_merged_ids = itertools.count(1)
 C = TypeVar("C", bound="StageConfig")
 EXIT_OK, EXIT_FATAL, EXIT_PARENT_DIED = 0, 1, 3
 
@@ -93,6 +97,7 @@ class Actor(Generic[C]):
         self._stop_now = asyncio.Event()
         self.drain_timeout = config.drain_timeout_s  # Shutdown(deadline_s) may shorten it
         self.shutdown_reason = ""  # Shutdown(reason): why the pipeline is going down, if a stage failed
+        self._merged_queries: dict[int, asyncio.Future[str]] = {}
 
     # --- building blocks for subclasses -------------------------------------------------------------
     async def setup(self) -> None:
@@ -273,6 +278,24 @@ class Actor(Generic[C]):
                 case MetricsQuery(query_id=qid):
                     text = self.metrics.exposition()
                     await self._control.send(MetricsReport(query_id=qid, stage=self.stage, text=text))
+                case MergedMetrics(query_id=qid, text=text):
+                    fut = self._merged_queries.get(qid)
+                    if fut is not None and not fut.done():
+                        fut.set_result(text)
+
+    async def merged_metrics(self, timeout: float) -> str:
+        """Every stage's metrics merged by the launcher (MergedMetricsQuery on the control channel); this
+        stage's own exposition when it runs without a launcher. TimeoutError if no answer in time."""
+        if self._control is None:
+            return self.metrics.exposition()
+        qid = next(_merged_ids)
+        fut = self._merged_queries[qid] = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._control.send(MergedMetricsQuery(query_id=qid))
+                return await fut
+        finally:
+            del self._merged_queries[qid]
 
     async def _tell_launcher(self, msg: Any) -> None:
         """Best effort: a launcher that stopped reading must not wedge the stage."""

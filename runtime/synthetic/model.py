@@ -211,6 +211,17 @@ def train_tokenizer():
     return tok
 
 
+# A small chat template in Hugging Face's Jinja dialect (role tags, BOS once, EOS after each turn), so the
+# OpenAI chat endpoint and transformers' apply_chat_template can be compared on the same files.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] | trim }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
 def write_tokenizer(out: Path, max_len: int) -> int:
     """Write tokenizer.json + tokenizer_config.json; returns the tokenizer's vocab size."""
     tok = train_tokenizer()
@@ -223,6 +234,7 @@ def write_tokenizer(out: Path, max_len: int) -> int:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_len,
+        "chat_template": CHAT_TEMPLATE,
     }
     _write_json(out / "tokenizer_config.json", tok_cfg)
     return tok.get_vocab_size()

@@ -45,6 +45,7 @@ from stages.scheduler.adapter_lifecycle import AdapterLifecycle
 from stages.scheduler.adapter_ops import AdapterOps
 from stages.scheduler.adapters import AdapterRegistry, AdapterState
 from stages.scheduler.config import SchedulerConfig
+from stages.scheduler.gateway_metrics import add_gateway_metrics
 from stages.scheduler.metrics import SchedulerMetrics
 from stages.scheduler.planner import Planner, PlannerConfig
 
@@ -80,6 +81,12 @@ class SchedulerActor(Actor[SchedulerConfig]):
             max_held_waiting=config.max_loras_per_batch or config.max_cpu_loras,
         )
         self.ops = AdapterOps(self.adapters, self.lifecycle, self.to_tokenizer, self._fail)
+        add_gateway_metrics(
+            self.metrics,
+            planner=lambda: self.planner,
+            early_adapters=lambda: [r.adapter for r in self.early],
+            max_lora=lambda: self.planner.cfg.max_loras_per_batch if self.planner else 0,
+        )
 
     async def setup(self) -> None:
         ep = self.config.endpoints

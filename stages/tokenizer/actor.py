@@ -57,6 +57,7 @@ from runtime.base.actor import Actor
 from runtime.base.sockets import PeerGone, PullSocket, PushSocket, RouterSocket
 from stages.tokenizer.config import TokenizerConfig
 from stages.tokenizer.detokenizer import IncrementalDetokenizer
+from stages.tokenizer.local_clients import LocalClients
 from stages.tokenizer.requests import OpenRequest, RequestTable
 from stages.tokenizer.validate import Rejected, check_prompt, check_request, encode_prompt
 
@@ -73,6 +74,8 @@ class TokenizerActor(Actor[TokenizerConfig]):
         self.adapters: dict[str, str] = {name: "registered" for name in config.adapters}
         self.ops: dict[int, tuple[bytes, Any]] = {}  # op_id -> (client identity, client request)
         self._op_ids = itertools.count(1)
+        self.local = LocalClients()  # in-process clients: the HTTP front end
+        self.http: Any = None
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -96,7 +99,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
         to_scheduler = self.socket(PushSocket(ep.tokenizer_to_scheduler, TokenizerToScheduler))
         from_scheduler = self.socket(PullSocket(ep.scheduler_to_tokenizer, SchedulerToTokenizer))
         from_worker = self.socket(PullSocket(ep.worker_to_tokenizer, WorkerToTokenizer))
-        client_requests = self.mailbox("client_requests")
+        self.client_requests = client_requests = self.mailbox("client_requests")
         self.scheduler_events = scheduler_events = self.mailbox("scheduler_events")
         token_batches = self.mailbox("token_batches")
         self.client_replies = self.mailbox("client_replies")
@@ -109,6 +112,16 @@ class TokenizerActor(Actor[TokenizerConfig]):
         self.add_handler("token_batches", token_batches, self.handle_tokens)
         self.add_sender("client", self.client_replies, self._send_reply)
         self.add_sender("scheduler", self.to_scheduler, to_scheduler.send)
+        if cfg.http_port:
+            from stages.tokenizer.http import HttpFrontEnd
+
+            self.http = HttpFrontEnd(self)  # binds --host/--port now: a taken port fails start-up
+            self.add_loop("http", self.http.serve)
+
+    async def submit(self, identity: bytes, msg: Any) -> None:
+        """A message from an in-process client (`self.local`), handled as if the ROUTER had received it;
+        the replies go to that client's queue."""
+        await self.client_requests.put((identity, msg))
 
     # --- client requests ------------------------------------------------------------------------------
     async def handle_client(self, item: tuple[bytes, Any]) -> None:
@@ -266,6 +279,10 @@ class TokenizerActor(Actor[TokenizerConfig]):
 
     async def _send_reply(self, item: tuple[bytes, Any]) -> None:
         identity, msg = item
+        if self.local.is_local(identity):
+            if not self.local.deliver(identity, msg):
+                await self._client_gone(identity)
+            return
         try:
             await self.client.send(identity, msg)
         except PeerGone as exc:  # disconnected, or so far behind that its queue is full (PeerBusy)
@@ -302,6 +319,8 @@ class TokenizerActor(Actor[TokenizerConfig]):
             assert req is not None
             await self._error(req.identity, rid, "server_error", self._shutdown_message())
         await super().drain()
+        if self.http is not None:  # after the last replies are queued: let HTTP responses finish
+            await self.http.shutdown()
 
 
 def _peek_request_id(body: bytes) -> str:

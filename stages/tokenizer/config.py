@@ -20,6 +20,10 @@ class TokenizerConfig(StageConfig, frozen=True, kw_only=True):
     adapters: tuple[str, ...] = ()  # names registered at start (--adapter NAME=PATH)
     max_client_msg_bytes: int = MAX_CLIENT_MSG_BYTES
     health_timeout_s: float = 2.0  # a scheduler that does not answer a probe this fast is reported down
+    # OpenAI-compatible HTTP front end (stages/tokenizer/http/)
+    http_host: str = "127.0.0.1"
+    http_port: int = 0  # 0: no HTTP server
+    api_key: str | None = None  # HTTP /v1/* then needs `Authorization: Bearer KEY`
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, endpoints: Endpoints, **kw: Any) -> TokenizerConfig:

@@ -27,8 +27,14 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen, endpoint: str, metrics_port: int):
+    def __init__(self, proc: subprocess.Popen, endpoint: str, metrics_port: int, http_port: int = 0):
         self.proc, self.endpoint, self.metrics_port = proc, endpoint, metrics_port
+        self.http_port = http_port
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI-compatible API's base URL (what `openai.OpenAI(base_url=...)` takes)."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
 
     def stage_pid(self, stage: str) -> int | None:
         """The pid of the launcher's child running `python -m stages.<stage>` (None if there is none)."""
@@ -68,7 +74,7 @@ class Server:
 def serve(
     model: Path, adapters: dict[str, Path], *flags: str, ready_timeout: float = 120.0
 ) -> Iterator[Server]:
-    port, mport = free_port(), free_port()
+    port, mport, hport = free_port(), free_port(), free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -82,12 +88,14 @@ def serve(
         f"tcp://127.0.0.1:{port}",
         "--metrics-port",
         str(mport),
+        "--port",
+        str(hport),
         *flags,
     ]
     for name, path in adapters.items():
         cmd += ["--adapter", f"{name}={path}"]
     proc = subprocess.Popen(cmd, cwd=ROOT)
-    server = Server(proc, f"tcp://127.0.0.1:{port}", mport)
+    server = Server(proc, f"tcp://127.0.0.1:{port}", mport, hport)
     try:
         deadline = time.monotonic() + ready_timeout
         while True:

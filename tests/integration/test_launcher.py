@@ -72,6 +72,7 @@ def children(ppid: int) -> dict[int, str]:
 def serve_args(model: Path, adapters: dict[str, Path] | None = None, **kw: Any) -> ServeArgs:
     kw.setdefault("endpoint", f"ipc://{model.parent}/client-{os.getpid()}.sock")
     kw.setdefault("metrics_port", -1)
+    kw.setdefault("port", 0)  # no HTTP server
     return ServeArgs(
         model=str(model),
         adapters=tuple((n, str(p)) for n, p in (adapters or {}).items()),
@@ -111,6 +112,8 @@ def test_serve_args_errors(tiny_llama, llama_adapters, tmp_path, capsys):
         (["--max-model-len", "100000"], "exceeds the model's max_position_embeddings"),
         (["--prefetch-depth", "-1"], "--prefetch-depth must not be negative"),
         (["--cuda-graph-max-batch", "-2"], "--cuda-graph-max-batch must not be negative"),
+        (["--port", "70000"], "--port 70000: not a port"),
+        (["--served-model-name", "a:b"], "--served-model-name 'a:b'"),
     ]
     for flags, message in cases:
         argv = ["serve", *(["--model", str(tiny_llama)] if "--model" not in flags else []), *flags]
@@ -125,7 +128,7 @@ def test_stage_configs_round_trip(tiny_llama, llama_adapters, tmp_path):
     args = serve_args(tiny_llama, llama_adapters, pinned_adapters=("qv5",), dtype="bfloat16")
     argv = ["--model", str(tiny_llama), "--device", "cpu", "--dtype", "bfloat16", "--pin-adapter", "qv5"]
     argv += ["--max-loras-per-batch", "2", "--max-cpu-loras", "3", "--max-lora-rank", "16"]
-    argv += ["--num-pages", "64", "--endpoint", args.endpoint, "--metrics-port", "-1"]
+    argv += ["--num-pages", "64", "--endpoint", args.endpoint, "--metrics-port", "-1", "--port", "0"]
     for name, path in llama_adapters.items():
         argv += ["--adapter", f"{name}={path}"]
     assert parse_serve_args(argv) == args
@@ -149,6 +152,12 @@ def test_stage_configs_round_trip(tiny_llama, llama_adapters, tmp_path):
     off_cfgs = stage_configs(off, model_cfg, endpoints, "pool-x", 4096)
     assert not off_cfgs["scheduler"].overlap_loading and not off_cfgs["worker"].overlap_loading
     assert off_cfgs["scheduler"].prefetch_depth == 0
+    assert tok.http_port == 0 and tok.model_name == tiny_llama.name  # HTTP off; the directory's name
+    http = stage_configs(
+        parse_serve_args([*argv, "--port", "9123", "--host", "0.0.0.0", "--served-model-name", "org/m"]),
+        model_cfg, endpoints, "pool-x", 4096,
+    )["tokenizer"]  # fmt: skip
+    assert (http.http_host, http.http_port, http.model_name) == ("0.0.0.0", 9123, "org/m")
     # decode graphs: never larger than the running batch; 0 turns them off
     assert worker.runner.cuda_graph_max_batch == 64 and worker.runner.max_model_len == worker.max_model_len
     for flags, want in ((["--max-running-requests", "300"], 256), (["--cuda-graph-max-batch", "0"], 0)):

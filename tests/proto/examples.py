@@ -20,7 +20,16 @@ from proto.client import (
     UnloadAdapter,
     Welcome,
 )
-from proto.control import Draining, FatalError, MetricsQuery, MetricsReport, Ready, Shutdown
+from proto.control import (
+    Draining,
+    FatalError,
+    MergedMetrics,
+    MergedMetricsQuery,
+    MetricsQuery,
+    MetricsReport,
+    Ready,
+    Shutdown,
+)
 from proto.loader import (
     AdapterFailed,
     AdapterStaged,
@@ -176,4 +185,6 @@ EXAMPLES: list[Message] = [
     Draining(stage="tokenizer"),
     Shutdown(deadline_s=2.0),
     MetricsQuery(query_id=1),
+    MergedMetricsQuery(query_id=3),
+    MergedMetrics(query_id=3, text="# HELP x\n"),
 ]

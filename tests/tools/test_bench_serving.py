@@ -143,6 +143,21 @@ def test_zipf_open_loop_report_and_replay(server, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_openai_backend_runs_the_same_workload_over_http(server, tmp_path):
+    saved = tmp_path / "http.jsonl"
+    gen = ["--num-prompts", "12", "--input-len", "4:16", "--output-len", "3:8", "--seed", "21"]
+    gen += ["--adapters", ADAPTERS, "--adapter-distribution", "uniform", "--base-share", "0.25"]
+    sdk = bench(server, *gen, "--save-workload", str(saved))
+    workload = wl.read_workload(saved)
+    http = bench(server, "--workload", str(saved), "--backend", "openai", "--base-url", server.base_url)
+    assert [r["error"] for r in http["requests"]] == [None] * len(workload)
+    check_report(http, workload)
+    check_server_counters(http)
+    for a, b in zip(sdk["requests"], http["requests"], strict=True):
+        assert a["token_ids"] == b["token_ids"]  # greedy: the same tokens through either front door
+
+
+@pytest.mark.timeout(120)
 def test_bursty_closed_loop(server, tmp_path):
     plot = tmp_path / "bursty.png" if importlib.util.find_spec("matplotlib") else None
     saved = tmp_path / "bursty.jsonl"

@@ -1,0 +1,149 @@
+"""OpenAI API request and response bodies as msgspec Structs (HTTP JSON, not inter-process messages).
+Unknown request fields are ignored, as OpenAI-compatible servers do; fields lorapipe cannot honour are
+declared so that a non-default value is refused by name (prepare.py) instead of silently dropped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class Body(msgspec.Struct, kw_only=True):
+    pass
+
+
+class StreamOptions(Body, kw_only=True):
+    include_usage: bool = False
+
+
+class _Sampling(Body, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extensions included)."""
+
+    model: str
+    n: int = 1
+    temperature: float | None = None  # None: 1.0, OpenAI's default
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM extension; -1 or 0 disables it
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool = False  # vLLM extension
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    user: str | None = None
+    return_token_ids: bool = False  # vLLM extension: each choice also carries its output token ids
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[Any]  # text, token ids, or a batch of either (checked in prepare.py)
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(Body, kw_only=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # None: what is left of the context after the prompt
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # vLLM extension
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class LoadLoraRequest(Body, kw_only=True):
+    """vLLM's body for POST /v1/load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(Body, kw_only=True):
+    """vLLM's body for POST /v1/unload_lora_adapter (lora_int_id is accepted and ignored)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+# --- responses ----------------------------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # only with return_token_ids
+
+
+class Completion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+
+
+class Message(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: Message
+    finish_reason: str | None
+    logprobs: None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChatStreamChoice(msgspec.Struct):
+    index: int
+    delta: Message
+    finish_reason: str | None
+    logprobs: None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice] | list[ChatStreamChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    root: str
+    parent: str | None = None
+    max_model_len: int | None = None
+    object: str = "model"
+    owned_by: str = "lorapipe"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
