@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bump on any change that is not "append a field with a default at the end of a Struct"."""
 
 
