@@ -18,4 +18,3 @@ class LoaderConfig(StageConfig, frozen=True, kw_only=True):
     adapter_root: str | None = None  # resolved; adapters are read only from inside it (or trusted_paths)
     trusted_paths: tuple[str, ...] = ()  # resolved dirs of the --adapter adapters
     read_timeout_s: float = 60.0  # one adapter's files must be read within this (else: failed, stuck)
-    max_config_bytes: int = 1 << 20  # adapter_config.json larger than this is refused unread
