@@ -185,6 +185,11 @@ class DealerSocket(_Base[In, Out]):
     def __init__(self, addr: str, in_type: Any, out_type: Any, *, bind: bool = False, **kw: Any) -> None:
         super().__init__(addr, in_type, out_type, bind=bind, **kw)
 
+    def _init_kind(self) -> None:
+        # a peer that stops answering pings (frozen, or gone without a FIN) is dropped like a closed one
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+
     async def send(self, msg: Out) -> None:
         await self.sock.send_multipart(self._encode(msg), copy=False)
 
