@@ -6,7 +6,6 @@ import math
 
 import msgspec
 
-
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily (as vLLM does): dividing logits by less overflows float32."""
 INT32_MAX = 2**31 - 1

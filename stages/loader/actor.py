@@ -86,9 +86,9 @@ class LoaderActor(Actor[LoaderConfig]):
             lambda: sum(b.nbytes for b in cache.blocks.values())
         )
         m.gauge("lorapipe_host_cache_capacity_bytes", "Size of the host-cache pool").set(cache.capacity)
-        m.gauge("lorapipe_loader_stuck_reads", "Reads past their deadline still holding a thread").set_function(
-            lambda: len(self.stuck)
-        )
+        m.gauge(
+            "lorapipe_loader_stuck_reads", "Reads past their deadline still holding a thread"
+        ).set_function(lambda: len(self.stuck))
 
     async def setup(self) -> None:
         cfg, ep = self.config, self.config.endpoints
@@ -245,7 +245,9 @@ class LoaderActor(Actor[LoaderConfig]):
             raise AdapterError(job.name, f"the loader has {len(self.stuck)} reads stuck in the file system")
         fut = self.executor.submit(self._read, job)
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.config.read_timeout_s)
+            return await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(fut)), self.config.read_timeout_s
+            )
         except TimeoutError:
             started = time.monotonic() - self.config.read_timeout_s
             key = f"{job.name}#{id(fut)}"

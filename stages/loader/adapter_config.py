@@ -173,7 +173,12 @@ def _rank(name: str, field: str, value) -> int:
 
 
 def _alpha(name: str, field: str, value) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise AdapterError(name, f"{field}={value!r} must be a finite positive number")
     return float(value)
 

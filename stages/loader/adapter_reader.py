@@ -12,7 +12,12 @@ from safetensors import safe_open
 from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
 from runtime.common.model_config import ModelConfig
 from runtime.common.packed import PackedAdapter
-from stages.loader.adapter_config import AdapterConfig, AdapterError, check_delta_magnitude, read_adapter_config
+from stages.loader.adapter_config import (
+    AdapterConfig,
+    AdapterError,
+    check_delta_magnitude,
+    read_adapter_config,
+)
 from stages.loader.files import FileRefused, open_regular
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")

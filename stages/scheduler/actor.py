@@ -124,8 +124,10 @@ class SchedulerActor(Actor[SchedulerConfig]):
                 await life.on_adapter_failed(msg)
             case Evicted():
                 life.on_evicted(msg)
-            case LoadAdapterOp() | UnloadAdapterOp() if (problem := adapter_name_problem(msg.name)):
-                await self.to_tokenizer.put(OpFailed(op_id=msg.op_id, kind="invalid_request", message=problem))
+            case LoadAdapterOp() | UnloadAdapterOp() if problem := adapter_name_problem(msg.name):
+                await self.to_tokenizer.put(
+                    OpFailed(op_id=msg.op_id, kind="invalid_request", message=problem)
+                )
             case LoadAdapterOp():
                 await life.on_load_adapter_op(msg)
             case UnloadAdapterOp():

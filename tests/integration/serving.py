@@ -27,8 +27,9 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen, endpoint: str, metrics_port: int):
+    def __init__(self, proc: subprocess.Popen, endpoint: str, metrics_port: int, api_key: str | None = None):
         self.proc, self.endpoint, self.metrics_port = proc, endpoint, metrics_port
+        self.api_key = api_key
 
     def stage_pid(self, stage: str) -> int | None:
         """The pid of the launcher's child running `python -m stages.<stage>` (None if there is none)."""
@@ -45,7 +46,7 @@ class Server:
         return None
 
     def client(self, timeout: float = 60.0) -> Client:
-        return Client(self.endpoint, timeout=timeout)
+        return Client(self.endpoint, timeout=timeout, api_key=self.api_key)
 
     def metrics(self) -> dict[tuple[str, str], float]:
         """{(sample name, stage): value} for unlabeled-but-stage samples."""
@@ -63,10 +64,21 @@ class Server:
     def metric(self, name: str, stage: str) -> float:
         return sum(v for (n, st, _), v in self.metrics().items() if n == name and st == stage)
 
+    def metric_labeled(self, name: str, stage: str, **labels: str) -> float:
+        return sum(
+            v
+            for (n, st, lab), v in self.metrics().items()
+            if n == name and st == stage and labels.items() <= dict(lab).items()
+        )
+
 
 @contextlib.contextmanager
 def serve(
-    model: Path, adapters: dict[str, Path], *flags: str, ready_timeout: float = 120.0
+    model: Path,
+    adapters: dict[str, Path],
+    *flags: str,
+    ready_timeout: float = 120.0,
+    api_key: str | None = None,
 ) -> Iterator[Server]:
     port, mport = free_port(), free_port()
     cmd = [
@@ -87,7 +99,7 @@ def serve(
     for name, path in adapters.items():
         cmd += ["--adapter", f"{name}={path}"]
     proc = subprocess.Popen(cmd, cwd=ROOT)
-    server = Server(proc, f"tcp://127.0.0.1:{port}", mport)
+    server = Server(proc, f"tcp://127.0.0.1:{port}", mport, api_key)
     try:
         deadline = time.monotonic() + ready_timeout
         while True:

@@ -88,7 +88,9 @@ EXAMPLES: list[Message] = [
     UnloadAdapter(request_id="u", name="a"),
     ListAdapters(request_id="la"),
     Health(request_id="he"),
-    Welcome(request_id="h", protocol_version=PROTOCOL_VERSION, model="tiny", max_model_len=64, vocab_size=300),
+    Welcome(
+        request_id="h", protocol_version=PROTOCOL_VERSION, model="tiny", max_model_len=64, vocab_size=300
+    ),
     TokenChunk(
         request_id="g1",
         text="hé",

@@ -146,7 +146,9 @@ def test_a_hung_read_fails_its_load_and_shows_in_health(tmp_path, tiny_llama, mo
 
     run_dir = make_run_dir("lph-")
     s = Scheduler(run_dir, tiny_llama, model[1], 4)
-    s.cfg = s.cfg.__class__(**{**{f: getattr(s.cfg, f) for f in s.cfg.__struct_fields__}, "read_timeout_s": 1.0})
+    s.cfg = s.cfg.__class__(
+        **{**{f: getattr(s.cfg, f) for f in s.cfg.__struct_fields__}, "read_timeout_s": 1.0}
+    )
 
     async def main() -> None:
         actor = HungReadLoader(s.cfg)
