@@ -80,3 +80,35 @@ def test_out_of_range_sampling_values_are_refused(field: str, value: object):
 def test_greedy_threshold():
     assert SamplingParams(temperature=1e-6).greedy and SamplingParams(temperature=0.0).greedy
     assert not SamplingParams(temperature=1e-4).greedy
+
+
+def test_a_failing_forward_runs_again_without_the_request_that_breaks_it(llm: LLM):
+    """A plan naming a KV page the cache does not have makes the batch's forward raise. The executor
+    runs the step again group by group: the good request gets exactly the token it gets alone."""
+    from proto.base import TokenIds
+    from proto.plan import BatchPlan, NewRequestData
+    from stages.worker.executor import StepExecutor
+
+    def new(rid: str, page: int) -> NewRequestData:
+        return NewRequestData(
+            request_id=rid,
+            prompt_ids=TokenIds.of([5, 17, 42, 99]),
+            sampling=SamplingParams(max_tokens=4),
+            page_ids=[page],
+            num_scheduled_tokens=4,
+        )
+
+    def executor() -> StepExecutor:
+        return StepExecutor(llm.runner, lambda load: None, max_model_len=64)
+
+    _, alone_tokens = executor().execute(BatchPlan(step=1, new_requests=[new("good", 0)]))
+    ex = executor()
+    result, tokens = ex.execute(
+        BatchPlan(step=1, new_requests=[new("bad", llm.runner.num_pages + 7), new("good", 0)])
+    )
+    assert ex.retried_steps == 1
+    assert [e.request_id for e in result.errors] == ["bad"] and "worker step failed" in result.errors[
+        0
+    ].message
+    assert [(t.request_id, t.token_ids) for t in tokens.items] == [("good", alone_tokens.items[0].token_ids)]
+    assert not ex.requests["bad"].active and ex.requests["good"].active
