@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,10 +12,17 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from runtime.base.auth import API_KEY_ENV, ApiKeyError, check_api_key, read_api_key_file
 from runtime.base.endpoints import DEFAULT_CLIENT_PORT, Endpoints
 from runtime.base.sockets import MAX_CLIENT_MSG_BYTES
 from runtime.common.names import adapter_name_problem
+from runtime.serve_security import (
+    SecurityArgsError,
+    add_security_arguments,
+    check_security,
+    real_path,
+    resolved_api_key,
+    trusted_adapter_paths,
+)
 
 if TYPE_CHECKING:  # torch-importing modules load lazily: `lorapipe --help` stays fast
     from runtime.base.actor import StageConfig
@@ -152,50 +158,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, metavar="S", default=d.startup_timeout_s)
     p.add_argument("--drain-timeout", type=float, metavar="S", default=d.drain_timeout_s)
     p.add_argument("--seed", type=int, metavar="N", default=d.seed)
-    add_security_arguments(p)
-
-
-def add_security_arguments(p: argparse.ArgumentParser) -> None:
-    """Access control and request limits, in their own help group."""
-    d = ServeArgs(model="")
-    g = p.add_argument_group("security and limits")
-    g.add_argument(
-        "--adapter-root",
-        metavar="DIR",
-        default=None,
-        help="runtime loads (load_adapter) only read adapters inside DIR (symlinks resolved); "
-        "relative paths are taken inside DIR (default: any directory the server can read)",
-    )
-    g.add_argument(
-        "--runtime-adapter-loading",
-        action=argparse.BooleanOptionalAction,
-        default=d.runtime_adapter_loading,
-        help="allow clients to load and unload adapters (--no-runtime-adapter-loading: only --adapter)",
-    )
-    key = g.add_mutually_exclusive_group()
-    key.add_argument(
-        "--api-key",
-        metavar="KEY",
-        default=None,
-        help=f"shared secret every client must hold (SDK: api_key= or ${API_KEY_ENV}); the endpoint then "
-        "uses CURVE encryption. Visible in the process list: prefer --api-key-file",
-    )
-    key.add_argument("--api-key-file", metavar="PATH", default=None, help="read the API key from a 0600 file")
-    g.add_argument(
-        "--max-request-bytes",
-        type=int,
-        metavar="N",
-        default=d.max_request_bytes,
-        help="largest client message; a bigger one is refused before it is decoded",
-    )
-    g.add_argument(
-        "--max-prompt-bytes",
-        type=int,
-        metavar="N",
-        default=d.max_prompt_bytes,
-        help="longest text prompt in UTF-8 bytes, checked before tokenizing "
-        "(default 0: the context length times the longest token, which no shorter prompt can exceed)",
-    )
+    add_security_arguments(p, d)
 
 
 def from_namespace(ns: argparse.Namespace) -> ServeArgs:
@@ -266,37 +229,11 @@ def validate(args: ServeArgs) -> ModelConfig:
     _check_numbers(args, model_cfg)
     _check_device(args)
     _check_endpoint(args.endpoint)
-    _check_security(args)
-    return model_cfg
-
-
-def _check_security(args: ServeArgs) -> None:
-    if args.adapter_root is not None and not Path(args.adapter_root).is_dir():
-        raise ServeArgsError(f"--adapter-root {args.adapter_root}: not a directory")
-    if args.api_key is not None and args.api_key_file is not None:
-        raise ServeArgsError("give --api-key or --api-key-file, not both")
     try:
-        resolved_api_key(args)
-    except ApiKeyError as exc:
+        check_security(args)
+    except SecurityArgsError as exc:
         raise ServeArgsError(str(exc)) from None
-    if args.max_request_bytes < 1024:
-        raise ServeArgsError(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
-    if args.max_prompt_bytes < 0:
-        raise ServeArgsError(f"--max-prompt-bytes must not be negative, got {args.max_prompt_bytes}")
-
-
-def resolved_api_key(args: ServeArgs) -> str | None:
-    """The key from --api-key or --api-key-file (checked), or None when clients need none."""
-    if args.api_key_file is not None:
-        return read_api_key_file(args.api_key_file)
-    if args.api_key is not None:
-        return check_api_key(args.api_key, "--api-key")
-    return None
-
-
-def trusted_adapter_paths(args: ServeArgs) -> tuple[str, ...]:
-    """Resolved dirs of the --adapter adapters: the loader reads these even outside --adapter-root."""
-    return tuple(os.path.realpath(path) for _, path in args.adapters)
+    return model_cfg
 
 
 def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
@@ -407,7 +344,7 @@ def stage_configs(
         max_client_msg_bytes=args.max_request_bytes,
         max_prompt_bytes=args.max_prompt_bytes,
         api_key=resolved_api_key(args),
-        adapter_root=_real(args.adapter_root),
+        adapter_root=real_path(args.adapter_root),
         runtime_adapter_loading=args.runtime_adapter_loading,
         **common,
     )
@@ -454,13 +391,9 @@ def stage_configs(
             dtype=dtype,
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras,
-            adapter_root=_real(args.adapter_root),
+            adapter_root=real_path(args.adapter_root),
             trusted_paths=trusted_adapter_paths(args),
             **pool,
             **common,
         ),
     }
-
-
-def _real(path: str | None) -> str | None:
-    return os.path.realpath(path) if path is not None else None

@@ -59,6 +59,7 @@ from stages.tokenizer.adapter_ops import check_adapter_op
 from stages.tokenizer.config import TokenizerConfig
 from stages.tokenizer.detokenizer import IncrementalDetokenizer
 from stages.tokenizer.requests import OpenRequest, RequestTable
+from stages.tokenizer.tokenizing import ApartTokenizer
 from stages.tokenizer.validate import (
     Rejected,
     check_prompt,
@@ -86,9 +87,9 @@ class TokenizerActor(Actor[TokenizerConfig]):
         self.max_prompt_bytes = prompt_byte_limit(
             self.tokenizer, config.max_model_len, config.max_prompt_bytes
         )
-        self.tokenizing: dict[str, tuple[bytes, asyncio.Task[None], int]] = {}  # rid -> (client, task, size)
-        self._tokenize_slots = asyncio.Semaphore(TOKENIZE_THREADS)
-        self._tokenize_tasks: set[asyncio.Task[None]] = set()
+        self.tokenizing = ApartTokenizer(
+            self.tokenizer, TOKENIZE_THREADS, config.max_tokenizing_bytes, self._admit, self._reject
+        )
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -199,36 +200,8 @@ class TokenizerActor(Actor[TokenizerConfig]):
         except Rejected as exc:
             return await self._reject(identity, rid, exc)
         if msg.prompt is not None and len(msg.prompt) > THREAD_TOKENIZE_CHARS:
-            return await self._tokenize_apart(identity, msg)
+            return self.tokenizing.start(identity, msg)
         await self._admit(identity, msg, encode_prompt(msg, self.tokenizer))
-
-    async def _tokenize_apart(self, identity: bytes, msg: GenerateRequest) -> None:
-        """A long text is tokenized in a thread by its own task, so this handler goes on with other
-        connections' requests meanwhile; the text waiting for that is bounded in bytes overall."""
-        assert msg.prompt is not None
-        size = len(msg.prompt)
-        if size + sum(n for _, _, n in self.tokenizing.values()) > self.config.max_tokenizing_bytes:
-            text = "too many long prompts are being tokenized; retry later"
-            return await self._reject(identity, msg.request_id, Rejected("server_error", text))
-
-        rid = msg.request_id
-
-        async def run() -> None:
-            try:
-                async with self._tokenize_slots:
-                    ids = await asyncio.to_thread(encode_prompt, msg, self.tokenizer)
-            except Exception as exc:
-                if self.tokenizing.pop(rid, None) is not None:
-                    text = f"the prompt could not be tokenized: {type(exc).__name__}"
-                    await self._reject(identity, rid, Rejected("invalid_request", text))
-                return
-            if self.tokenizing.pop(rid, None) is not None:  # else aborted, disconnected or drained
-                await self._admit(identity, msg, ids)
-
-        task = asyncio.get_running_loop().create_task(run(), name=f"tokenize:{rid[:40]}")
-        self._tokenize_tasks.add(task)
-        task.add_done_callback(self._tokenize_tasks.discard)
-        self.tokenizing[rid] = (identity, task, size)
 
     async def _reject(self, identity: bytes, rid: str, exc: Rejected) -> None:
         self.m_requests.labels(outcome=f"rejected_{exc.kind}").inc()
@@ -257,9 +230,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
         await self.to_scheduler.put(tokenized)
 
     async def on_abort(self, identity: bytes, msg: Abort) -> None:
-        pending = self.tokenizing.get(msg.request_id)
-        if pending is not None and pending[0] == identity:
-            del self.tokenizing[msg.request_id]  # its task finds it gone and admits nothing
+        if self.tokenizing.cancel(msg.request_id, identity):
             return
         req = self.requests.get(msg.request_id)
         if req is not None and req.identity == identity:
@@ -357,8 +328,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
             await self._abort(rid, outcome="disconnected")
         for op_id in [op for op, (who, _) in self.ops.items() if who == identity]:
             del self.ops[op_id]
-        for rid in [rid for rid, (who, _, _) in self.tokenizing.items() if who == identity]:
-            del self.tokenizing[rid]
+        self.tokenizing.forget_client(identity)
 
     async def on_malformed(self, socket: str, exc: ProtocolError) -> None:
         await super().on_malformed(socket, exc)
@@ -377,9 +347,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.drain_timeout * 0.8):
                     await self.requests.idle.wait()
-        for rid, (identity, task, _) in list(self.tokenizing.items()):
-            del self.tokenizing[rid]
-            task.cancel()
+        for rid, identity in self.tokenizing.drain():
             await self._error(identity, rid, "server_error", self._shutdown_message())
         for rid in list(self.requests.by_id):
             req = self._drop(rid, outcome="shutdown")

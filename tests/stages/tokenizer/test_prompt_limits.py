@@ -4,6 +4,7 @@ and adapter ops are checked for runtime loading, names and the adapter root."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 
@@ -86,3 +87,37 @@ def test_adapter_ops_checks(tmp_path):
                 LoadAdapter(request_id="r", name=name, path="a"), runtime_loading=True, adapter_root=real
             )
         assert info.value.kind == "invalid_request"
+
+
+def test_apart_tokenizer_budget_abort_and_drain(real_tokenizer):
+    from stages.tokenizer.tokenizing import ApartTokenizer
+
+    admitted, refused = [], []
+
+    async def admit(identity, msg, ids):
+        admitted.append((identity, msg.request_id, ids))
+
+    async def refuse(identity, rid, exc):
+        refused.append((identity, rid, exc.kind))
+
+    def req(rid: str, text: str) -> GenerateRequest:
+        return GenerateRequest(request_id=rid, prompt=text)
+
+    async def main():
+        apart = ApartTokenizer(real_tokenizer, 1, 100, admit, refuse)
+        apart.start(b"c1", req("big", "x" * 101))  # over the byte budget: refused, never pending
+        apart.start(b"c1", req("a", "The river " * 5))
+        apart.start(b"c2", req("b", "Stories " * 5))
+        assert "big" not in apart and len(apart) == 2
+        assert not apart.cancel("b", b"c1")  # only its own client may abort it
+        assert apart.cancel("b", b"c2")
+        while apart:  # "a" is admitted once its thread is done
+            await asyncio.sleep(0.01)
+        apart.start(b"c3", req("c", "Once " * 5))
+        assert apart.drain() == [("c", b"c3")] and not apart
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert refused == [(b"c1", "big", "server_error")]
+    assert [(i, r) for i, r, _ in admitted] == [(b"c1", "a")]
+    assert admitted[0][2] == real_tokenizer.encode("The river " * 5).ids
