@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: the GPU adapter pool (SlotLoad rows, WorkerStarted pool geometry), merged metrics
+PROTOCOL_VERSION = 2  # 2: the GPU adapter pool, merged metrics, LoaderHealth, ErrorKind forbidden
 """Bump on any change that is not "append a field with a default at the end of a Struct"."""
 
 

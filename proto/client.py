@@ -18,6 +18,7 @@ ErrorKind = Literal[
     "server_error",  # a stage failed or is shutting down
     "aborted",  # the request was aborted server-side
     "protocol_mismatch",  # client and server speak different PROTOCOL_VERSIONs
+    "forbidden",  # the server's configuration refuses the operation (runtime loading off, path outside root)
 ]
 FinishReason = Literal["stop", "length", "abort"]
 Tier = Literal["gpu", "host", "disk", "loading"]

@@ -1,11 +1,11 @@
 """Encode a proto message to multipart frames and back: frame 0 is the msgpack body, frames 1.. are the
-large `Buffer` payloads it references by index (msgpack ext), sent and received without copies."""
+large `Buffer` payloads it references by index (msgpack ext), sent and received without copies. Decoding
+never raises anything but `ProtocolError`, and frame-count and size limits apply before any decoding."""
 
 from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
-import msgspec
 from msgspec import msgpack
 
 from proto.base import BUFFER_TYPES, Buffer
@@ -30,11 +30,22 @@ class ProtocolError(Exception):
 
 
 class Codec(Generic[T]):
-    """Encoder + decoder for one union. Not thread-safe: one per socket."""
+    """Encoder + decoder for one union. Not thread-safe: one per socket. `max_frames` and `max_bytes`
+    (None: unlimited) bound a received message's frame count and total size; a message over either is
+    refused before its body is looked at."""
 
-    def __init__(self, msg_type: Any, inline_max: int = INLINE_MAX) -> None:
+    def __init__(
+        self,
+        msg_type: Any,
+        inline_max: int = INLINE_MAX,
+        *,
+        max_frames: int | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
         self.msg_type = msg_type
         self.inline_max = inline_max
+        self.max_frames = max_frames
+        self.max_bytes = max_bytes
         self._out: list[memoryview] = []
         self._in: list[memoryview] = []
         self._used = 0
@@ -62,20 +73,30 @@ class Codec(Generic[T]):
     def decode(self, frames: list[Any], identity: bytes | None = None) -> T:
         if not frames:
             raise ProtocolError("empty message", identity)
-        self._in = [_view(f) for f in frames[1:]]
+        if self.max_frames is not None and len(frames) > self.max_frames:
+            raise ProtocolError(f"{len(frames)} frames in one message (at most {self.max_frames})", identity)
+        try:
+            views = [_view(f) for f in frames]
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"unreadable frame: {exc}", identity) from None
+        if self.max_bytes is not None:
+            size = sum(v.nbytes for v in views)
+            if size > self.max_bytes:
+                raise ProtocolError(f"message of {size} bytes (at most {self.max_bytes})", identity)
+        body, self._in = views[0], views[1:]
         self._used = 0
-        body = _view(frames[0])
         try:
             msg = self._dec.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError, ProtocolError) as exc:
+        except ProtocolError as exc:
+            raise ProtocolError(str(exc), identity, _head(body)) from None
+        except Exception as exc:  # msgspec or a hook: DecodeError, ValidationError, UnicodeDecodeError, ...
             name = _type_name(self.msg_type)
-            raise ProtocolError(f"malformed {name}: {exc}", identity, body[:4096].tobytes()) from None
+            text = f"malformed {name}: {type(exc).__name__}: {exc}"
+            raise ProtocolError(text[:1000], identity, _head(body)) from None
         finally:
             extra, self._in = len(self._in), []
         if self._used != extra:
-            raise ProtocolError(
-                f"{extra - self._used} unreferenced extra frame(s)", identity, body[:4096].tobytes()
-            )
+            raise ProtocolError(f"{extra - self._used} unreferenced extra frame(s)", identity, _head(body))
         return msg
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
@@ -94,10 +115,16 @@ class Codec(Generic[T]):
         raise TypeError(f"expected a buffer for {typ.__name__}, got {type(obj).__name__}")
 
 
+def _head(body: memoryview) -> bytes:
+    return body[:4096].tobytes()
+
+
 def _view(frame: Any) -> memoryview:
     buf = getattr(frame, "buffer", None)  # zmq.Frame: view its memory instead of copying it
     return buf if isinstance(buf, memoryview) else memoryview(frame)
 
 
 def _type_name(t: Any) -> str:
+    if getattr(t, "__origin__", None) is not None:  # a Union of the edge's messages
+        return "message"
     return getattr(t, "__name__", None) or str(t).replace("proto.", "")

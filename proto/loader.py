@@ -63,5 +63,16 @@ class Evicted(Message):
     name: str
 
 
+class LoaderHealth(Message):
+    """The loader's view of itself, sent whenever it changes: reads that overran their deadline and
+    still hold a thread (a hung file system), out of the threads it has for reads."""
+
+    stuck_reads: int
+    read_threads: int
+    detail: str = ""
+
+
 SchedulerToLoader = edge("scheduler_to_loader", StageAdapter, ReleaseAdapter, DropAdapter)
-LoaderToScheduler = edge("loader_to_scheduler", LoaderStarted, AdapterStaged, AdapterFailed, Evicted)
+LoaderToScheduler = edge(
+    "loader_to_scheduler", LoaderStarted, AdapterStaged, AdapterFailed, Evicted, LoaderHealth
+)

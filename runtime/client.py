@@ -1,22 +1,22 @@
-"""Client SDK: `AsyncClient` owns one DEALER to the tokenizer's ROUTER and a reader task that routes
-replies by request_id; `Client` is its blocking twin, running an AsyncClient on a private loop thread.
-Every wait is bounded by `timeout` (seconds without any reply), so a client never hangs."""
+"""Client SDK: `AsyncClient` owns one DEALER to the tokenizer's ROUTER, a reader task that routes
+replies by request_id and a watcher of the connection (zmq socket monitor) that fails every open call
+with ServerError once an established connection drops (the tokenizer died or the server stopped), even
+calls with timeout=None; `Client` is its blocking twin, running an AsyncClient on a private loop thread.
+With an API key (`api_key=` or $LORAPIPE_API_KEY) the connection is CURVE-encrypted and authenticated."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import msgspec
-
-from proto.base import PROTOCOL_VERSION, TokenIds
+from proto.base import PROTOCOL_VERSION
 from proto.client import (
     Abort,
     Ack,
@@ -25,7 +25,6 @@ from proto.client import (
     ClientReply,
     ClientRequest,
     ErrorReply,
-    GenerateRequest,
     Health,
     HealthReply,
     Hello,
@@ -36,119 +35,77 @@ from proto.client import (
     Welcome,
 )
 from proto.codec import ProtocolError
-from proto.sampling import SamplingParams
+from runtime.base.auth import API_KEY_ENV
 from runtime.base.endpoints import DEFAULT_CLIENT_PORT
-from runtime.base.sockets import DealerSocket
+from runtime.base.sockets import ConnectionEvents, DealerSocket
+from runtime.client_types import (
+    Aborted,
+    AdapterLoadFailed,
+    Chunk,
+    Completion,
+    Forbidden,
+    InvalidRequest,
+    LorapipeError,
+    Prompt,
+    ProtocolMismatchError,
+    ServerError,
+    Timeout,
+    Timings,
+    Unauthorized,
+    UnknownAdapter,
+    check_name,
+    check_text,
+    error_from_reply,
+    make_request,
+)
+
+__all__ = [
+    "DEFAULT_ENDPOINT",
+    "Aborted",
+    "AdapterLoadFailed",
+    "AsyncClient",
+    "Chunk",
+    "Client",
+    "Completion",
+    "Forbidden",
+    "InvalidRequest",
+    "LorapipeError",
+    "ProtocolMismatchError",
+    "ServerError",
+    "Timeout",
+    "Timings",
+    "Unauthorized",
+    "UnknownAdapter",
+]
 
 DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"
 _log = logging.getLogger("lorapipe.client")
 _UNSET: Any = object()
-Prompt = str | Sequence[int]  # text, or token ids used as given
-
-
-class LorapipeError(Exception):
-    """Base of every error the SDK raises; str(e) is the server's message."""
-
-
-class InvalidRequest(LorapipeError): ...
-
-
-class UnknownAdapter(LorapipeError): ...
-
-
-class AdapterLoadFailed(LorapipeError): ...
-
-
-class ServerError(LorapipeError): ...
-
-
-class Aborted(LorapipeError): ...
-
-
-class ProtocolMismatchError(LorapipeError): ...
-
-
-class Timeout(LorapipeError, TimeoutError): ...
-
-
-_ERRORS: dict[str, type[LorapipeError]] = {
-    "invalid_request": InvalidRequest,
-    "unknown_adapter": UnknownAdapter,
-    "adapter_load_failed": AdapterLoadFailed,
-    "server_error": ServerError,
-    "aborted": Aborted,
-    "protocol_mismatch": ProtocolMismatchError,
-}
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Output of one request as it arrives; `time` is seconds since the request was sent (client clock)."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    time: float
-    prompt_tokens: int = 0
-    server_ttft: float = 0.0  # tokenizer arrival → first token, server clock (0 until known)
-
-
-@dataclass(frozen=True)
-class Timings:
-    ttft: float  # seconds from send to the first token (client clock)
-    token_times: list[float]  # per output token: seconds from send to its arrival
-    e2e: float  # seconds from send to the final chunk
-    server_ttft: float = 0.0
-
-    @property
-    def itl(self) -> list[float]:
-        """Inter-token latencies."""
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
-
-
-@dataclass(frozen=True)
-class Completion:
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    prompt_tokens: int
-    timings: Timings = field(repr=False)
-
-
-def _error(reply: ErrorReply) -> LorapipeError:
-    return _ERRORS.get(reply.kind, ServerError)(reply.message)
-
-
-def _request(prompt: Prompt, adapter: str | None, sampling: dict[str, Any]) -> GenerateRequest:
-    try:
-        params = msgspec.convert(sampling, SamplingParams)
-    except (msgspec.ValidationError, TypeError) as exc:
-        raise InvalidRequest(f"invalid sampling parameters: {exc}") from None
-    rid = uuid.uuid4().hex
-    if isinstance(prompt, str):
-        return GenerateRequest(request_id=rid, prompt=prompt, adapter=adapter, sampling=params)
-    try:
-        ids = TokenIds.of(prompt)
-    except (TypeError, OverflowError) as exc:
-        raise InvalidRequest(f"prompt token ids must be int32 integers: {exc}") from None
-    return GenerateRequest(request_id=rid, prompt_ids=ids, adapter=adapter, sampling=params)
 
 
 class AsyncClient:
     """Asyncio client. Connects (and checks the protocol version) on first use; `timeout` bounds
-    every wait for the server and can be overridden per call."""
+    every wait for the server and can be overridden per call. `api_key` (default: $LORAPIPE_API_KEY)
+    must match the server's --api-key when it has one."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, timeout: float | None = 60.0, **socket_kw: Any):
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        *,
+        timeout: float | None = 60.0,
+        api_key: str | None = None,
+        **socket_kw: Any,
+    ):
         self.endpoint = endpoint
         self.timeout = timeout
         self.welcome: Welcome | None = None
+        self._api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self._socket_kw = socket_kw
         self._sock: DealerSocket[Any, Any] | None = None
         self._pending: dict[str, asyncio.Queue[Any]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._events: ConnectionEvents | None = None
         self._lock = asyncio.Lock()
 
     async def __aenter__(self) -> AsyncClient:
@@ -163,8 +120,12 @@ class AsyncClient:
             if self.welcome is not None:
                 return self.welcome
             if self._sock is None:
-                self._sock = DealerSocket(self.endpoint, ClientReply, ClientRequest, **self._socket_kw)
+                self._sock = DealerSocket(
+                    self.endpoint, ClientReply, ClientRequest, api_key=self._api_key, **self._socket_kw
+                )
+                self._events = ConnectionEvents(self._sock)
                 self._reader = asyncio.ensure_future(self._read())
+                self._watcher = asyncio.ensure_future(self._watch())
             reply = await self._call(Hello(request_id=uuid.uuid4().hex, protocol_version=PROTOCOL_VERSION))
             if not isinstance(reply, Welcome) or reply.protocol_version != PROTOCOL_VERSION:
                 raise ProtocolMismatchError(f"server speaks {reply!r}, client speaks {PROTOCOL_VERSION}")
@@ -172,13 +133,16 @@ class AsyncClient:
             return reply
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._events is not None:
+            self._events.close()
         if self._sock is not None:
             self._sock.close()
-        self._sock, self._reader, self.welcome = None, None, None
+        self._sock, self._reader, self._watcher, self._events, self.welcome = None, None, None, None, None
 
     async def stream(
         self,
@@ -190,7 +154,7 @@ class AsyncClient:
     ) -> AsyncIterator[Chunk]:
         """Yield chunks as they are produced. Leaving early (break, aclose, an exception, a timeout)
         aborts the request server-side; wrap in contextlib.aclosing() to make that immediate."""
-        req = _request(prompt, adapter, sampling)
+        req = make_request(prompt, adapter, sampling)
         await self.connect()
         rid, queue = req.request_id, self._open(req.request_id)
         done = False
@@ -209,7 +173,7 @@ class AsyncClient:
                         )  # fmt: skip
                     case ErrorReply():
                         done = True
-                        raise _error(reply)
+                        raise error_from_reply(reply)
                     case _:
                         done = True
                         raise ServerError(f"unexpected reply {type(reply).__name__} to a generate request")
@@ -240,9 +204,12 @@ class AsyncClient:
         )
 
     async def load_adapter(self, name: str, path: str, *, timeout: float | None = _UNSET) -> None:
+        check_name(name)
+        check_text(str(path), "path")
         await self._expect(LoadAdapter(request_id=uuid.uuid4().hex, name=name, path=str(path)), Ack, timeout)
 
     async def unload_adapter(self, name: str, *, timeout: float | None = _UNSET) -> None:
+        check_name(name)
         await self._expect(UnloadAdapter(request_id=uuid.uuid4().hex, name=name), Ack, timeout)
 
     async def list_adapters(self, *, timeout: float | None = _UNSET) -> list[AdapterEntry]:
@@ -268,7 +235,7 @@ class AsyncClient:
         finally:
             self._pending.pop(msg.request_id, None)
         if isinstance(reply, ErrorReply):
-            raise _error(reply)
+            raise error_from_reply(reply)
         return reply
 
     def _open(self, rid: str) -> asyncio.Queue[Any]:
@@ -287,6 +254,8 @@ class AsyncClient:
             await asyncio.wait_for(self._sock.send(msg), self._limit(timeout))
         except TimeoutError:
             raise Timeout(f"could not send to {self.endpoint} within {self._limit(timeout)}s") from None
+        except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as exc:  # not encodable
+            raise InvalidRequest(f"the request cannot be encoded: {type(exc).__name__}: {exc}") from None
 
     async def _next(self, queue: asyncio.Queue[Any], timeout: float | None) -> Any:
         try:
@@ -311,15 +280,47 @@ class AsyncClient:
             elif isinstance(reply, ErrorReply) and not reply.request_id:
                 _log.error("server could not decode a message: %s", reply.message)
 
+    async def _watch(self) -> None:
+        """Turn connection events into errors for every open call: a connection that drops after its
+        handshake means the server (its tokenizer) is gone; a refused handshake, the wrong key."""
+        assert self._events is not None
+        while True:
+            match await self._events.next():
+                case "connected":
+                    pass
+                case "disconnected":
+                    self.welcome = None  # a server that comes back is greeted again
+                    where = f"the server at {self.endpoint}"
+                    self._fail_all(ServerError(f"lost the connection to {where} (it stopped or died)"))
+                case "refused":
+                    why = "the API key is wrong" if self._api_key else "the API key is missing or wrong"
+                    self._fail_all(
+                        Unauthorized(
+                            f"the server at {self.endpoint} refused the connection: {why}, or the server "
+                            "expects none"
+                        )
+                    )
+
+    def _fail_all(self, exc: LorapipeError) -> None:
+        for queue in self._pending.values():
+            queue.put_nowait(exc)
+
 
 class Client:
     """Blocking client: the same API as AsyncClient, backed by one on a private event-loop thread."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, timeout: float | None = 60.0, **socket_kw: Any):
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        *,
+        timeout: float | None = 60.0,
+        api_key: str | None = None,
+        **socket_kw: Any,
+    ):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="lorapipe-client", daemon=True)
         self._thread.start()
-        self._client = AsyncClient(endpoint, timeout=timeout, **socket_kw)
+        self._client = AsyncClient(endpoint, timeout=timeout, api_key=api_key, **socket_kw)
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

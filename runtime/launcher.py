@@ -164,6 +164,7 @@ class Launcher:
                 raise LaunchError(f"--log-file: {exc}") from None
         for name in STAGES:
             path = self.run_dir / f"{name}.json"
+            path.touch(mode=0o600)  # the tokenizer's may hold the API key
             path.write_bytes(msgspec.json.encode(configs[name]))
             self.stages[name] = StageProcess(name, self.modules[name], path, self._on_exit, self._output)
         for name in STAGES:
@@ -318,10 +319,11 @@ class Launcher:
             if client.startswith("ipc://") and stat.S_ISSOCK(os.stat(client[6:]).st_mode):
                 os.unlink(client[6:])
         if self.pool is not None:
-            from runtime.common.host_pool import unlink_pool
+            from runtime.common.host_pool import stop_resource_tracker, unlink_pool
 
             unlink_pool(self.pool)
             self.pool = None
+            stop_resource_tracker()  # nothing of ours outlives the launcher, the tracker included
         if self._output is not None:
             self._output.close()
             self._output = None

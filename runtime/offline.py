@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from proto.plan import SlotLoad
 from proto.sampling import SamplingParams
+from runtime.common.names import check_adapter_name
 from runtime.common.packed import PackedAdapter
 from stages.loader.adapter_reader import read_adapter
 from stages.scheduler.planner import Planner, PlannerConfig, PlannerStats
@@ -27,9 +28,10 @@ class RequestOutput:
 
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "error" (the request alone failed; `error` says why)
     prompt_token_ids: list[int]
     adapter: str | None
+    error: str | None = None
 
 
 class LLM:
@@ -124,6 +126,7 @@ class LLM:
 
     def add_adapter(self, name: str, path: str | Path) -> None:
         """Read, validate and pack an adapter (raises AdapterError naming it and the reason)."""
+        check_adapter_name(name)
         pin = self.runner.device.type == "cuda"
         self.adapters[name] = read_adapter(
             name, path, self.runner.model_cfg, self.runner.lora_layout, self.runner.dtype, pin_memory=pin
@@ -165,16 +168,19 @@ class LLM:
             planner.add(rid, ids, name, p)
         outputs: dict[str, list[int]] = {rid: [] for rid in rids}
         reasons: dict[str, str] = {}
+        errors: dict[str, str] = {}
         while planner.has_work:
             result, tokens = executor.execute(planner.schedule())
             planner.update(result)
+            for err in result.errors:
+                reasons[err.request_id], errors[err.request_id] = "error", err.message
             for item in tokens.items:
                 outputs[item.request_id].extend(item.token_ids)
                 if item.finish_reason:
                     reasons[item.request_id] = item.finish_reason
         self.last_phase_seconds = dict(executor.phase_seconds)
         return [
-            RequestOutput(self._decode(outputs[rid]), outputs[rid], reasons[rid], ids, name)
+            RequestOutput(self._decode(outputs[rid]), outputs[rid], reasons[rid], ids, name, errors.get(rid))
             for rid, ids, name in zip(rids, prompt_ids, names, strict=True)
         ]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,16 @@ import msgspec
 
 from runtime import http_args
 from runtime.base.endpoints import DEFAULT_CLIENT_PORT, Endpoints
+from runtime.base.sockets import MAX_CLIENT_MSG_BYTES
+from runtime.common.names import adapter_name_problem
+from runtime.serve_security import (
+    SecurityArgsError,
+    add_security_arguments,
+    check_security,
+    real_path,
+    resolved_api_key,
+    trusted_adapter_paths,
+)
 
 if TYPE_CHECKING:  # torch-importing modules load lazily: `lorapipe --help` stays fast
     from runtime.base.actor import StageConfig
@@ -24,7 +33,6 @@ DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"
 DEFAULT_METRICS_PORT = DEFAULT_CLIENT_PORT + 1
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")
 
 
 class ServeArgsError(ValueError):
@@ -65,6 +73,13 @@ class ServeArgs:
     host: str = http_args.DEFAULT_HOST
     port: int = http_args.DEFAULT_PORT  # 0: no HTTP
     served_model_name: str | None = None  # None: the model directory's name
+    # security and limits (add_security_arguments)
+    adapter_root: str | None = None  # runtime loads only from inside this directory
+    runtime_adapter_loading: bool = True  # False: LoadAdapter/UnloadAdapter are refused
+    api_key: str | None = None  # the shared secret clients must hold (CURVE on the client endpoint)
+    api_key_file: str | None = None
+    max_request_bytes: int = MAX_CLIENT_MSG_BYTES  # a client message bigger than this is refused
+    max_prompt_bytes: int = 0  # 0: derived from the model (context x longest token)
 
     @property
     def adapter_paths(self) -> dict[str, str]:
@@ -176,6 +191,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, metavar="S", default=d.drain_timeout_s)
     p.add_argument("--seed", type=int, metavar="N", default=d.seed)
     http_args.add_arguments(p)
+    add_security_arguments(p, d)
 
 
 def from_namespace(ns: argparse.Namespace) -> ServeArgs:
@@ -208,8 +224,9 @@ def parse_adapter(spec: str) -> tuple[str, str]:
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
         raise ServeArgsError(f"--adapter {spec!r}: expected NAME=PATH")
-    if not _ADAPTER_NAME.fullmatch(name):
-        raise ServeArgsError(f"--adapter {spec!r}: name {name!r} use letters, digits, '.', '_', '-'")
+    problem = adapter_name_problem(name)
+    if problem is not None:
+        raise ServeArgsError(f"--adapter {spec!r}: {problem}")
     return name, path
 
 
@@ -240,6 +257,10 @@ def validate(args: ServeArgs) -> ModelConfig:
     _check_numbers(args, model_cfg)
     _check_device(args)
     _check_endpoint(args.endpoint)
+    try:
+        check_security(args)
+    except SecurityArgsError as exc:
+        raise ServeArgsError(str(exc)) from None
     return model_cfg
 
 
@@ -352,6 +373,11 @@ def stage_configs(
         args.model,
         adapters=tuple(name for name, _ in args.adapters),
         **http_args.tokenizer_fields(args),
+        max_client_msg_bytes=args.max_request_bytes,
+        max_prompt_bytes=args.max_prompt_bytes,
+        api_key=resolved_api_key(args),
+        adapter_root=real_path(args.adapter_root),
+        runtime_adapter_loading=args.runtime_adapter_loading,
         **common,
     )
     runner = RunnerConfig(
@@ -399,6 +425,8 @@ def stage_configs(
             dtype=dtype,
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras,
+            adapter_root=real_path(args.adapter_root),
+            trusted_paths=trusted_adapter_paths(args),
             **pool,
             **common,
         ),

@@ -125,7 +125,10 @@ class Actor(Generic[C]):
                     item = await sock.recv()
                 except ProtocolError as exc:
                     self.metrics.malformed.labels(socket=name).inc()
-                    await self.on_malformed(name, exc)
+                    try:
+                        await self.on_malformed(name, exc)
+                    except Exception:  # answering a bad message must not stop the receiver
+                        self.log.exception("on_malformed failed on %s", name)
                     continue
                 msgs_in.labels(socket=name, type=type(_msg_of(item)).__name__).inc()
                 await inbox.put(item)

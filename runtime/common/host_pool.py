@@ -27,6 +27,7 @@ __all__ = [
     "pool_bytes_for",
     "register_pinned",
     "slot_load_for",
+    "stop_resource_tracker",
     "unlink_pool",
     "unregister_pinned",
 ]
@@ -102,6 +103,18 @@ def unlink_pool(shm: SharedMemory) -> None:
     except FileNotFoundError:  # someone else removed it: still forget it, or the tracker warns at exit
         if sys.version_info < (3, 13) or getattr(shm, "_track", True):
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+
+
+def stop_resource_tracker() -> None:
+    """The launcher's last step, once the pool is unlinked: end multiprocessing's resource tracker
+    (its child) and reap it now, instead of leaving it to notice the launcher's exit a moment later."""
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    stop = getattr(tracker, "_stop", None)
+    if stop is not None:
+        try:
+            stop()
+        except (OSError, ChildProcessError):  # already gone
+            pass
 
 
 def block_tensor(

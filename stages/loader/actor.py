@@ -18,6 +18,7 @@ from proto.loader import (
     AdapterStaged,
     DropAdapter,
     Evicted,
+    LoaderHealth,
     LoaderStarted,
     LoaderToScheduler,
     ReleaseAdapter,
@@ -33,8 +34,10 @@ from runtime.common.packed import PackedAdapter
 from stages.loader.adapter_config import AdapterError
 from stages.loader.adapter_reader import read_adapter
 from stages.loader.config import LoaderConfig
+from stages.loader.files import FileRefused, inside_root
 from stages.loader.host_cache import HostCache, HostCacheFull
 
+SPARE_READ_THREADS = 4  # threads beyond load_threads, taking over from reads stuck in a hung file system
 LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -59,7 +62,10 @@ class LoaderActor(Actor[LoaderConfig]):
         self.loading: dict[str, _Load] = {}
         self.doomed: set[str] = set()  # dropped while pinned: freed on the last ReleaseAdapter
         self.restage: dict[str, list[str]] = {}  # StageAdapter paths waiting for a dropped name to go
-        self.executor = ThreadPoolExecutor(config.load_threads, thread_name_prefix="loader")
+        self.read_threads = config.load_threads + SPARE_READ_THREADS
+        self.executor = ThreadPoolExecutor(self.read_threads, thread_name_prefix="loader")
+        self.stuck: dict[str, float] = {}  # adapter name#read -> when its overdue read started
+        self._reports: set[asyncio.Future[None]] = set()
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -80,6 +86,9 @@ class LoaderActor(Actor[LoaderConfig]):
             lambda: sum(b.nbytes for b in cache.blocks.values())
         )
         m.gauge("lorapipe_host_cache_capacity_bytes", "Size of the host-cache pool").set(cache.capacity)
+        m.gauge(
+            "lorapipe_loader_stuck_reads", "Reads past their deadline still holding a thread"
+        ).set_function(lambda: len(self.stuck))
 
     async def setup(self) -> None:
         cfg, ep = self.config, self.config.endpoints
@@ -190,7 +199,7 @@ class LoaderActor(Actor[LoaderConfig]):
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         try:
-            packed = await loop.run_in_executor(self.executor, self._read, job)
+            packed = await self._read_with_deadline(job)
             block, evicted = self.cache.reserve(job.name, packed.nbytes)
         except (AdapterError, HostCacheFull) as exc:
             retry = getattr(exc, "retryable", False)  # room comes back once pinned blocks are released
@@ -228,8 +237,49 @@ class LoaderActor(Actor[LoaderConfig]):
         for _ in range(job.waiters):
             await self.to_scheduler.put(answer)
 
+    async def _read_with_deadline(self, job: _Load) -> PackedAdapter:
+        """Read in a thread; past `read_timeout_s` the load fails and its thread counts as stuck (a
+        thread in a hung read cannot be stopped) until the read returns; health says so meanwhile."""
+        loop = asyncio.get_running_loop()
+        if len(self.stuck) >= self.read_threads - self.config.load_threads + 1:
+            raise AdapterError(job.name, f"the loader has {len(self.stuck)} reads stuck in the file system")
+        fut = self.executor.submit(self._read, job)
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(fut)), self.config.read_timeout_s
+            )
+        except TimeoutError:
+            started = time.monotonic() - self.config.read_timeout_s
+            key = f"{job.name}#{id(fut)}"
+            self.stuck[key] = started
+            fut.add_done_callback(lambda _: loop.call_soon_threadsafe(self._unstuck, key))
+            await self._report_health()
+            raise AdapterError(
+                job.name, f"reading it took longer than {self.config.read_timeout_s:g}s (a hung file system?)"
+            ) from None
+
+    def _unstuck(self, key: str) -> None:
+        if self.stuck.pop(key, None) is not None:
+            task = asyncio.ensure_future(self._report_health())
+            self._reports.add(task)
+            task.add_done_callback(self._reports.discard)
+
+    async def _report_health(self) -> None:
+        await self.to_scheduler.put(self._health_msg())
+
+    def _health_msg(self) -> LoaderHealth:
+        now = time.monotonic()
+        detail = ", ".join(f"{k.split('#')[0]!r} for {now - t:.0f}s" for k, t in self.stuck.items())
+        detail = f"reads stuck: {detail}" if detail else ""
+        return LoaderHealth(stuck_reads=len(self.stuck), read_threads=self.read_threads, detail=detail[:500])
+
     def _read(self, job: _Load) -> PackedAdapter:
-        return read_adapter(job.name, job.path, self.model_cfg, self.layout, self.dtype)
+        cfg = self.config
+        try:
+            path = inside_root(job.path, cfg.adapter_root, cfg.trusted_paths)
+        except FileRefused as exc:
+            raise AdapterError(job.name, str(exc)) from None
+        return read_adapter(job.name, path, self.model_cfg, self.layout, self.dtype)
 
     def _write(self, offset: int, packed: PackedAdapter) -> None:
         # one memcpy into the pool (read_adapter owns the packing and packs into its own tensor first)

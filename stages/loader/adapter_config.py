@@ -1,14 +1,24 @@
-"""Reads and checks a PEFT `adapter_config.json`: every option the runtime cannot honour exactly is
-refused with an `AdapterError` naming the adapter and the reason."""
+"""Reads and checks a PEFT `adapter_config.json` (a regular file, size-capped, read with a deadline):
+every option the runtime cannot honour exactly, and every rank or scaling out of range, is refused with
+an `AdapterError` naming the adapter and the reason; `check_delta_magnitude` bounds the effective delta."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from runtime.common.lora_layout import TARGET_MODULES
+from stages.loader.files import FileRefused, read_regular
+
+MAX_CONFIG_BYTES = 1 << 20  # PEFT configs are a few KiB; rank/alpha patterns of large models stay far below
+CONFIG_DEADLINE_S = 10.0
+MAX_PATTERN_KEYS = 4096
+MAX_DELTA_ENTRY = 1e4  # LoRA deltas correct weights of order 1: anything near this is not a trained adapter
 
 # Module paths (as PEFT sees them in a *ForCausalLM) of the targets the runtime cannot serve.
 _UNSUPPORTED_TARGETS = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
@@ -98,16 +108,24 @@ def _match(pattern: dict, module_path: str, default):
     return default
 
 
-def read_adapter_config(name: str, adapter_dir: Path) -> AdapterConfig:
+def read_adapter_config(
+    name: str,
+    adapter_dir: Path,
+    *,
+    max_bytes: int = MAX_CONFIG_BYTES,
+    deadline_s: float = CONFIG_DEADLINE_S,
+) -> AdapterConfig:
     path = adapter_dir / "adapter_config.json"
     if not adapter_dir.is_dir():
         raise AdapterError(name, f"{adapter_dir} is not a directory")
     try:
-        c = json.loads(path.read_text())
+        c = json.loads(read_regular(path, max_bytes, deadline_s))
     except FileNotFoundError:
         raise AdapterError(name, f"no adapter_config.json in {adapter_dir}") from None
-    except (OSError, ValueError) as e:
-        raise AdapterError(name, f"unreadable adapter_config.json ({e})") from None
+    except FileRefused as e:
+        raise AdapterError(name, str(e)) from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise AdapterError(name, f"unreadable adapter_config.json ({type(e).__name__}: {e})"[:500]) from None
     if not isinstance(c, dict):
         raise AdapterError(name, "adapter_config.json is not a JSON object")
 
@@ -131,23 +149,80 @@ def read_adapter_config(name: str, adapter_dir: Path) -> AdapterConfig:
     targets = c.get("target_modules")
     _check_targets(name, targets)
 
-    r = c.get("r")
-    if not isinstance(r, int) or r < 1:
-        raise AdapterError(name, f"rank r={r!r} must be a positive integer")
-    alpha = c.get("lora_alpha", 8)
-    if not isinstance(alpha, int | float) or alpha <= 0:
-        raise AdapterError(name, f"lora_alpha={alpha!r} must be a positive number")
+    r = _rank(name, "r", c.get("r"))
+    alpha = _alpha(name, "lora_alpha", c.get("lora_alpha", 8))
+    rank_pattern = _pattern(name, "rank_pattern", c.get("rank_pattern"), _rank)
+    alpha_pattern = _pattern(name, "alpha_pattern", c.get("alpha_pattern"), _alpha)
     return AdapterConfig(
         r=r,
-        alpha=float(alpha),
+        alpha=alpha,
         use_rslora=bool(c.get("use_rslora", False)),
-        rank_pattern=dict(c.get("rank_pattern") or {}),
-        alpha_pattern={k: float(v) for k, v in (c.get("alpha_pattern") or {}).items()},
+        rank_pattern=rank_pattern,
+        alpha_pattern=alpha_pattern,
         target_modules=targets if isinstance(targets, str) else tuple(targets),
         layers_to_transform=_layers(name, c.get("layers_to_transform")),
         layers_pattern=_names(name, "layers_pattern", c.get("layers_pattern")),
         exclude_modules=_exclude(name, c.get("exclude_modules")),
     )
+
+
+def _rank(name: str, field: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 16:
+        raise AdapterError(name, f"{field}={value!r} must be a positive integer rank")
+    return value
+
+
+def _alpha(name: str, field: str, value) -> float:
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise AdapterError(name, f"{field}={value!r} must be a finite positive number")
+    return float(value)
+
+
+def _pattern(name: str, field: str, value, check) -> dict:
+    """A PEFT pattern: {module regex: value}, each key a valid regex and each value checked."""
+    if not value:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_PATTERN_KEYS:
+        raise AdapterError(name, f"{field} must be an object of at most {MAX_PATTERN_KEYS} entries")
+    out = {}
+    for key, v in value.items():
+        if len(key) > 512:
+            raise AdapterError(name, f"{field} key {key[:40]!r}... is longer than 512 characters")
+        _compile(name, field, key)
+        out[key] = check(name, f"{field}[{key!r}]", v)
+    return out
+
+
+def check_delta_magnitude(
+    name: str, where: str, a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> None:
+    """Refuse a module whose effective delta `scaling * B @ A` (A [r, in], B [out, r]) is not finite,
+    whose weights do not fit `dtype`, or whose entries could exceed MAX_DELTA_ENTRY (and, for float16,
+    what `in` such entries can sum to). No matmul: |(B @ A)[i, j]| <= ||B[i, :]|| * ||A[:, j]||."""
+    if not math.isfinite(scaling) or scaling <= 0:
+        raise AdapterError(name, f"{where}: scaling {scaling!r} is not a finite positive number")
+    top = torch.finfo(dtype).max if dtype.is_floating_point else math.inf
+    a_max, b_max = float(a.detach().abs().max()), float(b.detach().abs().max())
+    if not (a_max <= top and b_max <= top):  # NaN compares false
+        raise AdapterError(name, f"{where}: weights beyond the range of {str(dtype).removeprefix('torch.')}")
+    if a_max == 0 or b_max == 0:
+        return  # a zero delta (PEFT's init for B)
+    # norms of the weights divided by their largest entry: float32 never overflows on them
+    a_norm = float((a.detach().float() / a_max).norm(dim=0).max()) * a_max  # max over columns of A
+    b_norm = float((b.detach().float() / b_max).norm(dim=1).max()) * b_max  # max over rows of B
+    bound = scaling * b_norm * a_norm
+    limit = min(MAX_DELTA_ENTRY, top / max(a.shape[1], 1))
+    if not math.isfinite(bound) or bound > limit:
+        raise AdapterError(
+            name,
+            f"{where}: the effective delta (scaling x B @ A) may reach {bound:.3g} per weight, more than the "
+            f"{limit:.3g} this runtime accepts (weights or lora_alpha far out of range)",
+        )
 
 
 def _layers(name: str, layers) -> tuple[int, ...] | None:

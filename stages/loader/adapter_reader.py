@@ -12,7 +12,13 @@ from safetensors import safe_open
 from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
 from runtime.common.model_config import ModelConfig
 from runtime.common.packed import PackedAdapter
-from stages.loader.adapter_config import AdapterConfig, AdapterError, read_adapter_config
+from stages.loader.adapter_config import (
+    AdapterConfig,
+    AdapterError,
+    check_delta_magnitude,
+    read_adapter_config,
+)
+from stages.loader.files import FileRefused, open_regular
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _PARENT = {m: ("mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn") for m in TARGET_MODULES}
@@ -28,17 +34,30 @@ def read_adapter(
 ) -> PackedAdapter:
     adapter_dir = Path(path)
     acfg = read_adapter_config(name, adapter_dir)
-    tensors = _read_tensors(name, adapter_dir)
+    tensors = _read_tensors(name, adapter_dir, max_file_bytes(layout))
     pairs = _group_pairs(name, tensors, cfg, acfg)
+    for (layer, module), (a, b) in pairs.items():
+        scaling = acfg.rank_and_scaling(_path(layer, module))[1]
+        check_delta_magnitude(name, f"{module} of layer {layer}", a, b, scaling, dtype)
     return _pack(name, pairs, acfg, layout, dtype, pin_memory)
 
 
-def _read_tensors(name: str, adapter_dir: Path) -> dict[str, torch.Tensor]:
+def max_file_bytes(layout: LoraLayout) -> int:
+    """The largest adapter_model.safetensors a servable adapter can need: every module at max rank in
+    float64, plus room for the header."""
+    return layout.num_layers * layout.max_rank * layout.row_elems * 8 + (1 << 20)
+
+
+def _read_tensors(name: str, adapter_dir: Path, max_bytes: int) -> dict[str, torch.Tensor]:
     file = adapter_dir / "adapter_model.safetensors"
     if not file.exists():
         if (adapter_dir / "adapter_model.bin").exists():
             raise AdapterError(name, "adapter_model.bin (a pickle) is not supported; save it as safetensors")
         raise AdapterError(name, f"no adapter_model.safetensors in {adapter_dir}")
+    try:
+        open_regular(file, max_bytes).close()  # never hand a FIFO, a device or a huge file to safe_open
+    except FileRefused as e:
+        raise AdapterError(name, str(e)) from None
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             return {k: f.get_tensor(k) for k in f.keys()}

@@ -15,3 +15,6 @@ class LoaderConfig(StageConfig, frozen=True, kw_only=True):
     host_pool_name: str  # shared memory created by the launcher (it outlives a loader restart)
     host_pool_bytes: int
     load_threads: int = 2  # adapters read and packed at once
+    adapter_root: str | None = None  # resolved; adapters are read only from inside it (or trusted_paths)
+    trusted_paths: tuple[str, ...] = ()  # resolved dirs of the --adapter adapters
+    read_timeout_s: float = 60.0  # one adapter's files must be read within this (else: failed, stuck)

@@ -14,6 +14,7 @@ from proto.loader import (
     AdapterFailed,
     AdapterStaged,
     Evicted,
+    LoaderHealth,
     LoaderStarted,
     LoaderToScheduler,
     SchedulerToLoader,
@@ -25,6 +26,7 @@ from proto.pipeline import (
     HealthStatus,
     ListAdaptersOp,
     LoadAdapterOp,
+    OpFailed,
     RequestFailed,
     SchedulerToTokenizer,
     TokenizedRequest,
@@ -41,6 +43,7 @@ from proto.plan import (
 )
 from runtime.base.actor import Actor
 from runtime.base.sockets import PullSocket, PushSocket
+from runtime.common.names import adapter_name_problem
 from stages.scheduler.adapter_lifecycle import AdapterLifecycle
 from stages.scheduler.adapter_ops import AdapterOps
 from stages.scheduler.adapters import AdapterRegistry, AdapterState
@@ -66,6 +69,7 @@ class SchedulerActor(Actor[SchedulerConfig]):
         self.to_tokenizer = self.mailbox("to_tokenizer")
         self.to_loader = self.mailbox("to_loader")
         self.adapters = AdapterRegistry(dict(config.adapters))
+        self.loader_health: LoaderHealth | None = None  # the loader's last word on stuck reads
         self.series = SchedulerMetrics(
             self.metrics,
             planner=lambda: self.planner,
@@ -130,7 +134,10 @@ class SchedulerActor(Actor[SchedulerConfig]):
             case WorkerStarted():
                 await self.on_worker_started(msg)
             case LoaderStarted():
+                self.loader_health = None
                 await life.on_loader_started()
+            case LoaderHealth():
+                self.loader_health = msg
             case AdapterStaged():
                 await ops.on_adapter_staged(msg)
                 await life.on_adapter_staged(msg, planner)
@@ -138,6 +145,10 @@ class SchedulerActor(Actor[SchedulerConfig]):
                 await ops.on_adapter_failed(msg, planner)
             case Evicted():
                 life.on_evicted(msg)
+            case LoadAdapterOp() | UnloadAdapterOp() if problem := adapter_name_problem(msg.name):
+                await self.to_tokenizer.put(
+                    OpFailed(op_id=msg.op_id, kind="invalid_request", message=problem)
+                )
             case LoadAdapterOp():
                 await ops.on_load_adapter_op(msg)
             case UnloadAdapterOp():
@@ -237,5 +248,14 @@ class SchedulerActor(Actor[SchedulerConfig]):
             StageHealth(
                 stage="worker", status="ok" if p else "degraded", detail=f"{len(self.in_flight)} plans queued"
             ),
-            StageHealth(stage="loader", status="ok" if self.lifecycle.loader_up else "down"),
+            self._loader_health(),
         ]
+
+    def _loader_health(self) -> StageHealth:
+        h = self.loader_health
+        if not self.lifecycle.loader_up:
+            return StageHealth(stage="loader", status="down")
+        if h is None or not h.stuck_reads:
+            return StageHealth(stage="loader", status="ok")
+        status = "down" if h.stuck_reads >= h.read_threads else "degraded"
+        return StageHealth(stage="loader", status=status, detail=h.detail)

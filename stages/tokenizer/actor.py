@@ -54,14 +54,25 @@ from proto.pipeline import (
     WorkerToTokenizer,
 )
 from runtime.base.actor import Actor
-from runtime.base.sockets import PeerGone, PullSocket, PushSocket, RouterSocket
+from runtime.base.sockets import MAX_CLIENT_FRAMES, PeerGone, PullSocket, PushSocket, RouterSocket
+from stages.tokenizer.adapter_ops import check_adapter_op
 from stages.tokenizer.config import TokenizerConfig
 from stages.tokenizer.detokenizer import IncrementalDetokenizer
 from stages.tokenizer.local_clients import LocalClients
 from stages.tokenizer.requests import OpenRequest, RequestTable
-from stages.tokenizer.validate import Rejected, check_prompt, check_request, encode_prompt
+from stages.tokenizer.tokenizing import ApartTokenizer
+from stages.tokenizer.validate import (
+    Rejected,
+    check_prompt,
+    check_prompt_size,
+    check_request,
+    encode_prompt,
+    prompt_byte_limit,
+)
 
-THREAD_TOKENIZE_CHARS = 8192
+THREAD_TOKENIZE_CHARS = 8192  # longer texts are tokenized in a thread, beside other requests
+TOKENIZE_THREADS = 2
+MAX_REQUEST_ID = 256
 
 
 class TokenizerActor(Actor[TokenizerConfig]):
@@ -76,6 +87,12 @@ class TokenizerActor(Actor[TokenizerConfig]):
         self._op_ids = itertools.count(1)
         self.local = LocalClients()  # in-process clients: the HTTP front end
         self.http: Any = None
+        self.max_prompt_bytes = prompt_byte_limit(
+            self.tokenizer, config.max_model_len, config.max_prompt_bytes
+        )
+        self.tokenizing = ApartTokenizer(
+            self.tokenizer, TOKENIZE_THREADS, config.max_tokenizing_bytes, self._admit, self._reject
+        )
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -94,7 +111,14 @@ class TokenizerActor(Actor[TokenizerConfig]):
     async def setup(self) -> None:
         ep, cfg = self.config.endpoints, self.config
         self.client = self.socket(
-            RouterSocket(ep.client, ClientRequest, ClientReply, max_msg_bytes=cfg.max_client_msg_bytes)
+            RouterSocket(
+                ep.client,
+                ClientRequest,
+                ClientReply,
+                max_msg_bytes=cfg.max_client_msg_bytes,
+                max_frames=MAX_CLIENT_FRAMES,
+                api_key=cfg.api_key,
+            )
         )
         to_scheduler = self.socket(PushSocket(ep.tokenizer_to_scheduler, TokenizerToScheduler))
         from_scheduler = self.socket(PullSocket(ep.scheduler_to_tokenizer, SchedulerToTokenizer))
@@ -126,6 +150,9 @@ class TokenizerActor(Actor[TokenizerConfig]):
     # --- client requests ------------------------------------------------------------------------------
     async def handle_client(self, item: tuple[bytes, Any]) -> None:
         identity, msg = item
+        if len(msg.request_id) > MAX_REQUEST_ID:
+            text = f"request_id is {len(msg.request_id)} characters long (at most {MAX_REQUEST_ID})"
+            return await self._error(identity, msg.request_id[:MAX_REQUEST_ID], "invalid_request", text)
         match msg:
             case Hello():
                 await self.on_hello(identity, msg)
@@ -133,12 +160,8 @@ class TokenizerActor(Actor[TokenizerConfig]):
                 await self.on_generate_request(identity, msg)
             case Abort():
                 await self.on_abort(identity, msg)
-            case LoadAdapter(name=name, path=path):
-                await self._forward_op(
-                    identity, msg, lambda op: LoadAdapterOp(op_id=op, name=name, path=path)
-                )
-            case UnloadAdapter(name=name):
-                await self._forward_op(identity, msg, lambda op: UnloadAdapterOp(op_id=op, name=name))
+            case LoadAdapter() | UnloadAdapter():
+                await self.on_adapter_op(identity, msg)
             case ListAdapters():
                 await self._forward_op(identity, msg, lambda op: ListAdaptersOp(op_id=op))
             case Health():
@@ -161,26 +184,50 @@ class TokenizerActor(Actor[TokenizerConfig]):
         )
         await self.client_replies.put((identity, welcome))
 
+    async def on_adapter_op(self, identity: bytes, msg: LoadAdapter | UnloadAdapter) -> None:
+        cfg = self.config
+        try:
+            path = check_adapter_op(
+                msg, runtime_loading=cfg.runtime_adapter_loading, adapter_root=cfg.adapter_root
+            )
+        except Rejected as exc:
+            return await self._error(identity, msg.request_id, exc.kind, exc.message)
+        name = msg.name
+        if path is not None:
+            await self._forward_op(identity, msg, lambda op: LoadAdapterOp(op_id=op, name=name, path=path))
+        else:
+            await self._forward_op(identity, msg, lambda op: UnloadAdapterOp(op_id=op, name=name))
+
     async def on_generate_request(self, identity: bytes, msg: GenerateRequest) -> None:
         rid = msg.request_id
         if self.draining:
             return await self._error(identity, rid, "server_error", self._shutdown_message())
-        if rid in self.requests:
+        if rid in self.requests or rid in self.tokenizing:
             return await self._error(
-                identity, rid, "invalid_request", f"request_id {rid!r} is already running"
+                identity, rid, "invalid_request", f"request_id {rid!r:.200} is already running"
             )
         cfg = self.config
-        try:
+        try:  # the cheap checks, before any tokenizing
             check_request(msg, vocab_size=cfg.vocab_size, adapters=self.adapters)
-            if msg.prompt is not None and len(msg.prompt) > THREAD_TOKENIZE_CHARS:
-                # long texts: tokenize off the loop (tokenizers drops the GIL) so streaming goes on
-                ids = await asyncio.to_thread(encode_prompt, msg, self.tokenizer)
-            else:
-                ids = encode_prompt(msg, self.tokenizer)
+            check_prompt_size(msg, max_prompt_bytes=self.max_prompt_bytes, max_model_len=cfg.max_model_len)
+        except Rejected as exc:
+            return await self._reject(identity, rid, exc)
+        if msg.prompt is not None and len(msg.prompt) > THREAD_TOKENIZE_CHARS:
+            return self.tokenizing.start(identity, msg)
+        await self._admit(identity, msg, encode_prompt(msg, self.tokenizer))
+
+    async def _reject(self, identity: bytes, rid: str, exc: Rejected) -> None:
+        self.m_requests.labels(outcome=f"rejected_{exc.kind}").inc()
+        await self._error(identity, rid, exc.kind, exc.message)
+
+    async def _admit(self, identity: bytes, msg: GenerateRequest, ids: list[int]) -> None:
+        rid, cfg = msg.request_id, self.config
+        if self.draining:
+            return await self._error(identity, rid, "server_error", self._shutdown_message())
+        try:
             check_prompt(ids, msg, max_model_len=cfg.max_model_len, vocab_size=cfg.vocab_size)
         except Rejected as exc:
-            self.m_requests.labels(outcome=f"rejected_{exc.kind}").inc()
-            return await self._error(identity, rid, exc.kind, exc.message)
+            return await self._reject(identity, rid, exc)
         now = time.monotonic()
         detok = IncrementalDetokenizer(self.tokenizer, ids)
         self.requests.add(OpenRequest(rid, identity, msg.stream, detok, len(ids), now))
@@ -196,6 +243,8 @@ class TokenizerActor(Actor[TokenizerConfig]):
         await self.to_scheduler.put(tokenized)
 
     async def on_abort(self, identity: bytes, msg: Abort) -> None:
+        if self.tokenizing.cancel(msg.request_id, identity):
+            return
         req = self.requests.get(msg.request_id)
         if req is not None and req.identity == identity:
             await self._abort(msg.request_id, outcome="aborted")
@@ -296,6 +345,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
             await self._abort(rid, outcome="disconnected")
         for op_id in [op for op, (who, _) in self.ops.items() if who == identity]:
             del self.ops[op_id]
+        self.tokenizing.forget_client(identity)
 
     async def on_malformed(self, socket: str, exc: ProtocolError) -> None:
         await super().on_malformed(socket, exc)
@@ -314,6 +364,8 @@ class TokenizerActor(Actor[TokenizerConfig]):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.drain_timeout * 0.8):
                     await self.requests.idle.wait()
+        for rid, identity in self.tokenizing.drain():
+            await self._error(identity, rid, "server_error", self._shutdown_message())
         for rid in list(self.requests.by_id):
             req = self._drop(rid, outcome="shutdown")
             assert req is not None
@@ -327,6 +379,6 @@ def _peek_request_id(body: bytes) -> str:
     """Best effort: the request_id of an undecodable message (field 1 of a tagged array), or ""."""
     try:
         raw = msgspec.msgpack.decode(body)
-    except msgspec.DecodeError:
+    except Exception:  # anything undecodable (invalid UTF-8 included): no id to echo
         return ""
     return raw[1][:200] if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str) else ""

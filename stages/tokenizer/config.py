@@ -18,12 +18,17 @@ class TokenizerConfig(StageConfig, frozen=True, kw_only=True):
     vocab_size: int  # prompt ids and stop ids must be below it
     model_name: str = ""
     adapters: tuple[str, ...] = ()  # names registered at start (--adapter NAME=PATH)
-    max_client_msg_bytes: int = MAX_CLIENT_MSG_BYTES
+    max_client_msg_bytes: int = MAX_CLIENT_MSG_BYTES  # checked before decoding (zmq drops bigger frames)
+    max_prompt_bytes: int = 0  # 0: max_model_len x the longest token's UTF-8 bytes
+    # clients must hold it: CURVE + ZAP on the client ROUTER, `Authorization: Bearer KEY` on HTTP /v1/*
+    api_key: str | None = None
+    adapter_root: str | None = None  # resolved; LoadAdapter paths must lie inside it
+    runtime_adapter_loading: bool = True  # False: LoadAdapter/UnloadAdapter are refused
+    max_tokenizing_bytes: int = 64 << 20  # text waiting to be tokenized off the loop, all connections
     health_timeout_s: float = 2.0  # a scheduler that does not answer a probe this fast is reported down
     # OpenAI-compatible HTTP front end (stages/tokenizer/http/)
     http_host: str = "127.0.0.1"
     http_port: int = 0  # 0: no HTTP server
-    api_key: str | None = None  # HTTP /v1/* then needs `Authorization: Bearer KEY`
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, endpoints: Endpoints, **kw: Any) -> TokenizerConfig:

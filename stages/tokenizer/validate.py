@@ -1,5 +1,5 @@
-"""Request validation at the pipeline's edge: sampling ranges, adapter name, prompt ids and length,
-with the error kinds and texts the client sees."""
+"""Request validation at the pipeline's edge: sampling ranges, adapter name, prompt size (before any
+tokenizing), prompt ids and length, with the error kinds and texts the client sees."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from tokenizers import Tokenizer
 
 from proto.client import ErrorKind, GenerateRequest
+from runtime.common.names import adapter_name_problem
 
 
 class Rejected(Exception):
@@ -27,6 +28,8 @@ def check_request(req: GenerateRequest, *, vocab_size: int, adapters: Mapping[st
         raise Rejected("invalid_request", str(exc)) from None
     if any(t >= vocab_size for t in s.stop_token_ids):
         raise Rejected("invalid_request", f"stop_token_ids must be < vocab size {vocab_size}")
+    if req.adapter is not None and (problem := adapter_name_problem(req.adapter)) is not None:
+        raise Rejected("invalid_request", problem)
     state = adapters.get(req.adapter, "unknown") if req.adapter is not None else "registered"
     if state == "unloading":
         raise Rejected(
@@ -36,6 +39,36 @@ def check_request(req: GenerateRequest, *, vocab_size: int, adapters: Mapping[st
         raise Rejected("unknown_adapter", f"unknown adapter {req.adapter!r}; load it first")
     if (req.prompt is None) == (req.prompt_ids is None):
         raise Rejected("invalid_request", "give exactly one of prompt (text) or prompt_ids")
+
+
+def check_prompt_size(req: GenerateRequest, *, max_prompt_bytes: int, max_model_len: int) -> None:
+    """Refuse a prompt that cannot fit before paying for it: text by its UTF-8 size (a prompt of more
+    than max_prompt_bytes bytes needs more tokens than the context holds), ids by their count."""
+    room = max_model_len - req.sampling.max_tokens
+    if req.prompt_ids is not None and len(req.prompt_ids) > room:
+        raise Rejected(
+            "invalid_request",
+            f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the "
+            f"model's context of {max_model_len} tokens",
+        )
+    if req.prompt is not None and len(req.prompt) * 4 > max_prompt_bytes:  # else it surely fits
+        nbytes = len(req.prompt) if len(req.prompt) > max_prompt_bytes else len(req.prompt.encode())
+        if nbytes > max_prompt_bytes:
+            raise Rejected(
+                "invalid_request",
+                f"prompt of {nbytes} bytes exceeds the server's limit of {max_prompt_bytes} bytes "
+                f"(more tokens than the {max_model_len}-token context holds)",
+            )
+
+
+def prompt_byte_limit(tokenizer: Tokenizer, max_model_len: int, configured: int = 0) -> int:
+    """`configured`, or the most UTF-8 bytes a prompt of max_model_len tokens can span: every token
+    stands for at most as many bytes as its vocabulary entry has (an upper bound for byte-level BPE,
+    whose entries spell each byte with one or two UTF-8 bytes)."""
+    if configured > 0:
+        return configured
+    longest = max((len(t.encode()) for t in tokenizer.get_vocab()), default=1)
+    return max_model_len * max(longest, 4)
 
 
 def check_prompt(ids: list[int], req: GenerateRequest, *, max_model_len: int, vocab_size: int) -> None:
@@ -57,11 +90,12 @@ def check_prompt(ids: list[int], req: GenerateRequest, *, max_model_len: int, vo
 
 
 def encode_prompt(req: GenerateRequest, tokenizer: Tokenizer) -> list[int]:
-    """Prompt ids: given ones as they are, text through the tokenizer (with its BOS template)."""
+    """Prompt ids: given ones as they are, text through the tokenizer (with its BOS template).
+    encode_batch, unlike encode, releases the GIL, so a thread running it leaves the loop free."""
     if req.prompt_ids is not None:
         return req.prompt_ids.tolist()
     assert req.prompt is not None
-    return tokenizer.encode(req.prompt, add_special_tokens=True).ids
+    return tokenizer.encode_batch([req.prompt], add_special_tokens=True)[0].ids
 
 
 def validate_generate(

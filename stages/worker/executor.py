@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from proto.pipeline import TokenBatch, TokenDelta
 from proto.plan import BatchPlan, FinishedRequest, RequestError, SlotError, SlotLoad, StepResult
 from proto.sampling import SamplingParams
@@ -52,6 +54,7 @@ class StepExecutor:
         self.max_model_len = max_model_len
         self._load_adapter = load_adapter
         self.requests: dict[str, WorkerRequest] = {}
+        self.retried_steps = 0  # steps whose forward failed and ran again adapter by adapter
         # Host seconds per phase of the steps that computed: plan applied, forward issued, tokens
         # sampled (waits for the GPU), results built. A per-stage metric, and where a profile starts.
         self.phase_seconds = dict.fromkeys(("plan", "forward", "sample", "results"), 0.0)
@@ -78,16 +81,27 @@ class StepExecutor:
             )
             for req, n in scheduled
         ]
-        logits = self.runner.execute(seqs, layer_waits)  # [B, V]
+        try:
+            logits = self.runner.execute(seqs, layer_waits)  # [B, V]
+        except Exception as exc:
+            if len({req.slot for req, _ in scheduled}) < 2 and len(scheduled) < 2:
+                raise  # nothing to tell apart: the caller fails this step's requests
+            scheduled, seqs, logits = self._execute_apart(scheduled, seqs, layer_waits, exc, errors)
         t_forward = time.perf_counter()
         for req, n in scheduled:
             req.num_computed += n
         rows = [i for i, (req, _) in enumerate(scheduled) if req.num_computed == len(req.token_ids)]
         reqs = [scheduled[i][0] for i in rows]
-        tokens = self.sampler.sample(logits[rows], [r.request_id for r in reqs], [r.sampling for r in reqs])
+        tokens, bad = self.sampler.sample(
+            logits[rows], [r.request_id for r in reqs], [r.sampling for r in reqs]
+        )
         t_sample = time.perf_counter()
         finished, items = [], []
-        for req, tok in zip(reqs, tokens, strict=True):
+        for row, (req, tok) in enumerate(zip(reqs, tokens, strict=True)):
+            if row in bad:  # fails alone: its batch-mates keep their tokens
+                req.active = False
+                errors.append(RequestError(request_id=req.request_id, message=bad[row]))
+                continue
             req.token_ids.append(tok)
             reason = self._finish_reason(req, tok)
             items.append(TokenDelta(request_id=req.request_id, token_ids=[tok], finish_reason=reason))
@@ -115,6 +129,38 @@ class StepExecutor:
             num_tokens=num_tokens,
         )
         return result, TokenBatch(step=plan.step, items=items)
+
+    def _execute_apart(
+        self,
+        scheduled: list[tuple[WorkerRequest, int]],
+        seqs: list[SeqInput],
+        layer_waits: list[list] | None,
+        exc: Exception,
+        errors: list[RequestError],
+    ) -> tuple[list[tuple[WorkerRequest, int]], list[SeqInput], torch.Tensor]:
+        """The batch's forward failed: run it again one adapter at a time (requests without one alone),
+        so only the group that fails again is failed. Recomputing writes the same KV positions again,
+        so the partial writes of the failed attempt are overwritten."""
+        groups: dict[object, list[int]] = {}
+        for i, (req, _) in enumerate(scheduled):
+            groups.setdefault(req.slot if req.slot >= 0 else ("base", i), []).append(i)
+        kept: list[int] = []
+        parts: list[torch.Tensor] = []
+        for rows in groups.values():
+            try:
+                parts.append(self.runner.execute([seqs[i] for i in rows], layer_waits))
+            except Exception as again:
+                for i in rows:
+                    req = scheduled[i][0]
+                    req.active = False
+                    why = f"worker step failed: {type(again).__name__}: {again}"
+                    errors.append(RequestError(request_id=req.request_id, message=why[:2000]))
+                continue
+            kept.extend(rows)
+        self.retried_steps += 1
+        if not parts:
+            raise exc
+        return [scheduled[i] for i in kept], [seqs[i] for i in kept], torch.cat(parts)
 
     def fail_step(self, plan: BatchPlan, message: str) -> StepResult:
         """The forward itself failed: every request this plan ran is failed and forgotten."""

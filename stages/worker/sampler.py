@@ -1,6 +1,7 @@
 """Turns each sequence's last-token logits into its next token under its own SamplingParams: greedy
 rows by argmax in one op, sampled rows through temperature, top-k and top-p with a per-request
-generator when the request has a seed (so its samples do not depend on its batch-mates)."""
+generator when the request has a seed (so its samples do not depend on its batch-mates). A row whose
+logits are not finite is reported as failed instead of yielding a token."""
 
 from __future__ import annotations
 
@@ -29,17 +30,33 @@ class Sampler:
             self._gens[request_id] = gen
         return gen
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        """logits: [B, V] float32. Returns one token id per row (one device→host read)."""
+    def sample(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> tuple[list[int], dict[int, str]]:
+        """logits: [B, V] float32. Returns one token id per row and {row: why} for the rows that could
+        not be sampled (logits or probabilities not finite): those fail alone, never their batch-mates.
+        One device→host read, no sync before it (a bad row samples a stand-in distribution)."""
         if not request_ids:
-            return []
+            return [], {}
+        ok = torch.isfinite(logits).all(dim=-1)  # [B]
         tokens = logits.argmax(dim=-1)  # [B]
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        for i in sampled:
-            p = params[i]
+        for i, p in enumerate(params):
+            if p.greedy:
+                continue
             probs = _filtered_probs(logits[i], p)
+            good = ok[i] & torch.isfinite(probs).all() & (probs.sum() > 0)
+            # multinomial on NaN or all-zero probabilities fails (a device assert on CUDA): never give it one
+            probs = torch.where(good, probs, torch.ones_like(probs))
             tokens[i] = torch.multinomial(probs, 1, generator=self._generator(request_ids[i], p))[0]
-        return tokens.tolist()
+            ok[i] = good
+        host_tokens, host_ok = torch.stack((tokens, ok.to(tokens.dtype))).tolist()  # [2, B]
+        errors = {
+            i: "the model's output for this request is not finite (NaN or infinity): its adapter's "
+            "weights or scalings are out of range, or its sampling values overflow"
+            for i, good in enumerate(host_ok)
+            if not good
+        }
+        return host_tokens, errors
 
 
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

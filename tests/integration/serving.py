@@ -27,9 +27,17 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen, endpoint: str, metrics_port: int, http_port: int = 0):
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        endpoint: str,
+        metrics_port: int,
+        http_port: int = 0,
+        api_key: str | None = None,
+    ):
         self.proc, self.endpoint, self.metrics_port = proc, endpoint, metrics_port
         self.http_port = http_port
+        self.api_key = api_key
 
     @property
     def base_url(self) -> str:
@@ -51,7 +59,7 @@ class Server:
         return None
 
     def client(self, timeout: float = 60.0) -> Client:
-        return Client(self.endpoint, timeout=timeout)
+        return Client(self.endpoint, timeout=timeout, api_key=self.api_key)
 
     def metrics(self) -> dict[tuple[str, str], float]:
         """{(sample name, stage): value} for unlabeled-but-stage samples."""
@@ -69,10 +77,21 @@ class Server:
     def metric(self, name: str, stage: str) -> float:
         return sum(v for (n, st, _), v in self.metrics().items() if n == name and st == stage)
 
+    def metric_labeled(self, name: str, stage: str, **labels: str) -> float:
+        return sum(
+            v
+            for (n, st, lab), v in self.metrics().items()
+            if n == name and st == stage and labels.items() <= dict(lab).items()
+        )
+
 
 @contextlib.contextmanager
 def serve(
-    model: Path, adapters: dict[str, Path], *flags: str, ready_timeout: float = 120.0
+    model: Path,
+    adapters: dict[str, Path],
+    *flags: str,
+    ready_timeout: float = 120.0,
+    api_key: str | None = None,
 ) -> Iterator[Server]:
     port, mport, hport = free_port(), free_port(), free_port()
     cmd = [
@@ -95,7 +114,7 @@ def serve(
     for name, path in adapters.items():
         cmd += ["--adapter", f"{name}={path}"]
     proc = subprocess.Popen(cmd, cwd=ROOT)
-    server = Server(proc, f"tcp://127.0.0.1:{port}", mport, hport)
+    server = Server(proc, f"tcp://127.0.0.1:{port}", mport, hport, api_key)
     try:
         deadline = time.monotonic() + ready_timeout
         while True:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proto.base import Message, TokenIds
+from proto.base import PROTOCOL_VERSION, Message, TokenIds
 from proto.client import (
     Abort,
     Ack,
@@ -35,6 +35,7 @@ from proto.loader import (
     AdapterStaged,
     DropAdapter,
     Evicted,
+    LoaderHealth,
     LoaderStarted,
     ReleaseAdapter,
     StageAdapter,
@@ -90,7 +91,7 @@ SLOT_LOAD = SlotLoad(
 )
 
 EXAMPLES: list[Message] = [
-    Hello(request_id="h", protocol_version=1),
+    Hello(request_id="h", protocol_version=PROTOCOL_VERSION),
     GenerateRequest(request_id="g1", prompt="héllo 日本", adapter="a", sampling=SAMPLING, stream=False),
     GenerateRequest(request_id="g2", prompt_ids=LONG_IDS),
     Abort(request_id="g1"),
@@ -98,7 +99,9 @@ EXAMPLES: list[Message] = [
     UnloadAdapter(request_id="u", name="a"),
     ListAdapters(request_id="la"),
     Health(request_id="he"),
-    Welcome(request_id="h", protocol_version=1, model="tiny", max_model_len=64, vocab_size=300),
+    Welcome(
+        request_id="h", protocol_version=PROTOCOL_VERSION, model="tiny", max_model_len=64, vocab_size=300
+    ),
     TokenChunk(
         request_id="g1",
         text="hé",
@@ -178,8 +181,9 @@ EXAMPLES: list[Message] = [
     ),
     AdapterFailed(name="b", message="DoRA adapters are not supported"),
     Evicted(name="a"),
+    LoaderHealth(stuck_reads=1, read_threads=6, detail="reads stuck: 'a' for 61s"),
     LoaderStarted(pid=7),
-    Ready(stage="scheduler", pid=42, protocol_version=1),
+    Ready(stage="scheduler", pid=42, protocol_version=PROTOCOL_VERSION),
     FatalError(stage="worker", message="CUDA error"),
     MetricsReport(query_id=1, stage="loader", text="# HELP x\n"),
     Draining(stage="tokenizer"),

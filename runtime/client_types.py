@@ -1,0 +1,138 @@
+"""What the client SDK hands its callers: the typed errors, one per server error kind (plus Timeout
+and Unauthorized from the client's side), the Chunk/Timings/Completion results, and the checks that
+turn an unsendable request (bad sampling values, a lone surrogate, a bad name) into InvalidRequest."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from proto.base import TokenIds
+from proto.client import ErrorReply, GenerateRequest
+from proto.sampling import SamplingParams
+from runtime.common.names import adapter_name_problem
+
+Prompt = str | Sequence[int]  # text, or token ids used as given
+
+
+class LorapipeError(Exception):
+    """Base of every error the SDK raises; str(e) is the server's message."""
+
+
+class InvalidRequest(LorapipeError): ...
+
+
+class UnknownAdapter(LorapipeError): ...
+
+
+class AdapterLoadFailed(LorapipeError): ...
+
+
+class ServerError(LorapipeError): ...
+
+
+class Aborted(LorapipeError): ...
+
+
+class ProtocolMismatchError(LorapipeError): ...
+
+
+class Timeout(LorapipeError, TimeoutError): ...
+
+
+class Forbidden(LorapipeError):
+    """The server's configuration refuses the operation (runtime loading off, path outside its root)."""
+
+
+class Unauthorized(LorapipeError):
+    """The server refused the connection's credentials: API key missing, wrong, or not expected."""
+
+
+_ERRORS: dict[str, type[LorapipeError]] = {
+    "invalid_request": InvalidRequest,
+    "unknown_adapter": UnknownAdapter,
+    "adapter_load_failed": AdapterLoadFailed,
+    "server_error": ServerError,
+    "aborted": Aborted,
+    "protocol_mismatch": ProtocolMismatchError,
+    "forbidden": Forbidden,
+}
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Output of one request as it arrives; `time` is seconds since the request was sent (client clock)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    time: float
+    prompt_tokens: int = 0
+    server_ttft: float = 0.0  # tokenizer arrival → first token, server clock (0 until known)
+
+
+@dataclass(frozen=True)
+class Timings:
+    ttft: float  # seconds from send to the first token (client clock)
+    token_times: list[float]  # per output token: seconds from send to its arrival
+    e2e: float  # seconds from send to the final chunk
+    server_ttft: float = 0.0
+
+    @property
+    def itl(self) -> list[float]:
+        """Inter-token latencies."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    timings: Timings = field(repr=False)
+
+
+def error_from_reply(reply: ErrorReply) -> LorapipeError:
+    return _ERRORS.get(reply.kind, ServerError)(reply.message)
+
+
+def make_request(prompt: Prompt, adapter: str | None, sampling: dict[str, Any]) -> GenerateRequest:
+    try:
+        params = msgspec.convert(sampling, SamplingParams)
+        params.validate()
+    except (msgspec.ValidationError, TypeError, ValueError, OverflowError) as exc:
+        raise InvalidRequest(f"invalid sampling parameters: {exc}") from None
+    if adapter is not None:
+        check_name(adapter)
+    rid = uuid.uuid4().hex
+    if isinstance(prompt, str):
+        check_text(prompt, "prompt")
+        return GenerateRequest(request_id=rid, prompt=prompt, adapter=adapter, sampling=params)
+    try:
+        ids = TokenIds.of(prompt)
+    except (TypeError, OverflowError) as exc:
+        raise InvalidRequest(f"prompt token ids must be int32 integers: {exc}") from None
+    return GenerateRequest(request_id=rid, prompt_ids=ids, adapter=adapter, sampling=params)
+
+
+def check_name(name: object) -> None:
+    problem = adapter_name_problem(name)
+    if problem is not None:
+        raise InvalidRequest(problem)
+
+
+def check_text(text: object, what: str) -> None:
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{what} must be a string, got {type(text).__name__}")
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"{what} is not valid Unicode text (a lone surrogate at {exc.start})") from None
