@@ -24,6 +24,7 @@ DEFAULT_METRICS_PORT = DEFAULT_CLIENT_PORT + 1
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")
+DEFAULT_CPU_LORA_CACHE_GB = 4.0
 
 
 class ServeArgsError(ValueError):
@@ -37,7 +38,9 @@ class ServeArgs:
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str = "auto"
     max_loras_per_batch: int = 4
-    max_cpu_loras: int = 8
+    max_cpu_loras: int | None = None  # an optional cap on adapters in the host cache
+    cpu_lora_cache_gb: float | None = None  # the host cache in GiB (see host_cache_bytes)
+    loader_threads: int | None = None  # None: min(8, max(2, cpu_count // 2))
     max_lora_rank: int = 64
     max_running_requests: int = 64
     max_tokens_per_step: int = 2048
@@ -85,8 +88,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=d.max_loras_per_batch,
         help="GPU adapter slots",
     )
+    # host cache (adapter-loader): sized in bytes, each adapter taking its own rank's share
     p.add_argument(
-        "--max-cpu-loras", type=int, metavar="N", default=d.max_cpu_loras, help="adapters in the host cache"
+        "--cpu-lora-cache-gb",
+        type=float,
+        metavar="GB",
+        default=None,
+        help="host cache size in GiB; an adapter takes its own rank's bytes (default: room for "
+        f"--max-cpu-loras adapters of --max-lora-rank if that is given, else {DEFAULT_CPU_LORA_CACHE_GB:g})",
+    )
+    p.add_argument(
+        "--max-cpu-loras", type=int, metavar="N", default=None, help="cap on adapters in the host cache"
+    )
+    p.add_argument(
+        "--loader-threads",
+        type=int,
+        metavar="N",
+        default=None,
+        help="threads reading adapters, one adapter's chunks spread over all (default: cores / 2, 2 to 8)",
     )
     p.add_argument("--max-lora-rank", type=int, metavar="R", default=d.max_lora_rank)
     p.add_argument("--max-running-requests", type=int, metavar="N", default=d.max_running_requests)
@@ -219,6 +238,8 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
     for flag, value in [
         ("--max-loras-per-batch", args.max_loras_per_batch),
         ("--max-cpu-loras", args.max_cpu_loras),
+        ("--cpu-lora-cache-gb", args.cpu_lora_cache_gb),
+        ("--loader-threads", args.loader_threads),
         ("--max-lora-rank", args.max_lora_rank),
         ("--max-running-requests", args.max_running_requests),
         ("--max-tokens-per-step", args.max_tokens_per_step),
@@ -229,6 +250,7 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
     ]:
         if value is not None and value <= 0:
             raise ServeArgsError(f"{flag} must be positive, got {value}")
+    _check_host_cache(args, model_cfg)
     if args.overlap_min_mb < 0:
         raise ServeArgsError(f"--overlap-min-mb must not be negative, got {args.overlap_min_mb}")
     if args.cuda_graph_max_batch is not None and args.cuda_graph_max_batch < 0:
@@ -243,6 +265,45 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
         raise ServeArgsError(
             f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings "
             f"{model_cfg.max_position_embeddings}"
+        )
+
+
+def host_cache_bytes(args: ServeArgs, model_cfg: ModelConfig) -> int:
+    """The host pool's size: --cpu-lora-cache-gb; else room for --max-cpu-loras blocks of --max-lora-rank
+    (what that flag alone always meant); else DEFAULT_CPU_LORA_CACHE_GB. Whole 4 KiB pages."""
+    from runtime.common.host_pool import ALIGN, pool_bytes_for
+    from runtime.common.lora_layout import LoraLayout
+    from runtime.common.model_config import parse_dtype
+
+    if args.cpu_lora_cache_gb is None and args.max_cpu_loras is not None:
+        layout = LoraLayout.for_model(model_cfg, args.max_lora_rank)
+        dtype = parse_dtype(args.dtype, model_cfg.dtype)
+        return pool_bytes_for(layout, args.max_lora_rank, dtype, args.max_cpu_loras)
+    gib = DEFAULT_CPU_LORA_CACHE_GB if args.cpu_lora_cache_gb is None else args.cpu_lora_cache_gb
+    return int(gib * 2**30) // ALIGN * ALIGN
+
+
+def loader_threads(args: ServeArgs) -> int:
+    if args.loader_threads is not None:
+        return args.loader_threads
+    import os
+
+    return min(8, max(2, (os.cpu_count() or 2) // 2))
+
+
+def _check_host_cache(args: ServeArgs, model_cfg: ModelConfig) -> None:
+    """The host cache must hold at least one adapter of --max-lora-rank."""
+    from runtime.common.lora_layout import LoraLayout
+    from runtime.common.model_config import parse_dtype
+
+    block = LoraLayout.for_model(model_cfg, args.max_lora_rank).block_bytes(
+        args.max_lora_rank, parse_dtype(args.dtype, model_cfg.dtype)
+    )
+    size = host_cache_bytes(args, model_cfg)
+    if size < block:
+        raise ServeArgsError(
+            f"--cpu-lora-cache-gb: {size} bytes hold no adapter of rank {args.max_lora_rank} "
+            f"(--max-lora-rank): one takes {block} bytes ({block / 2**30:.3f} GiB)"
         )
 
 
@@ -363,6 +424,7 @@ def stage_configs(
             dtype=dtype,
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras,
+            load_threads=loader_threads(args),
             **pool,
             **common,
         ),

@@ -1,6 +1,7 @@
 """The adapter-loader stage actor. Sockets: PULL from the scheduler (bound), PUSH to the scheduler.
-Mailboxes: scheduler_requests (StageAdapter/ReleaseAdapter/DropAdapter) → loads (misses, read and packed
-by `load_threads` loops in a thread pool) → to_scheduler (LoaderStarted, AdapterStaged/Failed, Evicted)."""
+Mailboxes: scheduler_requests (StageAdapter/ReleaseAdapter/DropAdapter) → loads (misses: up to
+`load_threads` at once, each planned from its header, then its chunks read and packed straight into the
+reserved pool block by the thread pool) → to_scheduler (LoaderStarted, AdapterStaged/Failed, Evicted)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ from runtime.base.sockets import PullSocket, PushSocket
 from runtime.common.host_pool import attach_pool, block_tensor, close_pool, dtype_name
 from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig, parse_dtype
-from runtime.common.packed import PackedAdapter
 from stages.loader.adapter_config import AdapterError
-from stages.loader.adapter_reader import read_adapter
+from stages.loader.adapter_plan import AdapterPlan, ReadLimits
+from stages.loader.adapter_reader import plan_adapter
+from stages.loader.block_writer import write_part
 from stages.loader.config import LoaderConfig
 from stages.loader.host_cache import HostCache, HostCacheFull
 
@@ -60,6 +62,7 @@ class LoaderActor(Actor[LoaderConfig]):
         self.doomed: set[str] = set()  # dropped while pinned: freed on the last ReleaseAdapter
         self.restage: dict[str, list[str]] = {}  # StageAdapter paths waiting for a dropped name to go
         self.executor = ThreadPoolExecutor(config.load_threads, thread_name_prefix="loader")
+        self.limits = ReadLimits(config.max_adapter_file_bytes, config.read_timeout_s)
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -76,10 +79,11 @@ class LoaderActor(Actor[LoaderConfig]):
         resident.labels(state="resident").set_function(lambda: len(cache.blocks))
         resident.labels(state="pinned").set_function(lambda: sum(b.pins > 0 for b in cache.blocks.values()))
         resident.labels(state="loading").set_function(lambda: len(self.loading))
-        m.gauge("lorapipe_host_cache_bytes_used", "Bytes of packed blocks in the host cache").set_function(
-            lambda: sum(b.nbytes for b in cache.blocks.values())
-        )
+        used = m.gauge("lorapipe_host_cache_bytes_used", "Bytes of packed blocks in the host cache")
+        used.set_function(lambda: cache.used_bytes)
         m.gauge("lorapipe_host_cache_capacity_bytes", "Size of the host-cache pool").set(cache.capacity)
+        largest = m.gauge("lorapipe_host_cache_largest_free_bytes", "Largest block placed without evicting")
+        largest.set_function(cache.largest_free)
 
     async def setup(self) -> None:
         cfg, ep = self.config, self.config.endpoints
@@ -187,30 +191,38 @@ class LoaderActor(Actor[LoaderConfig]):
                 self.loads.task_done()
 
     async def _load(self, job: _Load) -> None:
+        """Plan from the header (no tensor data read), reserve the block, then read and pack the file's
+        chunks straight into it on the thread pool, in parallel; any failure frees the block."""
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         try:
-            packed = await loop.run_in_executor(self.executor, self._read, job)
-            block, evicted = self.cache.reserve(job.name, packed.nbytes)
-        except (AdapterError, HostCacheFull) as exc:
-            retry = getattr(exc, "retryable", False)  # room comes back once pinned blocks are released
-            return await self._finish(job, AdapterFailed(name=job.name, message=str(exc), retryable=retry))
-        self.cache.pin(job.name)  # the write's own pin: never evicted while half written
-        for victim in evicted:
-            self.staged.pop(victim, None)
-        self.m_evictions.inc(len(evicted))
-        for victim in evicted:
-            await self.to_scheduler.put(Evicted(name=victim))
-        try:
-            await loop.run_in_executor(self.executor, self._write, block.offset, packed)
-        except BaseException:
-            self.cache.drop(job.name)
-            raise
+            plan = await loop.run_in_executor(self.executor, self._read, job)
+        except AdapterError as exc:
+            return await self._finish(job, AdapterFailed(name=job.name, message=str(exc)))
+        with plan:
+            try:
+                block, evicted = self.cache.reserve(job.name, plan.nbytes)
+            except HostCacheFull as exc:  # retryable: room comes back once pinned blocks are released
+                failed = AdapterFailed(name=job.name, message=str(exc), retryable=exc.retryable)
+                return await self._finish(job, failed)
+            self.cache.pin(job.name)  # the write's own pin: never evicted while half written
+            for victim in evicted:
+                self.staged.pop(victim, None)
+            self.m_evictions.inc(len(evicted))
+            for victim in evicted:
+                await self.to_scheduler.put(Evicted(name=victim))
+            try:
+                await self._write(plan, block.offset)
+            except BaseException as exc:
+                self.cache.drop(job.name)
+                if isinstance(exc, AdapterError):  # bad values or a failed read: the adapter's fault
+                    return await self._finish(job, AdapterFailed(name=job.name, message=str(exc)))
+                raise
         load_time = time.perf_counter() - t0
-        self.m_load_bytes.inc(packed.nbytes)
+        self.m_load_bytes.inc(plan.nbytes)
         self.m_load_seconds.observe(load_time)
         self.cache.unpin(job.name)  # the write's pin; _finish pins once per answer, with no await between
-        await self._finish(job, self._staged_msg(packed, block.offset, load_time))
+        await self._finish(job, self._staged_msg(plan, block.offset, load_time))
 
     async def _finish(self, job: _Load, answer: AdapterStaged | AdapterFailed) -> None:
         """Answer every StageAdapter the load served; a load dropped meanwhile frees its block instead."""
@@ -228,25 +240,34 @@ class LoaderActor(Actor[LoaderConfig]):
         for _ in range(job.waiters):
             await self.to_scheduler.put(answer)
 
-    def _read(self, job: _Load) -> PackedAdapter:
-        return read_adapter(job.name, job.path, self.model_cfg, self.layout, self.dtype)
+    def _read(self, job: _Load) -> AdapterPlan:
+        return plan_adapter(job.name, job.path, self.model_cfg, self.layout, self.dtype, self.limits)
 
-    def _write(self, offset: int, packed: PackedAdapter) -> None:
-        # one memcpy into the pool (read_adapter owns the packing and packs into its own tensor first)
-        block_tensor(self.pool, offset, packed.rank, self.layout, self.dtype).copy_(packed.block)
+    async def _write(self, plan: AdapterPlan, offset: int) -> None:
+        """Every part of the plan on the thread pool at once; returns when all have ended (none may still
+        write into the block when a failure frees it), raising the first failure."""
+        loop = asyncio.get_running_loop()
+        view = block_tensor(self.pool, offset, plan.rank, self.layout, self.dtype)  # [L, rank, row]
+        parts = [
+            loop.run_in_executor(self.executor, write_part, plan, p, view) for p in range(plan.num_parts)
+        ]
+        del view
+        results = await asyncio.gather(*parts, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
-    def _staged_msg(self, packed: PackedAdapter, offset: int, load_time: float) -> AdapterStaged:
-        itemsize = packed.block.element_size()
+    def _staged_msg(self, plan: AdapterPlan, offset: int, load_time: float) -> AdapterStaged:
         return AdapterStaged(
-            name=packed.name,
+            name=plan.name,
             shm_name=self.pool.name,
             offset=offset,
-            nbytes=packed.nbytes,
-            rank=packed.rank,
-            layer_nbytes=packed.rank * self.layout.row_elems * itemsize,
+            nbytes=plan.nbytes,
+            rank=plan.rank,
+            layer_nbytes=plan.rank * self.layout.row_elems * plan.dtype.itemsize,
             dtype=dtype_name(self.dtype),
-            slice_ranks=packed.ranks.flatten().tolist(),  # [num_layers * NUM_SLICES], layer-major
-            slice_scalings=packed.scalings.flatten().tolist(),
+            slice_ranks=plan.ranks.flatten().tolist(),  # [num_layers * NUM_SLICES], layer-major
+            slice_scalings=plan.scalings.flatten().tolist(),
             load_time=load_time,
             cache_hit=False,
         )

@@ -98,7 +98,8 @@ class AdapterLifecycle:
             self._count_host_lookup(name)
             if self.adapters.pinned_waiting() >= self.config.max_loras_per_batch:
                 return
-            if self.adapters.held() >= self.config.max_cpu_loras:
+            cap = self.config.max_cpu_loras
+            if cap is not None and self.adapters.held() >= cap:
                 return
             if self.adapters.needs_stage(name):
                 await self.to_loader.put(StageAdapter(name=name, path=self.adapters.get(name).path))

@@ -10,7 +10,7 @@ from runtime.base.endpoints import Endpoints
 class SchedulerConfig(StageConfig, frozen=True, kw_only=True):
     endpoints: Endpoints
     max_loras_per_batch: int  # device slots
-    max_cpu_loras: int = 8  # host-cache entries: the scheduler never holds pins on more than this
+    max_cpu_loras: int | None = None  # host-cache cap, if any: the scheduler never holds more pins than this
     max_model_len: int
     max_running_requests: int = 64
     max_tokens_per_step: int = 2048
