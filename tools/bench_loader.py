@@ -33,6 +33,7 @@ from runtime.synthetic.model import PRESETS, build_config
 from stages.loader.adapter_plan import ReadLimits
 from stages.loader.adapter_reader import plan_adapter, read_adapter
 from stages.loader.block_writer import write_part
+from stages.loader.process import SWITCH_INTERVAL_S, tune_for_loads
 
 SCHEMA_VERSION = 1
 FILE = "adapter_model.safetensors"
@@ -161,7 +162,7 @@ def measure(rank: int, copies: list[Path], loads: Loads, reader: ThreadPoolExecu
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(1)  # as in the loader process: parallelism comes from the loads' threads
+    tune_for_loads(ns.switch_interval_ms / 1e3)  # as the loader process does
     with tempfile.TemporaryDirectory(prefix="bench_loader-", dir=ns.work_dir) as work:
         model = ns.model
         if model is None:
@@ -243,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=int, default=None, help="loads at once (default: --threads)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
     p.add_argument("--chunk-mb", type=float, default=ReadLimits.chunk_bytes / 2**20, help="bytes per read")
+    p.add_argument(
+        "--switch-interval-ms", type=float, default=SWITCH_INTERVAL_S * 1e3, help="GIL switch interval"
+    )
     p.add_argument("--cold", action="store_true", help="also time reads after dropping each file's pages")
     p.add_argument("--target-single-gbps", type=float, default=2.0)
     p.add_argument("--target-parallel-gbps", type=float, default=4.0)

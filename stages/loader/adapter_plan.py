@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from runtime.common.lora_layout import TARGET_MODULES, LoraLayout
-from stages.loader.safetensors_reader import TensorEntry
+from stages.loader.safetensors_reader import ITEM_SIZES, TensorEntry
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,7 @@ class ReadLimits:
     chunk_bytes: int = 4 << 20
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):  # a tuple: hundreds are made per adapter, under the GIL
     """One tensor's move: lora_A [r, in] to rows :r at `col`, or lora_B [out, r] transposed there."""
 
     entry: TensorEntry
@@ -38,12 +38,27 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Run:
+    """Tensors of one kind (module, A or B, dtype, shape) evenly spaced both in the file (`step` bytes)
+    and in the block's layers (`layer_step`): moved by one strided copy. `aligned`: every tensor starts
+    at a multiple of its item size (the format does not promise it; unaligned ones go one by one)."""
+
+    pieces: tuple[Piece, ...]
+    step: int
+    layer_step: int
+    aligned: bool
+
+
+@dataclass(frozen=True)
 class Chunk:
-    """Consecutive tensors of the file, read with one positioned read of bytes [start, end)."""
+    """Consecutive tensors of the file, read with one positioned read of bytes [start, end). `dtype`:
+    the one dtype of all its tensors, if so (one value check covers the whole chunk)."""
 
     start: int
     end: int
     pieces: tuple[Piece, ...]
+    runs: tuple[Run, ...]
+    dtype: str | None
 
 
 @dataclass(frozen=True)
@@ -101,18 +116,77 @@ class AdapterPlan:
 
 
 def make_chunks(pieces: list[Piece], chunk_bytes: int) -> list[Chunk]:
-    """Pieces in file order, cut into runs of at most `chunk_bytes` (a larger tensor is a run alone).
-    The header check guarantees the tensors tile the data section, so every run is one byte range."""
-    chunks: list[Chunk] = []
-    run: list[Piece] = []
-    for p in sorted(pieces, key=lambda p: p.entry.start):
-        if run and p.entry.end - run[0].entry.start > chunk_bytes:
-            chunks.append(Chunk(run[0].entry.start, run[-1].entry.end, tuple(run)))
-            run = []
-        run.append(p)
-    if run:
-        chunks.append(Chunk(run[0].entry.start, run[-1].entry.end, tuple(run)))
-    return chunks
+    """Pieces in file order, cut at layer boundaries into chunks of at most `chunk_bytes` whose layers
+    follow each other (so each kind of tensor makes one run in a chunk); a layer larger than a chunk is cut
+    between tensors. The header check guarantees the tensors tile the data section, so a chunk is one
+    byte range."""
+    ordered = sorted(pieces, key=lambda p: p.entry.start)
+    groups: list[list[Piece]] = []  # maximal stretches of one layer
+    for p in ordered:
+        if groups and groups[-1][-1].layer == p.layer:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    spans: list[list[Piece]] = []
+    for g in groups:
+        size = g[-1].entry.end - g[0].entry.start
+        last = spans[-1] if spans else None
+        if last and last[-1].layer + 1 == g[0].layer and g[-1].entry.end - last[0].entry.start <= chunk_bytes:
+            last += g
+        elif size <= chunk_bytes:
+            spans.append(list(g))
+        else:
+            for p in g:  # by size, between tensors
+                if (
+                    spans
+                    and spans[-1][-1].layer == p.layer
+                    and p.entry.end - spans[-1][0].entry.start <= chunk_bytes
+                ):
+                    spans[-1].append(p)
+                else:
+                    spans.append([p])
+    return [_chunk(span) for span in spans]
+
+
+def _chunk(span: list[Piece]) -> Chunk:
+    dtypes = {p.entry.dtype for p in span}
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+    return Chunk(span[0].entry.start, span[-1].entry.end, tuple(span), _runs(span), dtype)
+
+
+def _runs(span: list[Piece]) -> tuple[Run, ...]:
+    """The span's pieces grouped into runs: one kind, a constant file step, a constant positive layer step."""
+    kinds: dict[tuple, list[Piece]] = {}
+    for p in span:
+        kinds.setdefault((p.module, p.transpose, p.entry.dtype, p.entry.shape), []).append(p)
+    runs: list[Run] = []
+    for same in kinds.values():
+        run: list[Piece] = []
+        for p in same:
+            size = ITEM_SIZES[p.entry.dtype]
+            if p.entry.start % size:
+                runs.append(Run((p,), 0, 0, aligned=False))
+                continue
+            if len(run) >= 2 and (
+                p.entry.start - run[-1].entry.start != run[1].entry.start - run[0].entry.start
+                or p.layer - run[-1].layer != run[1].layer - run[0].layer
+            ):
+                runs.append(_run(run))
+                run = []
+            if len(run) == 1 and p.layer <= run[0].layer:
+                runs.append(_run(run))
+                run = []
+            run.append(p)
+        if run:
+            runs.append(_run(run))
+    return tuple(runs)
+
+
+def _run(pieces: list[Piece]) -> Run:
+    if len(pieces) == 1:
+        return Run((pieces[0],), 0, 0, aligned=True)
+    step = pieces[1].entry.start - pieces[0].entry.start
+    return Run(tuple(pieces), step, pieces[1].layer - pieces[0].layer, aligned=True)
 
 
 def make_gaps(layout: LoraLayout, rank: int, ranks: list[list[int]]) -> list[Gap]:

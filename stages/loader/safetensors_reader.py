@@ -10,8 +10,8 @@ import os
 import stat
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -30,8 +30,7 @@ class FormatError(ValueError):
     """The file is not one we read: missing, not regular, too large, or inconsistent (the message says)."""
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):  # a tuple: hundreds are made per adapter, under the GIL
     """One tensor of the header: `start`/`end` are absolute byte offsets in the file."""
 
     name: str

@@ -183,3 +183,52 @@ def test_a_finite_large_value_fits_a_wide_dtype(base, llama_adapters, tmp_path):
     path = _with_tensor(llama_adapters["full8"], tmp_path, full, _one_row(1e6))
     packed = read_adapter("big", path, *base, torch.bfloat16)
     assert packed.block.abs().max().item() == pytest.approx(1e6, rel=1e-2)
+
+
+def _write_in_order(path: Path, tensors: dict[str, torch.Tensor], order: list[str]) -> None:
+    """A safetensors file with its tensors laid out in `order` (the format allows any), written here."""
+    header, data, offset = {}, [], 0
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    for key in order:
+        t = tensors[key].contiguous()
+        raw = t.flatten().view(torch.uint8).numpy().tobytes()  # little-endian, as the format says
+        header[key] = {
+            "dtype": names[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        data.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (path / "adapter_model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + b"".join(data))
+
+
+@pytest.mark.parametrize("order", ["by-name", "module-major", "layers-descending", "shuffled"])
+def test_file_layouts_of_a_deeper_model(tiny_llama, tmp_path, order):
+    """12 layers: the writer's name order puts layers 0, 1, 10, 11, 2, ... 9 one after the other; other
+    writers may order by module or backwards. Every layout packs the same block."""
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    conf = json.loads((tiny_llama / "config.json").read_text())
+    (deep / "config.json").write_text(json.dumps({**conf, "num_hidden_layers": 12}))
+    cfg = ModelConfig.from_dir(deep)
+    layout = LoraLayout.for_model(cfg, MAX_RANK)
+    (path,) = make_adapters(deep, tmp_path, n=1, ranks=(3,), seed=9, prefix="deep")
+    tensors = load_file(path / "adapter_model.safetensors")
+    keys = sorted(tensors)
+    if order == "module-major":
+        keys.sort(key=lambda k: (KEY.fullmatch(k)[2], KEY.fullmatch(k)[3], int(KEY.fullmatch(k)[1])))
+    elif order == "layers-descending":
+        keys.sort(key=lambda k: (-int(KEY.fullmatch(k)[1]), k))
+    elif order == "shuffled":
+        random.Random(0).shuffle(keys)
+    _write_in_order(path, tensors, keys)
+    for limits in (ReadLimits(), ReadLimits(chunk_bytes=3000)):
+        with plan_adapter("deep", path, cfg, layout, torch.bfloat16, limits) as plan:
+            block = torch.full(plan.shape, float("nan"), dtype=torch.bfloat16)
+            for part in range(plan.num_parts):
+                write_part(plan, part, block)
+            assert_packs_like_reference((cfg, layout), path, torch.bfloat16, block, plan)
+            if order in ("by-name", "module-major") and limits.chunk_bytes > 3000:
+                assert len([r for c in plan.chunks for r in c.runs]) < len(tensors) / 2  # strided runs
