@@ -1,5 +1,6 @@
-"""Disk→host leg of adapter loads: the loader's path (header plan, then the file's chunks read and packed
-into a block of the shared-memory host pool by a thread pool, as the adapter-loader runs it) against a
+"""Disk→host leg of adapter loads: the loader's path (header plan, then per segment parallel reads and
+parallel pack tasks into a block of the shared-memory host pool, on a thread pool, as the adapter-loader
+runs it) against a
 plain read of the same file into a reused buffer, per adapter rank, for one load at a time and for N
 loads at once (aggregate). Page cache warm (each file read once first); `--cold` also drops each file's
 pages before every timed read (posix_fadvise, no root needed; tmpfs keeps its pages). Medians of
@@ -32,7 +33,7 @@ from runtime.synthetic.adapters import make_adapters
 from runtime.synthetic.model import PRESETS, build_config
 from stages.loader.adapter_plan import ReadLimits
 from stages.loader.adapter_reader import plan_adapter, read_adapter
-from stages.loader.block_writer import write_part
+from stages.loader.block_writer import SegmentBuffer, pack_part, prepare, read_part, zero_gaps
 from stages.loader.process import SWITCH_INTERVAL_S, tune_for_loads
 
 SCHEMA_VERSION = 1
@@ -52,7 +53,10 @@ class Loads:
     def __init__(self, cfg: ModelConfig, layout: LoraLayout, dtype: torch.dtype, ns: argparse.Namespace):
         threads, slots = ns.threads, ns.parallel
         self.cfg, self.layout, self.dtype = cfg, layout, dtype
-        self.limits = ReadLimits(chunk_bytes=int(ns.chunk_mb * 2**20))
+        self.limits = ReadLimits(
+            segment_bytes=int(ns.segment_mb * 2**20), read_bytes=int(ns.read_mb * 2**20), pack_tasks=threads
+        )
+        self.buffers = [SegmentBuffer() for _ in range(slots)]
         self.slot_bytes = (layout.block_bytes(layout.max_rank, dtype) + ALIGN - 1) // ALIGN * ALIGN
         self.pool = create_pool("lorapipe-benchload-", self.slot_bytes * slots)
         whole = torch.frombuffer(self.pool.buf, dtype=torch.uint8)
@@ -70,10 +74,16 @@ class Loads:
 
     def _one(self, slot: int, path: Path) -> None:
         with plan_adapter(path.name, path, self.cfg, self.layout, self.dtype, self.limits) as plan:
-            block = self.block(slot, plan.rank)
-            parts = [self.executor.submit(write_part, plan, i, block) for i in range(plan.num_parts)]
-            for f in wait(parts).done:
-                f.result()
+            block, buf = self.block(slot, plan.rank), self.buffers[slot]
+            self._all([(zero_gaps, plan, block)])
+            for s, seg in enumerate(plan.segments):
+                prepare(plan, s, buf)
+                self._all([(read_part, plan, s, i, buf) for i in range(len(seg.reads))])
+                self._all([(pack_part, plan, s, k, buf, block) for k in range(len(seg.packs))])
+
+    def _all(self, calls: list[tuple]) -> None:
+        for f in wait([self.executor.submit(*call) for call in calls]).done:
+            f.result()
 
     def close(self) -> None:
         self.drivers.shutdown()
@@ -243,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=default_threads(), help="loader threads")
     p.add_argument("--parallel", type=int, default=None, help="loads at once (default: --threads)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
-    p.add_argument("--chunk-mb", type=float, default=ReadLimits.chunk_bytes / 2**20, help="bytes per read")
+    p.add_argument("--segment-mb", type=float, default=ReadLimits.segment_bytes / 2**20, help="held at once")
+    p.add_argument("--read-mb", type=float, default=ReadLimits.read_bytes / 2**20, help="bytes per read")
     p.add_argument(
         "--switch-interval-ms", type=float, default=SWITCH_INTERVAL_S * 1e3, help="GIL switch interval"
     )
@@ -260,8 +271,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = build_parser()
     ns = p.parse_args(argv)
     ns.parallel = ns.parallel or ns.threads
-    if ns.reps < 1 or ns.threads < 1 or ns.parallel < 1 or ns.chunk_mb <= 0:
-        p.error("need --reps, --threads and --parallel >= 1 and --chunk-mb > 0")
+    if ns.reps < 1 or ns.threads < 1 or ns.parallel < 1 or ns.segment_mb <= 0 or ns.read_mb <= 0:
+        p.error("need --reps, --threads and --parallel >= 1, --segment-mb and --read-mb > 0")
     if ns.model is not None and not (ns.model / "config.json").is_file():
         p.error(f"--model {ns.model}: no config.json")
     report = run(ns)

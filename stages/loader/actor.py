@@ -33,7 +33,7 @@ from runtime.common.model_config import ModelConfig, parse_dtype
 from stages.loader.adapter_config import AdapterError
 from stages.loader.adapter_plan import AdapterPlan, ReadLimits
 from stages.loader.adapter_reader import plan_adapter
-from stages.loader.block_writer import write_part
+from stages.loader.block_writer import SegmentBuffer, pack_part, prepare, read_part, zero_gaps
 from stages.loader.config import LoaderConfig
 from stages.loader.host_cache import HostCache, HostCacheFull
 
@@ -62,7 +62,10 @@ class LoaderActor(Actor[LoaderConfig]):
         self.doomed: set[str] = set()  # dropped while pinned: freed on the last ReleaseAdapter
         self.restage: dict[str, list[str]] = {}  # StageAdapter paths waiting for a dropped name to go
         self.executor = ThreadPoolExecutor(config.load_threads, thread_name_prefix="loader")
-        self.limits = ReadLimits(config.max_adapter_file_bytes, config.read_timeout_s)
+        self.limits = ReadLimits(
+            config.max_adapter_file_bytes, config.read_timeout_s, pack_tasks=config.load_threads
+        )
+        self.buffers: list[SegmentBuffer] = []  # read buffers of finished loads, for the next ones
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -244,16 +247,25 @@ class LoaderActor(Actor[LoaderConfig]):
         return plan_adapter(job.name, job.path, self.model_cfg, self.layout, self.dtype, self.limits)
 
     async def _write(self, plan: AdapterPlan, offset: int) -> None:
-        """Every part of the plan on the thread pool at once; returns when all have ended (none may still
-        write into the block when a failure frees it), raising the first failure."""
-        loop = asyncio.get_running_loop()
+        """Per segment, its reads on the thread pool at once, then its packs (and the gap zeroing);
+        returns when every task has ended (none may still write into the block when a failure frees it),
+        raising the first failure. One read buffer per load in flight, reused."""
         view = block_tensor(self.pool, offset, plan.rank, self.layout, self.dtype)  # [L, rank, row]
-        parts = [
-            loop.run_in_executor(self.executor, write_part, plan, p, view) for p in range(plan.num_parts)
-        ]
-        del view
-        results = await asyncio.gather(*parts, return_exceptions=True)
-        for result in results:
+        buf = self.buffers.pop() if self.buffers else SegmentBuffer()
+        try:
+            await self._run_all([(zero_gaps, plan, view)])
+            for s, seg in enumerate(plan.segments):
+                prepare(plan, s, buf)
+                await self._run_all([(read_part, plan, s, i, buf) for i in range(len(seg.reads))])
+                await self._run_all([(pack_part, plan, s, k, buf, view) for k in range(len(seg.packs))])
+        finally:
+            del view
+            self.buffers.append(buf)
+
+    async def _run_all(self, calls: list[tuple]) -> None:
+        loop = asyncio.get_running_loop()
+        futures = [loop.run_in_executor(self.executor, *call) for call in calls]
+        for result in await asyncio.gather(*futures, return_exceptions=True):
             if isinstance(result, BaseException):
                 raise result
 

@@ -1,6 +1,7 @@
 """What one adapter load will do, worked out from the safetensors header and adapter_config.json before a
-byte of tensor data is read: every tensor's destination in the packed block, the file cut into chunks
-that threads can read and pack independently, and the block regions no tensor covers (zeroed)."""
+byte of tensor data is read: every tensor's destination in the packed block, grouped into segments of
+the file (read in parallel ranges, then packed by parallel tasks of strided runs), and the block regions
+no tensor covers (zeroed)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,20 @@ from typing import NamedTuple
 import torch
 
 from runtime.common.lora_layout import TARGET_MODULES, LoraLayout
-from stages.loader.safetensors_reader import ITEM_SIZES, TensorEntry
+from stages.loader.safetensors_reader import TensorEntry
 
 
 @dataclass(frozen=True)
 class ReadLimits:
-    """Bounds on one adapter read: the tensor file's size, the time from open to the last byte, and the
-    bytes one read covers (a chunk: the unit a thread reads and packs)."""
+    """Bounds on one adapter read and how it is cut: the tensor file's size, the time from open to the
+    last byte; a segment (the bytes held in memory at once: most adapters are one), a read (one thread's
+    positioned read), and the pack tasks a segment is split into (the threads that will run them)."""
 
     max_file_bytes: int = 8 << 30
     timeout_s: float = 120.0
-    chunk_bytes: int = 4 << 20
+    segment_bytes: int = 256 << 20
+    read_bytes: int = 4 << 20
+    pack_tasks: int = 8
 
 
 class Piece(NamedTuple):  # a tuple: hundreds are made per adapter, under the GIL
@@ -50,14 +54,17 @@ class Run:
 
 
 @dataclass(frozen=True)
-class Chunk:
-    """Consecutive tensors of the file, read with one positioned read of bytes [start, end). `dtype`:
-    the one dtype of all its tensors, if so (one value check covers the whole chunk)."""
+class Segment:
+    """Consecutive whole layers of the file, bytes [start, end), held in one buffer: `reads` are the
+    byte ranges of its parallel reads (whole tensors each), `packs` the runs of each parallel pack task.
+    `dtype`: the one dtype of all its tensors if so and all are aligned (each read then checks its own
+    values in one pass; otherwise each run checks its source)."""
 
     start: int
     end: int
     pieces: tuple[Piece, ...]
-    runs: tuple[Run, ...]
+    reads: tuple[tuple[int, int], ...]
+    packs: tuple[tuple[Run, ...], ...]
     dtype: str | None
 
 
@@ -74,8 +81,9 @@ class Gap:
 
 @dataclass
 class AdapterPlan:
-    """A validated adapter, its file still open (`close()` it; also a context manager). `parts`: 0 is
-    the gap zeroing, i >= 1 is chunk i - 1; parts touch disjoint bytes of the block, in any order."""
+    """A validated adapter, its file still open (`close()` it; also a context manager). Per segment, in
+    order: all its reads (any order, any threads), then all its packs (likewise); the gap zeroing may run
+    at any time. Packs and gaps touch disjoint bytes of the block."""
 
     name: str
     fd: int
@@ -85,7 +93,7 @@ class AdapterPlan:
     row_elems: int
     ranks: torch.Tensor  # [num_layers, NUM_SLICES] int32, 0 where the adapter has no tensor
     scalings: torch.Tensor  # [num_layers, NUM_SLICES] float32
-    chunks: list[Chunk]
+    segments: list[Segment]
     gaps: list[Gap]
     deadline: float  # time.monotonic() after which reads fail
     file_bytes: int
@@ -99,10 +107,6 @@ class AdapterPlan:
     def nbytes(self) -> int:
         return self.num_layers * self.rank * self.row_elems * self.dtype.itemsize
 
-    @property
-    def num_parts(self) -> int:
-        return 1 + len(self.chunks)
-
     def close(self) -> None:
         if not self.closed:
             self.closed = True
@@ -113,80 +117,6 @@ class AdapterPlan:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def make_chunks(pieces: list[Piece], chunk_bytes: int) -> list[Chunk]:
-    """Pieces in file order, cut at layer boundaries into chunks of at most `chunk_bytes` whose layers
-    follow each other (so each kind of tensor makes one run in a chunk); a layer larger than a chunk is cut
-    between tensors. The header check guarantees the tensors tile the data section, so a chunk is one
-    byte range."""
-    ordered = sorted(pieces, key=lambda p: p.entry.start)
-    groups: list[list[Piece]] = []  # maximal stretches of one layer
-    for p in ordered:
-        if groups and groups[-1][-1].layer == p.layer:
-            groups[-1].append(p)
-        else:
-            groups.append([p])
-    spans: list[list[Piece]] = []
-    for g in groups:
-        size = g[-1].entry.end - g[0].entry.start
-        last = spans[-1] if spans else None
-        if last and last[-1].layer + 1 == g[0].layer and g[-1].entry.end - last[0].entry.start <= chunk_bytes:
-            last += g
-        elif size <= chunk_bytes:
-            spans.append(list(g))
-        else:
-            for p in g:  # by size, between tensors
-                if (
-                    spans
-                    and spans[-1][-1].layer == p.layer
-                    and p.entry.end - spans[-1][0].entry.start <= chunk_bytes
-                ):
-                    spans[-1].append(p)
-                else:
-                    spans.append([p])
-    return [_chunk(span) for span in spans]
-
-
-def _chunk(span: list[Piece]) -> Chunk:
-    dtypes = {p.entry.dtype for p in span}
-    dtype = dtypes.pop() if len(dtypes) == 1 else None
-    return Chunk(span[0].entry.start, span[-1].entry.end, tuple(span), _runs(span), dtype)
-
-
-def _runs(span: list[Piece]) -> tuple[Run, ...]:
-    """The span's pieces grouped into runs: one kind, a constant file step, a constant positive layer step."""
-    kinds: dict[tuple, list[Piece]] = {}
-    for p in span:
-        kinds.setdefault((p.module, p.transpose, p.entry.dtype, p.entry.shape), []).append(p)
-    runs: list[Run] = []
-    for same in kinds.values():
-        run: list[Piece] = []
-        for p in same:
-            size = ITEM_SIZES[p.entry.dtype]
-            if p.entry.start % size:
-                runs.append(Run((p,), 0, 0, aligned=False))
-                continue
-            if len(run) >= 2 and (
-                p.entry.start - run[-1].entry.start != run[1].entry.start - run[0].entry.start
-                or p.layer - run[-1].layer != run[1].layer - run[0].layer
-            ):
-                runs.append(_run(run))
-                run = []
-            if len(run) == 1 and p.layer <= run[0].layer:
-                runs.append(_run(run))
-                run = []
-            run.append(p)
-        if run:
-            runs.append(_run(run))
-    return tuple(runs)
-
-
-def _run(pieces: list[Piece]) -> Run:
-    if len(pieces) == 1:
-        return Run((pieces[0],), 0, 0, aligned=True)
-    step = pieces[1].entry.start - pieces[0].entry.start
-    return Run(tuple(pieces), step, pieces[1].layer - pieces[0].layer, aligned=True)
 
 
 def make_gaps(layout: LoraLayout, rank: int, ranks: list[list[int]]) -> list[Gap]:

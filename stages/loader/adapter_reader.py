@@ -14,9 +14,10 @@ from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
 from runtime.common.model_config import ModelConfig
 from runtime.common.packed import PackedAdapter
 from stages.loader.adapter_config import AdapterConfig, AdapterError, read_adapter_config
-from stages.loader.adapter_plan import AdapterPlan, Piece, ReadLimits, deadline_after, make_chunks, make_gaps
+from stages.loader.adapter_plan import AdapterPlan, Piece, ReadLimits, deadline_after, make_gaps
 from stages.loader.block_writer import write_all
 from stages.loader.safetensors_reader import FLOAT_DTYPES, FormatError, TensorEntry, open_regular, read_header
+from stages.loader.segments import make_segments
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _PARENT = {m: ("mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn") for m in TARGET_MODULES}
@@ -79,7 +80,7 @@ def plan_adapter(
             row_elems=layout.row_elems,
             ranks=rank_table,
             scalings=torch.tensor(scalings, dtype=torch.float32),  # [num_layers, NUM_SLICES]
-            chunks=make_chunks(pieces, limits.chunk_bytes),
+            segments=make_segments(pieces, limits),
             gaps=make_gaps(layout, rank, ranks),
             deadline=deadline,
             file_bytes=size,

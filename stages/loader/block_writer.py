@@ -1,7 +1,7 @@
-"""Executes an `AdapterPlan` into a packed block: each chunk is one positioned read into a reusable
-per-thread buffer, then each tensor is converted to the block's dtype straight into its rows (B through a
-transposing copy), its values checked on the way. Torch copies and reads release the GIL; parts of one
-plan may run on several threads at once."""
+"""Executes an `AdapterPlan` into a packed block. Per segment: parallel positioned reads into one reusable
+buffer (each read checks its own values in one pass when it can), then parallel pack tasks, each moving
+whole runs of tensors with one strided copy (B through a transposing one), converting to the block's
+dtype on the way. Torch copies and reads release the GIL; a task holds it only between them."""
 
 from __future__ import annotations
 
@@ -10,73 +10,108 @@ import threading
 import torch
 
 from stages.loader.adapter_config import AdapterError
-from stages.loader.adapter_plan import AdapterPlan, Chunk, Piece, Run
+from stages.loader.adapter_plan import AdapterPlan, Piece, Segment
 from stages.loader.safetensors_reader import FLOAT_DTYPES, FormatError, read_exact
 
-_ALIGN = 8  # a chunk sits in its buffer at its file offset mod 8, so aligned tensors stay aligned
+_ALIGN = 8  # a segment sits in its buffer at its file offset mod 8, so aligned tensors stay aligned
 _local = threading.local()
 
 
-def write_all(plan: AdapterPlan, block: torch.Tensor) -> None:
-    """Every part of the plan, one after the other, into `block` ([num_layers, rank, row_elems])."""
-    for part in range(plan.num_parts):
-        write_part(plan, part, block)
+class SegmentBuffer:
+    """Where a segment's bytes land: grown as needed, never shrunk, reused from load to load (allocated
+    zeroed, so its pages are faulted in before any read lands there)."""
+
+    def __init__(self) -> None:
+        self.raw = memoryview(bytearray(0))
+        self.bytes = torch.empty(0, dtype=torch.uint8)
+
+    def ensure(self, n: int) -> None:
+        if len(self.raw) < n:
+            size = (n + _ALIGN - 1) // _ALIGN * _ALIGN  # whole items of every dtype
+            storage = bytearray(size)
+            self.raw, self.bytes = memoryview(storage), torch.frombuffer(storage, dtype=torch.uint8)
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.bytes.view(dtype)
 
 
-def write_part(plan: AdapterPlan, part: int, block: torch.Tensor) -> None:
-    """Part 0 zeroes the regions no tensor covers; part i >= 1 reads and packs chunk i - 1. A bad value
-    or a failed read raises AdapterError; the caller then discards the whole block."""
+def write_all(plan: AdapterPlan, block: torch.Tensor, buf: SegmentBuffer | None = None) -> None:
+    """The whole plan on this thread, into `block` ([num_layers, rank, row_elems])."""
+    buf = buf or SegmentBuffer()
+    zero_gaps(plan, block)
+    for s, seg in enumerate(plan.segments):
+        prepare(plan, s, buf)
+        for i in range(len(seg.reads)):
+            read_part(plan, s, i, buf)
+        for k in range(len(seg.packs)):
+            pack_part(plan, s, k, buf, block)
+
+
+def prepare(plan: AdapterPlan, s: int, buf: SegmentBuffer) -> None:
+    """Make `buf` large enough for segment `s` (before its reads start)."""
+    seg = plan.segments[s]
+    buf.ensure(seg.start % _ALIGN + seg.end - seg.start)
+
+
+def zero_gaps(plan: AdapterPlan, block: torch.Tensor) -> None:
+    """Zero the block regions no tensor covers (a reused pool block holds an earlier tenant's bytes)."""
+    _check_block(plan, block)
+    for g in plan.gaps:
+        rows = block[:, g.row0 : g.row1] if g.layer is None else block[g.layer, g.row0 : g.row1]
+        rows[..., g.col0 : g.col1].zero_()
+
+
+def read_part(plan: AdapterPlan, s: int, i: int, buf: SegmentBuffer) -> None:
+    """Read i of segment s into its place in `buf`; when the segment is of one dtype, check the values
+    read (NaN, inf, or beyond the block dtype's range) in the same task."""
+    seg = plan.segments[s]
+    start, end = seg.reads[i]
+    at = _shift(seg) + start
+    try:
+        read_exact(plan.fd, buf.raw[at : at + end - start], start, plan.deadline)
+    except FormatError as e:
+        raise AdapterError(plan.name, f"unreadable adapter_model.safetensors ({e})") from None
+    if seg.dtype is not None:
+        typed = buf.typed(FLOAT_DTYPES[seg.dtype])
+        size = typed.element_size()
+        if not _within(typed[at // size : (at + end - start) // size], _limit(plan)):
+            _name_bad_values(plan, seg, buf, [p for p in seg.pieces if start <= p.entry.start < end])
+
+
+def pack_part(plan: AdapterPlan, s: int, k: int, buf: SegmentBuffer, block: torch.Tensor) -> None:
+    """Pack task k of segment s (after all the segment's reads): each of its runs in one strided copy."""
+    seg = plan.segments[s]
+    _check_block(plan, block)
+    for run in seg.packs[k]:
+        if not run.aligned:  # one tensor, copied out to aligned memory first
+            (piece,) = run.pieces
+            src = _source(buf, seg, piece)
+            _check_values(plan, piece, src, _limit(plan))
+            _copy(plan, src.unsqueeze(0), _dst(plan, block, piece, 1, 0), piece.transpose)
+            continue
+        first = run.pieces[0]
+        typed = buf.typed(FLOAT_DTYPES[first.entry.dtype])
+        size = typed.element_size()
+        a, b = first.entry.shape
+        offset = (_shift(seg) + first.entry.start) // size
+        src = typed.as_strided((len(run.pieces), a, b), (run.step // size, b, 1), offset)  # [P, a, b]
+        if seg.dtype is None and not _within(src, _limit(plan)):
+            _name_bad_values(plan, seg, buf, list(run.pieces))
+        _copy(plan, src, _dst(plan, block, first, len(run.pieces), run.layer_step), first.transpose)
+
+
+def _shift(seg: Segment) -> int:
+    """Buffer index of file byte o is o + shift: the segment starts at its file offset mod 8."""
+    return seg.start % _ALIGN - seg.start
+
+
+def _limit(plan: AdapterPlan) -> float:
+    return torch.finfo(plan.dtype).max
+
+
+def _check_block(plan: AdapterPlan, block: torch.Tensor) -> None:
     if tuple(block.shape) != plan.shape or block.dtype != plan.dtype or not block.is_contiguous():
         raise ValueError(f"block {tuple(block.shape)} {block.dtype} does not match the plan {plan.shape}")
-    if part == 0:
-        for g in plan.gaps:
-            rows = block[:, g.row0 : g.row1] if g.layer is None else block[g.layer, g.row0 : g.row1]
-            rows[..., g.col0 : g.col1].zero_()
-        return
-    chunk = plan.chunks[part - 1]
-    lead, data, whole = _read_chunk(plan, chunk)
-    limit = torch.finfo(plan.dtype).max
-    if chunk.dtype is not None and all(r.aligned for r in chunk.runs):  # one check over every byte read
-        typed = whole.view(FLOAT_DTYPES[chunk.dtype])
-        size = typed.element_size()
-        if not _within(typed[lead // size : (lead + chunk.end - chunk.start) // size], limit):
-            _find_bad_values(plan, chunk, data, limit)
-        checked = True
-    else:
-        checked = False
-    for run in chunk.runs:
-        if run.aligned:
-            _copy_run(plan, run, lead - chunk.start, whole, block, limit, checked, chunk, data)
-        else:
-            for piece in run.pieces:
-                src = _source(data, chunk, piece)
-                _check_values(plan, piece, src, limit)
-                _copy(plan, src.unsqueeze(0), _dst(plan, block, piece, 1, 0), piece.transpose)
-
-
-def _copy_run(
-    plan: AdapterPlan,
-    run: Run,
-    shift: int,
-    whole: torch.Tensor,
-    block: torch.Tensor,
-    limit: float,
-    checked: bool,
-    chunk: Chunk,
-    data: torch.Tensor,
-) -> None:
-    """One strided copy for all the run's tensors: source [P, a, b] in the read buffer (file byte o at
-    buffer byte o + shift), destination [P, r, width] rows of layers layer0, layer0 + layer_step, ..."""
-    first = run.pieces[0]
-    typed = whole.view(FLOAT_DTYPES[first.entry.dtype])
-    size = typed.element_size()
-    a, b = first.entry.shape
-    src = typed.as_strided(
-        (len(run.pieces), a, b), (run.step // size, b, 1), (first.entry.start + shift) // size
-    )
-    if not checked and not _within(src, limit):
-        _find_bad_values(plan, chunk, data, limit)
-    _copy(plan, src, _dst(plan, block, first, len(run.pieces), run.layer_step), first.transpose)
 
 
 def _dst(plan: AdapterPlan, block: torch.Tensor, first: Piece, count: int, layer_step: int) -> torch.Tensor:
@@ -103,33 +138,11 @@ def _within(src: torch.Tensor, limit: float) -> bool:
     return -limit <= lo.item() and hi.item() <= limit
 
 
-def _find_bad_values(plan: AdapterPlan, chunk: Chunk, data: torch.Tensor, limit: float) -> None:
-    """The chunk failed its check: name the first tensor that holds the bad values."""
-    for piece in chunk.pieces:
-        _check_values(plan, piece, _source(data, chunk, piece), limit)
-    raise AssertionError("a chunk failed its value check but none of its tensors did")
-
-
-def _read_chunk(plan: AdapterPlan, chunk: Chunk) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(lead, data, whole): the chunk read into this thread's buffer `whole` (uint8) at byte `lead`
-    (= chunk.start mod 8, so aligned tensors stay aligned); `data` is the chunk's bytes alone."""
-    lead = chunk.start % _ALIGN
-    n = chunk.end - chunk.start
-    raw, whole = _buffer(lead + n)
-    try:
-        read_exact(plan.fd, raw[lead : lead + n], chunk.start, plan.deadline)
-    except FormatError as e:
-        raise AdapterError(plan.name, f"unreadable adapter_model.safetensors ({e})") from None
-    return lead, whole[lead : lead + n], whole
-
-
-def _source(data: torch.Tensor, chunk: Chunk, piece: Piece) -> torch.Tensor:
-    e = piece.entry
-    dtype = FLOAT_DTYPES[e.dtype]
-    raw = data[e.start - chunk.start : e.end - chunk.start]
-    if e.start % dtype.itemsize:  # the format allows unaligned tensors; copy those to aligned memory
-        raw = raw.clone()
-    return raw.view(dtype).view(e.shape)
+def _name_bad_values(plan: AdapterPlan, seg: Segment, buf: SegmentBuffer, pieces: list[Piece]) -> None:
+    """A check failed over several tensors: raise naming the first one that holds bad values."""
+    for piece in sorted(pieces, key=lambda p: (p.layer, p.module)):
+        _check_values(plan, piece, _source(buf, seg, piece), _limit(plan))
+    raise AssertionError("a value check failed but none of its tensors did")
 
 
 def _check_values(plan: AdapterPlan, piece: Piece, src: torch.Tensor, limit: float) -> None:
@@ -142,16 +155,14 @@ def _check_values(plan: AdapterPlan, piece: Piece, src: torch.Tensor, limit: flo
     raise AdapterError(plan.name, f"{where} holds values beyond the range of {dtype} (the serving dtype)")
 
 
-def _buffer(n: int) -> tuple[memoryview, torch.Tensor]:
-    """This thread's read buffer of at least n bytes (grown, never shrunk; allocated zeroed, so its pages
-    are already faulted in when a read lands there)."""
-    buf = getattr(_local, "buf", None)
-    if buf is None or len(buf[0]) < n:
-        size = (max(n, 1 << 20) + _ALIGN - 1) // _ALIGN * _ALIGN  # whole items of any dtype
-        raw = bytearray(size)
-        buf = (memoryview(raw), torch.frombuffer(raw, dtype=torch.uint8))
-        _local.buf = buf
-    return buf
+def _source(buf: SegmentBuffer, seg: Segment, piece: Piece) -> torch.Tensor:
+    e = piece.entry
+    dtype = FLOAT_DTYPES[e.dtype]
+    at = _shift(seg) + e.start
+    raw = buf.bytes[at : at + e.nbytes]
+    if e.start % dtype.itemsize:  # the format allows unaligned tensors; copy those to aligned memory
+        raw = raw.clone()
+    return raw.view(dtype).view(e.shape)
 
 
 def _scratch(n: int) -> torch.Tensor:

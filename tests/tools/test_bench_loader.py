@@ -22,7 +22,17 @@ pytestmark = pytest.mark.timeout(120)
 def test_tiny_run_report_and_table(tiny_llama, tmp_path):
     out = tmp_path / "loader.json"
     args = ["--model", str(tiny_llama), "--ranks", "2,5", "--reps", "2", "--threads", "2", "--parallel", "3"]
-    args += ["--chunk-mb", "0.001", "--cold", "--target-min-mb", "0.01", "--work-dir", str(tmp_path)]
+    args += [
+        "--segment-mb",
+        "0.01",
+        "--read-mb",
+        "0.001",
+        "--cold",
+        "--target-min-mb",
+        "0.01",
+        "--work-dir",
+        str(tmp_path),
+    ]
     cmd = [sys.executable, "-m", "tools.bench_loader", *args, "--out", str(out)]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100, check=True)
     report = json.loads(out.read_text())
@@ -51,9 +61,7 @@ def test_tiny_run_report_and_table(tiny_llama, tmp_path):
     assert not list(tmp_path.glob("bench_loader-*"))  # generated adapters are removed
 
 
-@pytest.mark.parametrize(
-    "bad", [["--reps", "0"], ["--ranks", "0"], ["--chunk-mb", "0"], ["--model", "/nope"]]
-)
+@pytest.mark.parametrize("bad", [["--reps", "0"], ["--ranks", "0"], ["--read-mb", "0"], ["--model", "/nope"]])
 def test_bad_arguments(bad, capsys):
     with pytest.raises(SystemExit) as e:
         bench_loader.main(bad)

@@ -1,7 +1,8 @@
-"""The header-planned, chunked reader packs exactly what a float64 reference built with the safetensors
-library's own loader packs (A rows, B^T, zeros elsewhere) for mixed ranks, rank/alpha patterns, rsLoRA
-and every source/serving dtype pair; chunks may run in any order and on several threads, stale bytes in a
-reused block are overwritten, and bad values are refused whichever chunk holds them."""
+"""The header-planned, segmented reader packs exactly what a float64 reference built with the safetensors
+library's own loader packs (A rows, B^T, zeros elsewhere) for mixed ranks, rank/alpha patterns, rsLoRA,
+every source/serving dtype pair and any tensor order in the file; reads and pack tasks may run in any
+order on several threads, stale bytes in a reused block are overwritten, and bad values are refused
+wherever they are checked (per read, or per run when a segment mixes dtypes)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from runtime.synthetic.adapters import make_adapters
 from stages.loader.adapter_config import AdapterError
 from stages.loader.adapter_plan import ReadLimits
 from stages.loader.adapter_reader import plan_adapter, read_adapter
-from stages.loader.block_writer import write_part
+from stages.loader.block_writer import SegmentBuffer, pack_part, prepare, read_part, write_all, zero_gaps
 
 MAX_RANK = 16
 KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])\.weight")
@@ -130,19 +131,36 @@ def test_rank_and_alpha_patterns(base, tmp_path, rslora):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_small_chunks_in_any_order_on_threads_over_stale_bytes(base, llama_adapters, tmp_path, seed):
-    """One part per tensor (a 1-byte chunk limit), run shuffled on 4 threads into a block that holds NaN
-    bytes from a previous tenant: every byte of the block is the reference's."""
+def test_reads_and_packs_in_any_order_on_threads_over_stale_bytes(base, llama_adapters, tmp_path, seed):
+    """One read per tensor and one pack task per run, each phase shuffled on 4 threads (the gaps zeroed
+    at a random moment), into a block that holds NaN bytes from a previous tenant: every byte of the
+    block is the reference's."""
     path = _pattern_adapter(base[0], tmp_path / "patterns", rslora=False) if seed == 0 else None
     path = path or llama_adapters[("qv5", "mlp1")[seed - 1]]
-    with plan_adapter("c", path, *base, torch.bfloat16, ReadLimits(chunk_bytes=1)) as plan:
-        assert len(plan.chunks) == len(load_file(path / "adapter_model.safetensors"))
+    rng = random.Random(seed)
+    with plan_adapter("c", path, *base, torch.bfloat16, ReadLimits(read_bytes=1, pack_tasks=1000)) as plan:
+        (seg,) = plan.segments
+        assert len(seg.reads) == len(load_file(path / "adapter_model.safetensors"))
         block = torch.full(plan.shape, float("nan"), dtype=torch.bfloat16)
-        parts = list(range(plan.num_parts))
-        random.Random(seed).shuffle(parts)
-        with ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda i: write_part(plan, i, block), parts))
+        buf = SegmentBuffer()
+        prepare(plan, 0, buf)
+        reads = [lambda i=i: read_part(plan, 0, i, buf) for i in range(len(seg.reads))]
+        packs = [lambda k=k: pack_part(plan, 0, k, buf, block) for k in range(len(seg.packs))]
+        gaps = lambda: zero_gaps(plan, block)
+        for phase in (reads + [gaps], packs) if seed % 2 else (reads, [gaps] + packs):
+            rng.shuffle(phase)
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda call: call(), phase))
         assert_packs_like_reference(base, path, torch.bfloat16, block, plan)
+
+
+def test_segments_one_after_the_other_reuse_one_buffer(base, llama_adapters):
+    path = llama_adapters["full8"]
+    with plan_adapter("s", path, *base, torch.float16, ReadLimits(segment_bytes=1, read_bytes=1)) as plan:
+        assert len(plan.segments) == len(load_file(path / "adapter_model.safetensors"))
+        block = torch.full(plan.shape, float("inf"), dtype=torch.float16)
+        write_all(plan, block, SegmentBuffer())
+        assert_packs_like_reference(base, path, torch.float16, block, plan)
 
 
 def _with_tensor(src: Path, tmp_path: Path, key: str, fill) -> Path:
@@ -170,12 +188,24 @@ def _one_row(value: float):
 def test_bad_values_are_refused_in_any_chunk(base, llama_adapters, tmp_path, key, value, dtype, message):
     full = f"base_model.model.model.{key}.weight"
     path = _with_tensor(llama_adapters["full8"], tmp_path, full, _one_row(value))
-    for limits in (ReadLimits(), ReadLimits(chunk_bytes=1)):
+    for limits in (ReadLimits(), ReadLimits(segment_bytes=1, read_bytes=1)):
         with pytest.raises(AdapterError, match=message) as e:
             read_adapter("bad", path, *base, dtype, limits=limits)
         assert str(e.value).startswith("adapter 'bad': ")
         if value == 1e6:
             assert "the range of float16" in str(e.value)
+
+
+def test_bad_values_in_a_mixed_dtype_segment_are_found_by_its_runs(base, tmp_path):
+    path = _pattern_adapter(base[0], tmp_path / "patterns", rslora=False)
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"
+    tensors = load_file(path / "adapter_model.safetensors")
+    tensors[key] = tensors[key].clone().fill_(float("inf"))
+    save_file(tensors, path / "adapter_model.safetensors")
+    with plan_adapter("mixed", path, *base, torch.bfloat16) as plan:
+        assert all(seg.dtype is None for seg in plan.segments)  # checked run by run
+    with pytest.raises(AdapterError, match="v_proj of layer 1 holds NaN or infinite values"):
+        read_adapter("mixed", path, *base, torch.bfloat16)
 
 
 def test_a_finite_large_value_fits_a_wide_dtype(base, llama_adapters, tmp_path):
@@ -224,11 +254,11 @@ def test_file_layouts_of_a_deeper_model(tiny_llama, tmp_path, order):
     elif order == "shuffled":
         random.Random(0).shuffle(keys)
     _write_in_order(path, tensors, keys)
-    for limits in (ReadLimits(), ReadLimits(chunk_bytes=3000)):
+    for limits in (ReadLimits(), ReadLimits(segment_bytes=3000, read_bytes=1000, pack_tasks=3)):
         with plan_adapter("deep", path, cfg, layout, torch.bfloat16, limits) as plan:
             block = torch.full(plan.shape, float("nan"), dtype=torch.bfloat16)
-            for part in range(plan.num_parts):
-                write_part(plan, part, block)
+            write_all(plan, block)
             assert_packs_like_reference((cfg, layout), path, torch.bfloat16, block, plan)
-            if order in ("by-name", "module-major") and limits.chunk_bytes > 3000:
-                assert len([r for c in plan.chunks for r in c.runs]) < len(tensors) / 2  # strided runs
+            runs = [r for seg in plan.segments for task in seg.packs for r in task]
+            if order in ("by-name", "module-major") and limits.segment_bytes > 3000:
+                assert len(runs) < len(tensors) / 2  # strided runs across layers

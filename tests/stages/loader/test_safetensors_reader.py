@@ -21,7 +21,7 @@ from runtime.common.model_config import ModelConfig
 from stages.loader.adapter_config import AdapterError
 from stages.loader.adapter_plan import ReadLimits
 from stages.loader.adapter_reader import plan_adapter, read_adapter
-from stages.loader.block_writer import write_part
+from stages.loader.block_writer import write_all
 
 pytestmark = pytest.mark.timeout(60)
 FILE = "adapter_model.safetensors"
@@ -203,11 +203,10 @@ def test_read_deadline(base, adapter):
 def test_file_truncated_after_the_header_was_read(base, adapter):
     """The file shrinks between planning and reading (rewritten in place): a clean error, no crash."""
     with plan_adapter("bad", adapter, *base, torch.bfloat16) as plan:
-        os.truncate(adapter / FILE, plan.chunks[-1].end - 3)
+        os.truncate(adapter / FILE, plan.segments[-1].end - 3)
         block = torch.empty(plan.shape, dtype=torch.bfloat16)
         with pytest.raises(AdapterError, match="unreadable adapter_model.safetensors .*truncated"):
-            for part in range(plan.num_parts):
-                write_part(plan, part, block)
+            write_all(plan, block)
 
 
 def test_the_file_is_closed_after_success_and_failure(base, adapter, llama_adapters):
