@@ -25,7 +25,7 @@ class ReadLimits:
     max_file_bytes: int = 8 << 30
     timeout_s: float = 120.0
     segment_bytes: int = 256 << 20
-    read_bytes: int = 4 << 20
+    read_bytes: int = 16 << 20
     pack_tasks: int = 8
 
 
