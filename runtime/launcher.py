@@ -22,7 +22,8 @@ import uvloop
 from proto.control import Draining, FatalError, ProtocolMismatch, Ready, Shutdown, check_ready
 from runtime.base.endpoints import Endpoints, make_run_dir
 from runtime.control_channel import ControlChannel, MetricsEndpoint
-from runtime.serve_args import ServeArgs, ServeArgsError, host_cache_bytes, stage_configs, validate
+from runtime.host_cache_size import host_cache_bytes
+from runtime.serve_args import ServeArgs, ServeArgsError, stage_configs, validate
 from runtime.supervisor import RestartBudget, StageProcess, describe_exit, log
 
 STAGES = ("loader", "worker", "scheduler", "tokenizer")  # spawn order

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from runtime.base.endpoints import DEFAULT_CLIENT_PORT, Endpoints
+from runtime.host_cache_size import DEFAULT_CPU_LORA_CACHE_GB, host_cache_problem, loader_threads
 
 if TYPE_CHECKING:  # torch-importing modules load lazily: `lorapipe --help` stays fast
     from runtime.base.actor import StageConfig
@@ -24,7 +25,6 @@ DEFAULT_METRICS_PORT = DEFAULT_CLIENT_PORT + 1
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")
-DEFAULT_CPU_LORA_CACHE_GB = 4.0
 
 
 class ServeArgsError(ValueError):
@@ -250,7 +250,8 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
     ]:
         if value is not None and value <= 0:
             raise ServeArgsError(f"{flag} must be positive, got {value}")
-    _check_host_cache(args, model_cfg)
+    if problem := host_cache_problem(args, model_cfg):
+        raise ServeArgsError(problem)
     if args.overlap_min_mb < 0:
         raise ServeArgsError(f"--overlap-min-mb must not be negative, got {args.overlap_min_mb}")
     if args.cuda_graph_max_batch is not None and args.cuda_graph_max_batch < 0:
@@ -265,45 +266,6 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
         raise ServeArgsError(
             f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings "
             f"{model_cfg.max_position_embeddings}"
-        )
-
-
-def host_cache_bytes(args: ServeArgs, model_cfg: ModelConfig) -> int:
-    """The host pool's size: --cpu-lora-cache-gb; else room for --max-cpu-loras blocks of --max-lora-rank
-    (what that flag alone always meant); else DEFAULT_CPU_LORA_CACHE_GB. Whole 4 KiB pages."""
-    from runtime.common.host_pool import ALIGN, pool_bytes_for
-    from runtime.common.lora_layout import LoraLayout
-    from runtime.common.model_config import parse_dtype
-
-    if args.cpu_lora_cache_gb is None and args.max_cpu_loras is not None:
-        layout = LoraLayout.for_model(model_cfg, args.max_lora_rank)
-        dtype = parse_dtype(args.dtype, model_cfg.dtype)
-        return pool_bytes_for(layout, args.max_lora_rank, dtype, args.max_cpu_loras)
-    gib = DEFAULT_CPU_LORA_CACHE_GB if args.cpu_lora_cache_gb is None else args.cpu_lora_cache_gb
-    return int(gib * 2**30) // ALIGN * ALIGN
-
-
-def loader_threads(args: ServeArgs) -> int:
-    if args.loader_threads is not None:
-        return args.loader_threads
-    import os
-
-    return min(8, max(2, (os.cpu_count() or 2) // 2))
-
-
-def _check_host_cache(args: ServeArgs, model_cfg: ModelConfig) -> None:
-    """The host cache must hold at least one adapter of --max-lora-rank."""
-    from runtime.common.lora_layout import LoraLayout
-    from runtime.common.model_config import parse_dtype
-
-    block = LoraLayout.for_model(model_cfg, args.max_lora_rank).block_bytes(
-        args.max_lora_rank, parse_dtype(args.dtype, model_cfg.dtype)
-    )
-    size = host_cache_bytes(args, model_cfg)
-    if size < block:
-        raise ServeArgsError(
-            f"--cpu-lora-cache-gb: {size} bytes hold no adapter of rank {args.max_lora_rank} "
-            f"(--max-lora-rank): one takes {block} bytes ({block / 2**30:.3f} GiB)"
         )
 
 

@@ -29,6 +29,7 @@ import torch
 from runtime.common.host_pool import ALIGN, block_tensor, create_pool, unlink_pool
 from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig, parse_dtype
+from runtime.host_cache_size import default_loader_threads
 from runtime.synthetic.adapters import make_adapters
 from runtime.synthetic.model import PRESETS, build_config
 from stages.loader.adapter_plan import ReadLimits
@@ -38,11 +39,6 @@ from stages.loader.process import SWITCH_INTERVAL_S, tune_for_loads
 
 SCHEMA_VERSION = 1
 FILE = "adapter_model.safetensors"
-
-
-def default_threads() -> int:
-    """The loader's default (`lorapipe serve --loader-threads`)."""
-    return min(8, max(2, (os.cpu_count() or 2) // 2))
 
 
 class Loads:
@@ -250,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=_ints, default=[8, 16, 32, 64], metavar="R,R")
     p.add_argument("--adapter-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--dtype", default="bfloat16", choices=("auto", "bfloat16", "float16", "float32"))
-    p.add_argument("--threads", type=int, default=default_threads(), help="loader threads")
+    p.add_argument("--threads", type=int, default=default_loader_threads(), help="loader threads")
     p.add_argument("--parallel", type=int, default=None, help="loads at once (default: --threads)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
     p.add_argument("--segment-mb", type=float, default=ReadLimits.segment_bytes / 2**20, help="held at once")
