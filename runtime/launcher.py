@@ -30,6 +30,7 @@ from proto.control import (
 )
 from runtime.base.endpoints import Endpoints, make_run_dir
 from runtime.control_channel import ControlChannel, MetricsEndpoint
+from runtime.host_cache_size import host_cache_bytes
 from runtime.serve_args import ServeArgs, ServeArgsError, stage_configs, validate
 from runtime.supervisor import RestartBudget, StageProcess, describe_exit, log
 
@@ -172,14 +173,9 @@ class Launcher:
         await self._wait_ready()
 
     def _init_pool(self, model_cfg: Any) -> tuple[str, int]:
-        from runtime.common.host_pool import create_pool, pool_bytes_for
-        from runtime.common.lora_layout import LoraLayout
-        from runtime.common.model_config import parse_dtype
+        from runtime.common.host_pool import create_pool
 
-        rank = self.args.max_lora_rank
-        layout = LoraLayout.for_model(model_cfg, rank)
-        dtype = parse_dtype(self.args.dtype, model_cfg.dtype)
-        nbytes = pool_bytes_for(layout, rank, dtype, self.args.max_cpu_loras)
+        nbytes = host_cache_bytes(self.args, model_cfg)
         try:
             self.pool = create_pool("lorapipe-", nbytes)
         except OSError as exc:

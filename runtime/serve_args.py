@@ -16,6 +16,7 @@ from runtime import http_args
 from runtime.base.endpoints import DEFAULT_CLIENT_PORT, Endpoints
 from runtime.base.sockets import MAX_CLIENT_MSG_BYTES
 from runtime.common.names import adapter_name_problem
+from runtime.host_cache_size import DEFAULT_CPU_LORA_CACHE_GB, host_cache_problem, loader_threads
 from runtime.serve_security import (
     SecurityArgsError,
     add_security_arguments,
@@ -48,7 +49,9 @@ class ServeArgs:
     max_loras_per_batch: int | None = None  # distinct adapters in one step; None: as many as the pool holds
     lora_gpu_memory_gb: float | None = None  # the GPU adapter pool; None: see RunnerConfig
     max_adapter_bypass: int = 16  # steps a request whose adapter is staged may be passed
-    max_cpu_loras: int = 8
+    max_cpu_loras: int | None = None  # an optional cap on adapters in the host cache
+    cpu_lora_cache_gb: float | None = None  # the host cache in GiB (see host_cache_bytes)
+    loader_threads: int | None = None  # None: min(8, max(2, cpu_count // 2))
     max_lora_rank: int = 64
     max_running_requests: int = 64
     max_tokens_per_step: int = 2048
@@ -124,8 +127,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="steps in which later requests may be admitted before one whose adapter is staged; then "
         "the scheduler reserves room for its adapter (bounds every adapter wait)",
     )
+    # host cache (adapter-loader): sized in bytes, each adapter taking its own rank's share
     p.add_argument(
-        "--max-cpu-loras", type=int, metavar="N", default=d.max_cpu_loras, help="adapters in the host cache"
+        "--cpu-lora-cache-gb",
+        type=float,
+        metavar="GB",
+        default=None,
+        help="host cache size in GiB; an adapter takes its own rank's bytes (default: room for "
+        f"--max-cpu-loras adapters of --max-lora-rank if that is given, else {DEFAULT_CPU_LORA_CACHE_GB:g})",
+    )
+    p.add_argument(
+        "--max-cpu-loras", type=int, metavar="N", default=None, help="cap on adapters in the host cache"
+    )
+    p.add_argument(
+        "--loader-threads",
+        type=int,
+        metavar="N",
+        default=None,
+        help="threads reading adapters, one adapter's chunks spread over all (default: cores / 2, 2 to 8)",
     )
     p.add_argument("--max-lora-rank", type=int, metavar="R", default=d.max_lora_rank)
     p.add_argument("--max-running-requests", type=int, metavar="N", default=d.max_running_requests)
@@ -270,6 +289,8 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
         ("--max-cpu-loras", args.max_cpu_loras),
         ("--lora-gpu-memory-gb", args.lora_gpu_memory_gb),
         ("--max-adapter-bypass", args.max_adapter_bypass),
+        ("--cpu-lora-cache-gb", args.cpu_lora_cache_gb),
+        ("--loader-threads", args.loader_threads),
         ("--max-lora-rank", args.max_lora_rank),
         ("--max-running-requests", args.max_running_requests),
         ("--max-tokens-per-step", args.max_tokens_per_step),
@@ -280,6 +301,8 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
     ]:
         if value is not None and value <= 0:
             raise ServeArgsError(f"{flag} must be positive, got {value}")
+    if problem := host_cache_problem(args, model_cfg):
+        raise ServeArgsError(problem)
     if args.overlap_min_mb < 0:
         raise ServeArgsError(f"--overlap-min-mb must not be negative, got {args.overlap_min_mb}")
     if args.cuda_graph_max_batch is not None and args.cuda_graph_max_batch < 0:
@@ -427,6 +450,7 @@ def stage_configs(
             max_cpu_loras=args.max_cpu_loras,
             adapter_root=real_path(args.adapter_root),
             trusted_paths=trusted_adapter_paths(args),
+            load_threads=loader_threads(args),
             **pool,
             **common,
         ),

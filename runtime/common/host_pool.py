@@ -60,7 +60,7 @@ def create_pool(name_prefix: str, nbytes: int) -> SharedMemory:
         if nbytes > free:
             raise OSError(
                 f"the host cache needs {nbytes} bytes of shared memory but {_SHM_DIR} has {free} free; "
-                "lower --max-cpu-loras or enlarge /dev/shm (docker: --shm-size)"
+                "lower --cpu-lora-cache-gb or enlarge /dev/shm (docker: --shm-size)"
             )
     name = f"{name_prefix}{os.getpid()}-{secrets.token_hex(4)}"
     return SharedMemory(name=name, create=True, size=nbytes)

@@ -1,10 +1,12 @@
 """The adapter-loader stage actor. Sockets: PULL from the scheduler (bound), PUSH to the scheduler.
-Mailboxes: scheduler_requests (StageAdapter/ReleaseAdapter/DropAdapter) → loads (misses, read and packed
-by `load_threads` loops in a thread pool) → to_scheduler (LoaderStarted, AdapterStaged/Failed, Evicted)."""
+Mailboxes: scheduler_requests (StageAdapter/ReleaseAdapter/DropAdapter) → loads (misses: up to
+`load_threads` at once, each planned from its header, then its chunks read and packed straight into the
+reserved pool block by the thread pool) → to_scheduler (LoaderStarted, AdapterStaged/Failed, Evicted)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,14 +32,16 @@ from runtime.base.sockets import PullSocket, PushSocket
 from runtime.common.host_pool import attach_pool, block_tensor, close_pool, dtype_name
 from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig, parse_dtype
-from runtime.common.packed import PackedAdapter
 from stages.loader.adapter_config import AdapterError
-from stages.loader.adapter_reader import read_adapter
+from stages.loader.adapter_plan import AdapterPlan, ReadLimits
+from stages.loader.adapter_reader import check_packed_deltas, max_file_bytes, plan_adapter
+from stages.loader.block_writer import SegmentBuffer, pack_part, prepare, read_part, zero_gaps
 from stages.loader.config import LoaderConfig
 from stages.loader.files import FileRefused, inside_root
 from stages.loader.host_cache import HostCache, HostCacheFull
 
 SPARE_READ_THREADS = 4  # threads beyond load_threads, taking over from reads stuck in a hung file system
+
 LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -66,6 +70,10 @@ class LoaderActor(Actor[LoaderConfig]):
         self.executor = ThreadPoolExecutor(self.read_threads, thread_name_prefix="loader")
         self.stuck: dict[str, float] = {}  # adapter name#read -> when its overdue read started
         self._reports: set[asyncio.Future[None]] = set()
+        self.limits = ReadLimits(
+            config.max_adapter_file_bytes, config.read_timeout_s, pack_tasks=config.load_threads
+        )
+        self.buffers: list[SegmentBuffer] = []  # read buffers of finished loads, for the next ones
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -82,10 +90,11 @@ class LoaderActor(Actor[LoaderConfig]):
         resident.labels(state="resident").set_function(lambda: len(cache.blocks))
         resident.labels(state="pinned").set_function(lambda: sum(b.pins > 0 for b in cache.blocks.values()))
         resident.labels(state="loading").set_function(lambda: len(self.loading))
-        m.gauge("lorapipe_host_cache_bytes_used", "Bytes of packed blocks in the host cache").set_function(
-            lambda: sum(b.nbytes for b in cache.blocks.values())
-        )
+        used = m.gauge("lorapipe_host_cache_bytes_used", "Bytes of packed blocks in the host cache")
+        used.set_function(lambda: cache.used_bytes)
         m.gauge("lorapipe_host_cache_capacity_bytes", "Size of the host-cache pool").set(cache.capacity)
+        largest = m.gauge("lorapipe_host_cache_largest_free_bytes", "Largest block placed without evicting")
+        largest.set_function(cache.largest_free)
         m.gauge(
             "lorapipe_loader_stuck_reads", "Reads past their deadline still holding a thread"
         ).set_function(lambda: len(self.stuck))
@@ -96,6 +105,10 @@ class LoaderActor(Actor[LoaderConfig]):
             self.model_cfg = ModelConfig.from_dir(cfg.model_dir)
             self.dtype = parse_dtype(cfg.dtype, self.model_cfg.dtype)
             self.layout = LoraLayout.for_model(self.model_cfg, cfg.max_lora_rank)
+            file_cap = min(
+                cfg.max_adapter_file_bytes, max_file_bytes(self.layout)
+            )  # no servable adapter is bigger
+            self.limits = dataclasses.replace(self.limits, max_file_bytes=file_cap)
             self.pool = attach_pool(cfg.host_pool_name)
         except (OSError, ValueError) as exc:
             raise StageFatal(f"loader cannot start: {exc}") from exc
@@ -196,30 +209,43 @@ class LoaderActor(Actor[LoaderConfig]):
                 self.loads.task_done()
 
     async def _load(self, job: _Load) -> None:
+        """Plan from the header (no tensor data read), reserve the block, then read and pack the file's
+        chunks straight into it on the thread pool, in parallel; any failure frees the block."""
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         try:
-            packed = await self._read_with_deadline(job)
-            block, evicted = self.cache.reserve(job.name, packed.nbytes)
-        except (AdapterError, HostCacheFull) as exc:
-            retry = getattr(exc, "retryable", False)  # room comes back once pinned blocks are released
-            return await self._finish(job, AdapterFailed(name=job.name, message=str(exc), retryable=retry))
-        self.cache.pin(job.name)  # the write's own pin: never evicted while half written
-        for victim in evicted:
-            self.staged.pop(victim, None)
-        self.m_evictions.inc(len(evicted))
-        for victim in evicted:
-            await self.to_scheduler.put(Evicted(name=victim))
-        try:
-            await loop.run_in_executor(self.executor, self._write, block.offset, packed)
-        except BaseException:
-            self.cache.drop(job.name)
-            raise
+            plan = await self._read_with_deadline(job)
+        except AdapterError as exc:
+            return await self._finish(job, AdapterFailed(name=job.name, message=str(exc)))
+        with plan:
+            try:
+                block, evicted = self.cache.reserve(job.name, plan.nbytes)
+            except HostCacheFull as exc:  # retryable: room comes back once pinned blocks are released
+                failed = AdapterFailed(name=job.name, message=str(exc), retryable=exc.retryable)
+                return await self._finish(job, failed)
+            self.cache.pin(job.name)  # the write's own pin: never evicted while half written
+            for victim in evicted:
+                self.staged.pop(victim, None)
+            self.m_evictions.inc(len(evicted))
+            for victim in evicted:
+                await self.to_scheduler.put(Evicted(name=victim))
+            try:
+                await self._write(plan, block.offset)
+                view = block_tensor(self.pool, block.offset, plan.rank, self.layout, self.dtype)
+                await loop.run_in_executor(
+                    self.executor, check_packed_deltas, job.name, self.layout, view, plan.ranks, plan.scalings
+                )
+                del view
+            except BaseException as exc:
+                self.cache.drop(job.name)
+                if isinstance(exc, AdapterError):  # bad values or a failed read: the adapter's fault
+                    return await self._finish(job, AdapterFailed(name=job.name, message=str(exc)))
+                raise
         load_time = time.perf_counter() - t0
-        self.m_load_bytes.inc(packed.nbytes)
+        self.m_load_bytes.inc(plan.nbytes)
         self.m_load_seconds.observe(load_time)
         self.cache.unpin(job.name)  # the write's pin; _finish pins once per answer, with no await between
-        await self._finish(job, self._staged_msg(packed, block.offset, load_time))
+        await self._finish(job, self._staged_msg(plan, block.offset, load_time))
 
     async def _finish(self, job: _Load, answer: AdapterStaged | AdapterFailed) -> None:
         """Answer every StageAdapter the load served; a load dropped meanwhile frees its block instead."""
@@ -237,8 +263,8 @@ class LoaderActor(Actor[LoaderConfig]):
         for _ in range(job.waiters):
             await self.to_scheduler.put(answer)
 
-    async def _read_with_deadline(self, job: _Load) -> PackedAdapter:
-        """Read in a thread; past `read_timeout_s` the load fails and its thread counts as stuck (a
+    async def _read_with_deadline(self, job: _Load) -> AdapterPlan:
+        """Plan in a thread; past `read_timeout_s` the load fails and its thread counts as stuck (a
         thread in a hung read cannot be stopped) until the read returns; health says so meanwhile."""
         loop = asyncio.get_running_loop()
         if len(self.stuck) >= self.read_threads - self.config.load_threads + 1:
@@ -252,13 +278,15 @@ class LoaderActor(Actor[LoaderConfig]):
             started = time.monotonic() - self.config.read_timeout_s
             key = f"{job.name}#{id(fut)}"
             self.stuck[key] = started
-            fut.add_done_callback(lambda _: loop.call_soon_threadsafe(self._unstuck, key))
+            fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._unstuck, key, f))
             await self._report_health()
             raise AdapterError(
                 job.name, f"reading it took longer than {self.config.read_timeout_s:g}s (a hung file system?)"
             ) from None
 
-    def _unstuck(self, key: str) -> None:
+    def _unstuck(self, key: str, fut) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            fut.result().close()  # the plan came back after all: close its file
         if self.stuck.pop(key, None) is not None:
             task = asyncio.ensure_future(self._report_health())
             self._reports.add(task)
@@ -273,30 +301,48 @@ class LoaderActor(Actor[LoaderConfig]):
         detail = f"reads stuck: {detail}" if detail else ""
         return LoaderHealth(stuck_reads=len(self.stuck), read_threads=self.read_threads, detail=detail[:500])
 
-    def _read(self, job: _Load) -> PackedAdapter:
+    def _read(self, job: _Load) -> AdapterPlan:
         cfg = self.config
         try:
             path = inside_root(job.path, cfg.adapter_root, cfg.trusted_paths)
         except FileRefused as exc:
             raise AdapterError(job.name, str(exc)) from None
-        return read_adapter(job.name, path, self.model_cfg, self.layout, self.dtype)
+        return plan_adapter(job.name, path, self.model_cfg, self.layout, self.dtype, self.limits)
 
-    def _write(self, offset: int, packed: PackedAdapter) -> None:
-        # one memcpy into the pool (read_adapter owns the packing and packs into its own tensor first)
-        block_tensor(self.pool, offset, packed.rank, self.layout, self.dtype).copy_(packed.block)
+    async def _write(self, plan: AdapterPlan, offset: int) -> None:
+        """Per segment, its reads on the thread pool at once, then its packs (and the gap zeroing);
+        returns when every task has ended (none may still write into the block when a failure frees it),
+        raising the first failure. One read buffer per load in flight, reused."""
+        view = block_tensor(self.pool, offset, plan.rank, self.layout, self.dtype)  # [L, rank, row]
+        buf = self.buffers.pop() if self.buffers else SegmentBuffer()
+        try:
+            await self._run_all([(zero_gaps, plan, view)])
+            for s, seg in enumerate(plan.segments):
+                prepare(plan, s, buf)
+                await self._run_all([(read_part, plan, s, i, buf) for i in range(len(seg.reads))])
+                await self._run_all([(pack_part, plan, s, k, buf, view) for k in range(len(seg.packs))])
+        finally:
+            del view
+            self.buffers.append(buf)
 
-    def _staged_msg(self, packed: PackedAdapter, offset: int, load_time: float) -> AdapterStaged:
-        itemsize = packed.block.element_size()
+    async def _run_all(self, calls: list[tuple]) -> None:
+        loop = asyncio.get_running_loop()
+        futures = [loop.run_in_executor(self.executor, *call) for call in calls]
+        for result in await asyncio.gather(*futures, return_exceptions=True):
+            if isinstance(result, BaseException):
+                raise result
+
+    def _staged_msg(self, plan: AdapterPlan, offset: int, load_time: float) -> AdapterStaged:
         return AdapterStaged(
-            name=packed.name,
+            name=plan.name,
             shm_name=self.pool.name,
             offset=offset,
-            nbytes=packed.nbytes,
-            rank=packed.rank,
-            layer_nbytes=packed.rank * self.layout.row_elems * itemsize,
+            nbytes=plan.nbytes,
+            rank=plan.rank,
+            layer_nbytes=plan.rank * self.layout.row_elems * plan.dtype.itemsize,
             dtype=dtype_name(self.dtype),
-            slice_ranks=packed.ranks.flatten().tolist(),  # [num_layers * NUM_SLICES], layer-major
-            slice_scalings=packed.scalings.flatten().tolist(),
+            slice_ranks=plan.ranks.flatten().tolist(),  # [num_layers * NUM_SLICES], layer-major
+            slice_scalings=plan.scalings.flatten().tolist(),
             load_time=load_time,
             cache_hit=False,
         )

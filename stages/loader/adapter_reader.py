@@ -1,13 +1,14 @@
-"""Reads a PEFT LoRA adapter directory, validates every tensor against the base model, and packs it
-into the slot layout (`PackedAdapter`) in the model dtype, ready for one copy per layer."""
+"""Reads a PEFT LoRA adapter directory: validates adapter_config.json and every tensor's name, dtype and
+shape against the base model from the safetensors header alone (`plan_adapter`), then packs the tensor
+data into the slot layout (`read_adapter` into a fresh tensor; the loader into its pool block)."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
 from runtime.common.model_config import ModelConfig
@@ -18,10 +19,14 @@ from stages.loader.adapter_config import (
     check_delta_magnitude,
     read_adapter_config,
 )
-from stages.loader.files import FileRefused, open_regular
+from stages.loader.adapter_plan import AdapterPlan, Piece, ReadLimits, deadline_after, make_gaps
+from stages.loader.block_writer import write_all
+from stages.loader.safetensors_reader import FLOAT_DTYPES, FormatError, TensorEntry, open_regular, read_header
+from stages.loader.segments import make_segments
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _PARENT = {m: ("mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn") for m in TARGET_MODULES}
+_TENSORS = "adapter_model.safetensors"
 
 
 def read_adapter(
@@ -31,15 +36,32 @@ def read_adapter(
     layout: LoraLayout,
     dtype: torch.dtype,
     pin_memory: bool = False,
+    limits: ReadLimits | None = None,
 ) -> PackedAdapter:
-    adapter_dir = Path(path)
-    acfg = read_adapter_config(name, adapter_dir)
-    tensors = _read_tensors(name, adapter_dir, max_file_bytes(layout))
-    pairs = _group_pairs(name, tensors, cfg, acfg)
-    for (layer, module), (a, b) in pairs.items():
-        scaling = acfg.rank_and_scaling(_path(layer, module))[1]
-        check_delta_magnitude(name, f"{module} of layer {layer}", a, b, scaling, dtype)
-    return _pack(name, pairs, acfg, layout, dtype, pin_memory)
+    """The in-process form (offline engine, tools): plan, then pack into a fresh tensor (pinned or not)."""
+    with plan_adapter(name, path, cfg, layout, dtype, limits) as plan:
+        block = torch.empty(plan.shape, dtype=dtype, pin_memory=pin_memory)  # [num_layers, rank, row_elems]
+        write_all(plan, block)
+    check_packed_deltas(name, layout, block, plan.ranks, plan.scalings)
+    return PackedAdapter(name=name, block=block, ranks=plan.ranks, scalings=plan.scalings)
+
+
+def check_packed_deltas(
+    name: str, layout: LoraLayout, block: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor
+) -> None:
+    """The effective-delta bound (`check_delta_magnitude`) of every adapted module, read straight from
+    the packed block [num_layers, rank, row_elems] (A rows, B^T columns): no copy of the weights."""
+    for layer in range(block.shape[0]):
+        for sid, module in enumerate(TARGET_MODULES):
+            r = int(ranks[layer, sid])
+            if r == 0:
+                continue
+            g, i = layout.module_slot(module)
+            a0, b0 = g.a_offset + i * g.in_stride, g.b_offset + g.out_offsets[i]
+            a = block[layer, :r, a0 : a0 + g.in_dim]  # [r, in]
+            b = block[layer, :r, b0 : b0 + g.out_dims[i]].t()  # [out, r]
+            where = f"{module} of layer {layer}"
+            check_delta_magnitude(name, where, a, b, float(scalings[layer, sid]), block.dtype)
 
 
 def max_file_bytes(layout: LoraLayout) -> int:
@@ -48,27 +70,78 @@ def max_file_bytes(layout: LoraLayout) -> int:
     return layout.num_layers * layout.max_rank * layout.row_elems * 8 + (1 << 20)
 
 
-def _read_tensors(name: str, adapter_dir: Path, max_bytes: int) -> dict[str, torch.Tensor]:
-    file = adapter_dir / "adapter_model.safetensors"
-    if not file.exists():
-        if (adapter_dir / "adapter_model.bin").exists():
-            raise AdapterError(name, "adapter_model.bin (a pickle) is not supported; save it as safetensors")
-        raise AdapterError(name, f"no adapter_model.safetensors in {adapter_dir}")
+def plan_adapter(
+    name: str,
+    path: str | Path,
+    cfg: ModelConfig,
+    layout: LoraLayout,
+    dtype: torch.dtype,
+    limits: ReadLimits | None = None,
+) -> AdapterPlan:
+    """Everything but the values checked, the tensor file left open in the plan (the caller closes it)."""
+    limits = limits or ReadLimits(max_file_bytes=max_file_bytes(layout))
+    adapter_dir = Path(path)
+    acfg = read_adapter_config(name, adapter_dir)
+    deadline = deadline_after(limits)
+    fd, size, entries = _open_tensors(name, adapter_dir, limits, deadline)
     try:
-        open_regular(file, max_bytes).close()  # never hand a FIFO, a device or a huge file to safe_open
-    except FileRefused as e:
+        pairs = _group_pairs(name, entries, cfg, acfg)
+        rank = max(a.shape[0] for a, _ in pairs.values())
+        if rank > layout.max_rank:
+            raise AdapterError(name, f"rank {rank} exceeds max_lora_rank {layout.max_rank}")
+        ranks = [[0] * NUM_SLICES for _ in range(layout.num_layers)]
+        scalings = [[0.0] * NUM_SLICES for _ in range(layout.num_layers)]
+        pieces = []
+        for (layer, module), (a, b) in pairs.items():
+            g, s = layout.module_slot(module)
+            r = a.shape[0]
+            sid = TARGET_MODULES.index(module)
+            ranks[layer][sid] = r
+            scalings[layer][sid] = acfg.rank_and_scaling(_path(layer, module))[1]
+            pieces.append(Piece(a, layer, module, g.a_offset + s * g.in_stride, g.in_dim, r, False))
+            pieces.append(Piece(b, layer, module, g.b_offset + g.out_offsets[s], g.out_dims[s], r, True))
+        rank_table = torch.tensor(ranks, dtype=torch.int32)  # [num_layers, NUM_SLICES]
+        return AdapterPlan(
+            name=name,
+            fd=fd,
+            dtype=dtype,
+            rank=rank,
+            num_layers=layout.num_layers,
+            row_elems=layout.row_elems,
+            ranks=rank_table,
+            scalings=torch.tensor(scalings, dtype=torch.float32),  # [num_layers, NUM_SLICES]
+            segments=make_segments(pieces, limits),
+            gaps=make_gaps(layout, rank, ranks),
+            deadline=deadline,
+            file_bytes=size,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_tensors(name: str, adapter_dir: Path, limits: ReadLimits, deadline: float):
+    """(fd, size, header entries) of adapter_model.safetensors; every refusal is an AdapterError."""
+    file = adapter_dir / _TENSORS
+    if not file.exists() and (adapter_dir / "adapter_model.bin").exists():
+        raise AdapterError(name, "adapter_model.bin (a pickle) is not supported; save it as safetensors")
+    if not file.exists():
+        raise AdapterError(name, f"no {_TENSORS} in {adapter_dir}")
+    try:
+        fd, size = open_regular(file, limits.max_file_bytes)
+    except FormatError as e:
         raise AdapterError(name, str(e)) from None
     try:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
-        raise AdapterError(name, f"unreadable adapter_model.safetensors ({type(e).__name__}: {e})") from None
+        return fd, size, read_header(fd, size, deadline)
+    except FormatError as e:
+        os.close(fd)
+        raise AdapterError(name, f"unreadable {_TENSORS} ({e})") from None
 
 
-def _group_pairs(name, tensors, cfg: ModelConfig, acfg: AdapterConfig) -> dict:
-    """{(layer, module): (A [r, in], B [out, r])}, after checking names, pairs and shapes."""
-    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
+def _group_pairs(name, entries: dict[str, TensorEntry], cfg: ModelConfig, acfg: AdapterConfig) -> dict:
+    """{(layer, module): (A [r, in], B [out, r])} header entries, after checking names, pairs and shapes."""
+    found: dict[tuple[int, str], dict[str, TensorEntry]] = {}
+    for key, t in entries.items():
         m = _KEY.match(key)
         if m is None:
             raise AdapterError(name, _explain_key(key))
@@ -78,13 +151,14 @@ def _group_pairs(name, tensors, cfg: ModelConfig, acfg: AdapterConfig) -> dict:
         if layer >= cfg.num_layers:
             why = f"the base model has {cfg.num_layers} layers (made for another model?)"
             raise AdapterError(name, f"tensor {key} is for layer {layer}, but {why}")
-        if not t.is_floating_point():
-            raise AdapterError(name, f"tensor {key} has non-float dtype {t.dtype}")
-        if t.dim() != 2:
-            raise AdapterError(name, f"tensor {key} has shape {tuple(t.shape)}; LoRA weights are 2-D")
+        if t.dtype not in FLOAT_DTYPES:
+            kinds = "F32, F16, BF16 or F64"
+            raise AdapterError(name, f"tensor {key} has dtype {t.dtype}; LoRA weights must be {kinds}")
+        if len(t.shape) != 2:
+            raise AdapterError(name, f"tensor {key} has shape {t.shape}; LoRA weights are 2-D")
         found.setdefault((layer, module), {})[ab] = t
     if not found:
-        raise AdapterError(name, "adapter_model.safetensors holds no LoRA tensors")
+        raise AdapterError(name, f"{_TENSORS} holds no LoRA tensors")
     for (layer, module), ab in sorted(found.items()):
         for missing in sorted({"A", "B"} - ab.keys()):
             raise AdapterError(name, f"missing tensor {_key(layer, module, missing)}")
@@ -95,10 +169,8 @@ def _group_pairs(name, tensors, cfg: ModelConfig, acfg: AdapterConfig) -> dict:
     for (layer, module), ab in sorted(found.items()):
         a, b = ab["A"], ab["B"]  # [r, in], [out, r]
         r, _ = acfg.rank_and_scaling(_path(layer, module))
-        _check_shape(name, _key(layer, module, "A"), a, dims[module][0], 1, r)
-        _check_shape(name, _key(layer, module, "B"), b, dims[module][1], 0, r)
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterError(name, f"{module} of layer {layer} holds NaN or infinite values")
+        _check_shape(name, _key(layer, module, "A"), a.shape, dims[module][0], 1, r)
+        _check_shape(name, _key(layer, module, "B"), b.shape, dims[module][1], 0, r)
         pairs[(layer, module)] = (a, b)
     return pairs
 
@@ -118,14 +190,14 @@ def _check_targeted(name, found, cfg: ModelConfig, acfg: AdapterConfig) -> None:
         )
 
 
-def _check_shape(name: str, key: str, t: torch.Tensor, dim: int, axis: int, r: int) -> None:
-    """`t` must be [r, dim] (lora_A, axis 1) or [dim, r] (lora_B, axis 0)."""
+def _check_shape(name: str, key: str, shape: tuple[int, ...], dim: int, axis: int, r: int) -> None:
+    """`shape` must be [r, dim] (lora_A, axis 1) or [dim, r] (lora_B, axis 0)."""
     want = (r, dim) if axis == 1 else (dim, r)
-    if t.shape[axis] != dim:
+    if shape[axis] != dim:
         why = f"the base model needs {want} (made for another model?)"
-        raise AdapterError(name, f"{key} has shape {tuple(t.shape)}; {why}")
-    if t.shape[1 - axis] != r:
-        raise AdapterError(name, f"{key} has rank {t.shape[1 - axis]} but adapter_config.json gives r={r}")
+        raise AdapterError(name, f"{key} has shape {shape}; {why}")
+    if shape[1 - axis] != r:
+        raise AdapterError(name, f"{key} has rank {shape[1 - axis]} but adapter_config.json gives r={r}")
 
 
 def _explain_key(key: str) -> str:
@@ -160,25 +232,3 @@ def _module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         "up_proj": (h, i),
         "down_proj": (i, h),
     }
-
-
-def _pack(name, pairs, acfg: AdapterConfig, layout: LoraLayout, dtype, pin_memory: bool) -> PackedAdapter:
-    rank = max(a.shape[0] for a, _ in pairs.values())
-    if rank > layout.max_rank:
-        raise AdapterError(name, f"rank {rank} exceeds max_lora_rank {layout.max_rank}")
-    block = torch.zeros((layout.num_layers, rank, layout.row_elems), dtype=dtype)  # [L, r, row]
-    ranks = torch.zeros((layout.num_layers, NUM_SLICES), dtype=torch.int32)
-    scalings = torch.zeros((layout.num_layers, NUM_SLICES), dtype=torch.float32)
-    for (layer, module), (a, b) in pairs.items():
-        g, s = layout.module_slot(module)
-        r = a.shape[0]
-        a_cols = g.a_offset + s * g.in_stride
-        block[layer, :r, a_cols : a_cols + g.in_dim] = a.to(dtype)
-        b_cols = g.b_offset + g.out_offsets[s]
-        block[layer, :r, b_cols : b_cols + g.out_dims[s]] = b.t().to(dtype)
-        sid = TARGET_MODULES.index(module)
-        ranks[layer, sid] = r
-        scalings[layer, sid] = acfg.rank_and_scaling(_path(layer, module))[1]
-    if pin_memory:
-        block = block.pin_memory()
-    return PackedAdapter(name=name, block=block, ranks=ranks, scalings=scalings)

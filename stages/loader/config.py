@@ -11,10 +11,11 @@ class LoaderConfig(StageConfig, frozen=True, kw_only=True):
     model_dir: str  # adapters are validated against this base model
     dtype: str | None  # the model's serving dtype (None: the checkpoint's); adapters are converted to it
     max_lora_rank: int
-    max_cpu_loras: int  # host-cache capacity in adapters
     host_pool_name: str  # shared memory created by the launcher (it outlives a loader restart)
-    host_pool_bytes: int
-    load_threads: int = 2  # adapters read and packed at once
+    host_pool_bytes: int  # the host cache's capacity: blocks take their own rank's bytes
+    max_cpu_loras: int | None = None  # an optional cap on adapters in the host cache (None: bytes only)
+    load_threads: int = 2  # threads reading and packing; one adapter's chunks spread over all of them
+    max_adapter_file_bytes: int = 8 << 30  # adapter_model.safetensors larger than this is refused
+    read_timeout_s: float = 120.0  # from opening an adapter's tensor file to its last byte read
     adapter_root: str | None = None  # resolved; adapters are read only from inside it (or trusted_paths)
     trusted_paths: tuple[str, ...] = ()  # resolved dirs of the --adapter adapters
-    read_timeout_s: float = 60.0  # one adapter's files must be read within this (else: failed, stuck)

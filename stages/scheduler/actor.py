@@ -52,6 +52,10 @@ from stages.scheduler.gateway_metrics import add_gateway_metrics
 from stages.scheduler.metrics import SchedulerMetrics
 from stages.scheduler.planner import Planner, PlannerConfig
 
+# Host blocks held for adapters whose pool load is not issued yet, when --max-loras-per-batch does not
+# say how many one step can use: staging runs this far ahead of the waiting queue.
+STAGE_AHEAD = 64
+
 
 class SchedulerActor(Actor[SchedulerConfig]):
     stage = "scheduler"
@@ -82,7 +86,7 @@ class SchedulerActor(Actor[SchedulerConfig]):
             self._fail,
             self.series,
             max_held=config.max_cpu_loras,
-            max_held_waiting=config.max_loras_per_batch or config.max_cpu_loras,
+            max_held_waiting=config.max_loras_per_batch or STAGE_AHEAD,
         )
         self.ops = AdapterOps(self.adapters, self.lifecycle, self.to_tokenizer, self._fail)
         add_gateway_metrics(

@@ -26,10 +26,10 @@ class AdapterLifecycle:
         to_loader: Mailbox[Any],
         fail: Fail,
         series: SchedulerMetrics,
-        max_held: int,
+        max_held: int | None,
         max_held_waiting: int,
     ) -> None:
-        """`max_held`: host blocks held or asked for at most (below the host cache's capacity);
+        """`max_held`: host blocks held or asked for at most (None: no cap, the host cache's bytes bound it);
         `max_held_waiting`: of those, held for loads not issued yet (how far staging runs ahead)."""
         self.adapters = adapters
         self.to_loader = to_loader
@@ -107,7 +107,9 @@ class AdapterLifecycle:
             return
         for name in planner.adapters_needed():
             self._count_host_lookup(name)
-            if self.adapters.held_waiting() >= self.max_held_waiting or self.adapters.held() >= self.max_held:
+            if self.adapters.held_waiting() >= self.max_held_waiting:
+                return
+            if self.max_held is not None and self.adapters.held() >= self.max_held:
                 return
             if self.adapters.needs_stage(name):
                 await self.to_loader.put(StageAdapter(name=name, path=self.adapters.get(name).path))

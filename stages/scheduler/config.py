@@ -11,7 +11,9 @@ class SchedulerConfig(StageConfig, frozen=True, kw_only=True):
     endpoints: Endpoints
     max_loras_per_batch: int | None = None  # distinct adapters in one step (None: as many as the pool
     # holds); the GPU pool's size comes from the worker
-    max_cpu_loras: int = 8  # host-cache entries: the scheduler never holds more blocks than this
+    max_cpu_loras: int | None = (
+        None  # host-cache cap, if any: the scheduler never holds more blocks than this
+    )
     max_model_len: int
     max_running_requests: int = 64
     max_tokens_per_step: int = 2048

@@ -147,5 +147,5 @@ def test_pool_sizing_pinning_and_a_short_dev_shm(model):
         assert register_pinned(shm) is False
         unlink_pool(shm)
     if Path("/dev/shm").is_dir():
-        with pytest.raises(OSError, match="--max-cpu-loras"):
+        with pytest.raises(OSError, match="--cpu-lora-cache-gb"):
             create_pool("lptest-", 1 << 62)

@@ -65,18 +65,30 @@ def packed(model, adapters: dict[str, Path], name: str):
 class Scheduler:
     """A pool, a LoaderConfig and the scheduler's two sockets; the loader runs in-process or not."""
 
-    def __init__(self, run_dir: Path, model_dir: Path, layout: LoraLayout, max_cpu_loras: int) -> None:
-        self.pool = create_pool("lptest-", pool_bytes_for(layout, MAX_RANK, DTYPE, max_cpu_loras))
+    def __init__(
+        self,
+        run_dir: Path,
+        model_dir: Path,
+        layout: LoraLayout,
+        max_cpu_loras: int | None,
+        pool_bytes: int | None = None,
+        **config: Any,
+    ) -> None:
+        """The pool holds `max_cpu_loras` max-rank blocks unless `pool_bytes` says otherwise."""
+        assert pool_bytes or max_cpu_loras
+        pool_bytes = pool_bytes or pool_bytes_for(layout, layout.max_rank, DTYPE, max_cpu_loras)
+        self.pool = create_pool("lptest-", pool_bytes)
         self.ep = Endpoints.in_run_dir(run_dir, client=f"ipc://{run_dir}/client.sock")
         self.cfg = LoaderConfig(
             endpoints=self.ep,
             model_dir=str(model_dir),
             dtype="bfloat16",
-            max_lora_rank=MAX_RANK,
+            max_lora_rank=layout.max_rank,
             max_cpu_loras=max_cpu_loras,
             host_pool_name=self.pool.name,
-            host_pool_bytes=self.pool.size,
+            host_pool_bytes=pool_bytes,
             drain_timeout_s=5,
+            **config,
         )
         self.layout = layout
         self.out = PushSocket(self.ep.scheduler_to_loader, SchedulerToLoader)
@@ -104,8 +116,8 @@ class Scheduler:
         unlink_pool(self.pool)
 
 
-def run_loader(run_dir, tiny_llama, model, body, max_cpu_loras: int = 4) -> None:
-    s = Scheduler(run_dir, tiny_llama, model[1], max_cpu_loras)
+def run_loader(run_dir, tiny_llama, model, body, max_cpu_loras: int | None = 4, **kw: Any) -> None:
+    s = Scheduler(run_dir, tiny_llama, model[1], max_cpu_loras, **kw)
 
     async def main() -> None:
         actor = LoaderActor(s.cfg)

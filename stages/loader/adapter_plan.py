@@ -1,0 +1,150 @@
+"""What one adapter load will do, worked out from the safetensors header and adapter_config.json before a
+byte of tensor data is read: every tensor's destination in the packed block, grouped into segments of
+the file (read in parallel ranges, then packed by parallel tasks of strided runs), and the block regions
+no tensor covers (zeroed)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from runtime.common.lora_layout import TARGET_MODULES, LoraLayout
+from stages.loader.safetensors_reader import TensorEntry
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """Bounds on one adapter read and how it is cut: the tensor file's size, the time from open to the
+    last byte; a segment (the bytes held in memory at once: most adapters are one), a read (one thread's
+    positioned read), and the pack tasks a segment is split into (the threads that will run them)."""
+
+    max_file_bytes: int = 8 << 30
+    timeout_s: float = 120.0
+    segment_bytes: int = 256 << 20
+    read_bytes: int = 16 << 20
+    pack_tasks: int = 8
+
+
+class Piece(NamedTuple):  # a tuple: hundreds are made per adapter, under the GIL
+    """One tensor's move: lora_A [r, in] to rows :r at `col`, or lora_B [out, r] transposed there."""
+
+    entry: TensorEntry
+    layer: int
+    module: str
+    col: int
+    width: int  # in_dim (A) or the slice's out dim (B)
+    rank: int
+    transpose: bool  # lora_B
+
+
+@dataclass(frozen=True)
+class Run:
+    """Tensors of one kind (module, A or B, dtype, shape) evenly spaced both in the file (`step` bytes)
+    and in the block's layers (`layer_step`): moved by one strided copy. `aligned`: every tensor starts
+    at a multiple of its item size (the format does not promise it; unaligned ones go one by one)."""
+
+    pieces: tuple[Piece, ...]
+    step: int
+    layer_step: int
+    aligned: bool
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive whole layers of the file, bytes [start, end), held in one buffer: `reads` are the
+    byte ranges of its parallel reads (whole tensors each), `packs` the runs of each parallel pack task.
+    `dtype`: the one dtype of all its tensors if so and all are aligned (each read then checks its own
+    values in one pass; otherwise each run checks its source)."""
+
+    start: int
+    end: int
+    pieces: tuple[Piece, ...]
+    reads: tuple[tuple[int, int], ...]
+    packs: tuple[tuple[Run, ...], ...]
+    dtype: str | None
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Block region no tensor writes: rows [row0, row1) x columns [col0, col1) of `layer` (None: all)."""
+
+    layer: int | None
+    row0: int
+    row1: int
+    col0: int
+    col1: int
+
+
+@dataclass
+class AdapterPlan:
+    """A validated adapter, its file still open (`close()` it; also a context manager). Per segment, in
+    order: all its reads (any order, any threads), then all its packs (likewise); the gap zeroing may run
+    at any time. Packs and gaps touch disjoint bytes of the block."""
+
+    name: str
+    fd: int
+    dtype: torch.dtype  # the block's (the model's) dtype
+    rank: int
+    num_layers: int
+    row_elems: int
+    ranks: torch.Tensor  # [num_layers, NUM_SLICES] int32, 0 where the adapter has no tensor
+    scalings: torch.Tensor  # [num_layers, NUM_SLICES] float32
+    segments: list[Segment]
+    gaps: list[Gap]
+    deadline: float  # time.monotonic() after which reads fail
+    file_bytes: int
+    closed: bool = field(default=False)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.num_layers, self.rank, self.row_elems)  # [num_layers, rank, row_elems]
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_layers * self.rank * self.row_elems * self.dtype.itemsize
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            os.close(self.fd)
+
+    def __enter__(self) -> AdapterPlan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def make_gaps(layout: LoraLayout, rank: int, ranks: list[list[int]]) -> list[Gap]:
+    """The rows each slice's columns get no data for (rank below the block's, or no tensor at all) and
+    the alignment padding between slices, so a reused pool block holds no stale bytes."""
+    gaps: list[Gap] = []
+    covered: list[tuple[int, int]] = []
+    for g in layout.groups:
+        for s, module in enumerate(g.modules):
+            sid = TARGET_MODULES.index(module)
+            written = [layer[sid] for layer in ranks]  # rows per layer
+            a_col, b_col = g.a_offset + s * g.in_stride, g.b_offset + g.out_offsets[s]
+            for col, width in ((a_col, g.in_dim), (b_col, g.out_dims[s])):
+                covered.append((col, col + width))
+                if len(set(written)) == 1:
+                    if written[0] < rank:
+                        gaps.append(Gap(None, written[0], rank, col, col + width))
+                    continue
+                gaps += [Gap(i, r, rank, col, col + width) for i, r in enumerate(written) if r < rank]
+    cursor = 0
+    for start, end in sorted(covered):
+        if start > cursor:
+            gaps.append(Gap(None, 0, rank, cursor, start))
+        cursor = max(cursor, end)
+    if cursor < layout.row_elems:
+        gaps.append(Gap(None, 0, rank, cursor, layout.row_elems))
+    return gaps
+
+
+def deadline_after(limits: ReadLimits) -> float:
+    return time.monotonic() + limits.timeout_s
