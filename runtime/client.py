@@ -37,7 +37,7 @@ from proto.client import (
 )
 from proto.codec import ProtocolError
 from proto.sampling import SamplingParams
-from runtime.base.endpoints import DEFAULT_CLIENT_PORT
+from runtime.base.endpoints import DEFAULT_CLIENT_PORT, unreachable_reason
 from runtime.base.sockets import DealerSocket
 
 DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"
@@ -69,6 +69,10 @@ class ProtocolMismatchError(LorapipeError): ...
 
 
 class Timeout(LorapipeError, TimeoutError): ...
+
+
+class ServerUnreachable(Timeout, ConnectionError):
+    """No lorapipe server answered the connection handshake; the message names the address and why."""
 
 
 _ERRORS: dict[str, type[LorapipeError]] = {
@@ -141,9 +145,18 @@ class AsyncClient:
     """Asyncio client. Connects (and checks the protocol version) on first use; `timeout` bounds
     every wait for the server and can be overridden per call."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, timeout: float | None = 60.0, **socket_kw: Any):
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        *,
+        timeout: float | None = 60.0,
+        connect_timeout: float = 5.0,
+        **socket_kw: Any,
+    ):
+        """`connect_timeout`: the handshake's wait for a server, then ServerUnreachable (≤ `timeout`)."""
         self.endpoint = endpoint
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self.welcome: Welcome | None = None
         self._socket_kw = socket_kw
         self._sock: DealerSocket[Any, Any] | None = None
@@ -165,7 +178,16 @@ class AsyncClient:
             if self._sock is None:
                 self._sock = DealerSocket(self.endpoint, ClientReply, ClientRequest, **self._socket_kw)
                 self._reader = asyncio.ensure_future(self._read())
-            reply = await self._call(Hello(request_id=uuid.uuid4().hex, protocol_version=PROTOCOL_VERSION))
+            limit = self.connect_timeout if self.timeout is None else min(self.connect_timeout, self.timeout)
+            hello = Hello(request_id=uuid.uuid4().hex, protocol_version=PROTOCOL_VERSION)
+            try:
+                reply = await self._call(hello, limit)
+            except Timeout:
+                why = await asyncio.to_thread(unreachable_reason, self.endpoint)
+                raise ServerUnreachable(
+                    f"no lorapipe server answered at {self.endpoint} within {limit:g}s: {why}. Is "
+                    f"`lorapipe serve` running there (its --endpoint, default {DEFAULT_ENDPOINT})?"
+                ) from None
             if not isinstance(reply, Welcome) or reply.protocol_version != PROTOCOL_VERSION:
                 raise ProtocolMismatchError(f"server speaks {reply!r}, client speaks {PROTOCOL_VERSION}")
             self.welcome = reply
@@ -315,11 +337,18 @@ class AsyncClient:
 class Client:
     """Blocking client: the same API as AsyncClient, backed by one on a private event-loop thread."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, timeout: float | None = 60.0, **socket_kw: Any):
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        *,
+        timeout: float | None = 60.0,
+        connect_timeout: float = 5.0,
+        **socket_kw: Any,
+    ):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="lorapipe-client", daemon=True)
         self._thread.start()
-        self._client = AsyncClient(endpoint, timeout=timeout, **socket_kw)
+        self._client = AsyncClient(endpoint, timeout=timeout, connect_timeout=connect_timeout, **socket_kw)
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
