@@ -149,10 +149,17 @@ def _attention(runner: ModelRunner, variants: list[tuple[int, int]], progress: _
 
 
 def _forward(runner: ModelRunner) -> None:
-    """One base-model prefill at the step-size limit (pages from 0; no sequence has written any yet):
-    the caching allocator reaches its peak and the matmul libraries meet their largest shapes now."""
+    """One base-model prefill step of max_tokens_per_step tokens, in sequences of at most the context
+    length, on pages from 0 (no sequence has written any yet): the caching allocator reaches its peak
+    and the matmul libraries meet their largest shapes now."""
     from stages.worker.runner import SeqInput
 
-    ps = runner.cfg.page_size
-    n = min(runner.cfg.max_tokens_per_step, runner.max_context, runner.kv.num_pages * ps)
-    runner._forward_eager([SeqInput([0] * n, 0, list(range(-(-n // ps))), -1)])
+    ps, page = runner.cfg.page_size, 0
+    left = min(runner.cfg.max_tokens_per_step, runner.kv.num_pages * ps)
+    seqs = []
+    while left > 0 and page < runner.kv.num_pages:
+        n = min(left, runner.max_context, (runner.kv.num_pages - page) * ps)
+        pages = -(-n // ps)
+        seqs.append(SeqInput([0] * n, 0, list(range(page, page + pages)), -1))
+        page, left = page + pages, left - n
+    runner._forward_eager(seqs)

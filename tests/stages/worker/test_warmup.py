@@ -8,7 +8,7 @@ import torch
 
 from stages.worker.model import attention
 from stages.worker.runner import ModelRunner, RunnerConfig
-from stages.worker.warmup import _attention, _lora, _Progress
+from stages.worker.warmup import _attention, _forward, _lora, _Progress
 from stages.worker.warmup_plan import lora_launches
 
 
@@ -41,3 +41,17 @@ def test_launches_compute_nothing(tiny_llama, monkeypatch):
     assert lines[0].startswith(f"warm-up: 1/{len(small) + 2} kernel variants") and lines[-1].startswith(
         f"warm-up: {len(small) + 2}/{len(small) + 2}"
     )
+
+
+def test_the_step_sized_forward_fills_a_step_with_sequences_of_the_context_length(tiny_llama, monkeypatch):
+    runner = ModelRunner(
+        RunnerConfig(
+            model_dir=str(tiny_llama), dtype="float32", num_pages=16, max_tokens_per_step=40, max_model_len=16
+        )
+    )
+    seen = []
+    monkeypatch.setattr(runner, "_forward_eager", lambda seqs: seen.append(seqs))
+    _forward(runner)
+    (seqs,) = seen
+    assert [len(s.token_ids) for s in seqs] == [16, 16, 8]
+    assert [s.page_ids for s in seqs] == [[0], [1], [2]] and all(s.slot == -1 for s in seqs)
