@@ -41,6 +41,7 @@ def _summary(path: Path) -> dict[str, Any]:
         "completed": s["completed"],
         "failed": s["failed"],
         "duration_s": s["duration_s"],
+        "adapter_loads": s.get("adapter_loads"),  # disk→host reads during the burst (from /metrics)
     }
 
 
@@ -89,14 +90,14 @@ def table(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| burst | output tok/s | TTFT P50 / P95 (s) | completed / failed | duration (s) |",
-        "|---|---|---|---|---|",
+        "| burst | output tok/s | TTFT P50 / P95 (s) | completed / failed | duration (s) | adapter loads |",
+        "|---|---|---|---|---|---|",
     ]
     for name, r in result["runs"].items():
         ttft = f"{_fmt(r['ttft_p50'], '{:.2f}')} / {_fmt(r['ttft_p95'], '{:.2f}')}"
         lines.append(
             f"| {name} | {_fmt(r['output_throughput'])} | {ttft} | {r['completed']} / {r['failed']} | "
-            f"{_fmt(r['duration_s'])} |"
+            f"{_fmt(r['duration_s'])} | {_fmt(r.get('adapter_loads'), '{:.0f}')} |"
         )
     lines.append("")
     for key, t in result["targets"].items():

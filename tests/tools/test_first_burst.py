@@ -15,6 +15,7 @@ from tools.wait_ready import wait_ready
 
 def _bench(path, tput: float, ttft: float) -> str:
     s = {"output_throughput": tput, "ttft": {"p50": ttft, "p95": 2 * ttft}, "completed": 10, "failed": 0}
+    s["adapter_loads"] = 32 if tput < 15500 else 0
     path.write_text(json.dumps({"summary": {**s, "duration_s": 1.0}}))
     return str(path)
 
@@ -47,6 +48,7 @@ def test_report_ratio_targets_and_log_values(tmp_path, capsys):
     assert "| cold compile cache | 140.0 | 95.5 | 126 + 12 | 46 (12.3) |" in out
     assert "| warm compile cache | 24.5 | - | - | - |" in out
     assert "- first_over_second_throughput: 0.938 (target >= 0.9): PASS" in out
+    assert "| first burst | 15000.0 | 3.10 / 6.20 | 10 / 0 | 1.0 | 32 |" in out
     fbr.main([*argv[:2], "--warm-ready", "31", "--run", argv[-3], "--run", argv[-1]])
     assert "- warm_cache_ready_s: 31.000 (target <= 30.0): FAIL" in capsys.readouterr().out
 
