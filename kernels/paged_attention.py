@@ -19,7 +19,9 @@ META_COLS = 5  # one row per query block: (seq, q_start, q_len, ctx_len, first p
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Sizes that change with every batch are not specialised on (a 1 or a multiple of 16 would otherwise
+# compile another variant of the same kernel): the variants are those of the constexprs alone.
+@triton.jit(do_not_specialize=["num_tokens", "stride_pb"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, pt_ptr, meta_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qk_scale, window, num_tokens, num_heads,
@@ -107,7 +109,7 @@ def _paged_attention_kernel(
         tl.store(part_lse_ptr + (part + t_idx) * num_heads + head, lse, mask=m_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _merge_splits_kernel(
     part_o_ptr, part_lse_ptr, meta_ptr, out_ptr, num_tokens, num_heads, stride_ot,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr,

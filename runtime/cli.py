@@ -9,30 +9,40 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.serve_args import ServeArgsError, add_serve_arguments, from_namespace, validate
+    from runtime.serve_args import HelpFormatter, ServeArgsError, add_serve_arguments, from_namespace
+    from runtime.serve_checks import validate
 
     parser = argparse.ArgumentParser(
         prog="lorapipe", description="Serve one base LLM with many LoRA adapters."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
-        "serve", help="serve a model and its adapters (tokenizer, scheduler, loader, worker)"
+        "serve",
+        help="serve a model and its adapters (tokenizer, scheduler, loader, worker)",
+        description="Serve one base model and many LoRA adapters. Start-up errors print one line and "
+        "exit with status 2; a stage failing later exits with status 1.",
+        formatter_class=HelpFormatter,
     )
     add_serve_arguments(serve)
-    demo = sub.add_parser("demo", help="make a tiny model and adapters, serve them, stream mixed requests")
+    demo = sub.add_parser(
+        "demo",
+        help="make a tiny model and adapters, serve them, stream mixed requests",
+        formatter_class=HelpFormatter,
+    )
     demo.add_argument("--dir", type=Path, default=Path(".cache/lorapipe-demo"), help="demo files live here")
-    demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    demo.add_argument("--max-tokens", type=int, default=12)
+    demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the demo runs")
+    demo.add_argument("--max-tokens", type=int, default=12, help="tokens each request generates")
     args = parser.parse_args(argv)
     if args.command == "serve":
         try:
             serve_args = from_namespace(args)
-            validate(serve_args)
+            model_cfg = validate(serve_args)
         except ServeArgsError as exc:
-            serve.error(str(exc))  # exits 2
+            print(f"lorapipe serve: error: {exc}", file=sys.stderr)  # one line; no usage block
+            sys.exit(2)
         from runtime.launcher import run_server
 
-        return run_server(serve_args)
+        return run_server(serve_args, model_cfg=model_cfg)
     if args.command == "demo":
         from runtime.demo import run_demo
 

@@ -36,7 +36,7 @@ from proto.client import (
 )
 from proto.codec import ProtocolError
 from runtime.base.auth import API_KEY_ENV
-from runtime.base.endpoints import DEFAULT_CLIENT_PORT
+from runtime.base.endpoints import DEFAULT_CLIENT_PORT, unreachable_reason
 from runtime.base.sockets import ConnectionEvents, DealerSocket
 from runtime.client_types import (
     Aborted,
@@ -49,6 +49,7 @@ from runtime.client_types import (
     Prompt,
     ProtocolMismatchError,
     ServerError,
+    ServerUnreachable,
     Timeout,
     Timings,
     Unauthorized,
@@ -72,6 +73,7 @@ __all__ = [
     "LorapipeError",
     "ProtocolMismatchError",
     "ServerError",
+    "ServerUnreachable",
     "Timeout",
     "Timings",
     "Unauthorized",
@@ -94,10 +96,13 @@ class AsyncClient:
         *,
         timeout: float | None = 60.0,
         api_key: str | None = None,
+        connect_timeout: float = 5.0,
         **socket_kw: Any,
     ):
+        """`connect_timeout`: the handshake's wait for a server, then ServerUnreachable (≤ `timeout`)."""
         self.endpoint = endpoint
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self.welcome: Welcome | None = None
         self._api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self._socket_kw = socket_kw
@@ -126,7 +131,16 @@ class AsyncClient:
                 self._events = ConnectionEvents(self._sock)
                 self._reader = asyncio.ensure_future(self._read())
                 self._watcher = asyncio.ensure_future(self._watch())
-            reply = await self._call(Hello(request_id=uuid.uuid4().hex, protocol_version=PROTOCOL_VERSION))
+            limit = self.connect_timeout if self.timeout is None else min(self.connect_timeout, self.timeout)
+            hello = Hello(request_id=uuid.uuid4().hex, protocol_version=PROTOCOL_VERSION)
+            try:
+                reply = await self._call(hello, limit)
+            except Timeout:
+                why = await asyncio.to_thread(unreachable_reason, self.endpoint)
+                raise ServerUnreachable(
+                    f"no lorapipe server answered at {self.endpoint} within {limit:g}s: {why}. Is "
+                    f"`lorapipe serve` running there (its --endpoint, default {DEFAULT_ENDPOINT})?"
+                ) from None
             if not isinstance(reply, Welcome) or reply.protocol_version != PROTOCOL_VERSION:
                 raise ProtocolMismatchError(f"server speaks {reply!r}, client speaks {PROTOCOL_VERSION}")
             self.welcome = reply
@@ -315,12 +329,15 @@ class Client:
         *,
         timeout: float | None = 60.0,
         api_key: str | None = None,
+        connect_timeout: float = 5.0,
         **socket_kw: Any,
     ):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="lorapipe-client", daemon=True)
         self._thread.start()
-        self._client = AsyncClient(endpoint, timeout=timeout, api_key=api_key, **socket_kw)
+        self._client = AsyncClient(
+            endpoint, timeout=timeout, api_key=api_key, connect_timeout=connect_timeout, **socket_kw
+        )
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

@@ -44,6 +44,10 @@ class ProtocolMismatchError(LorapipeError): ...
 class Timeout(LorapipeError, TimeoutError): ...
 
 
+class ServerUnreachable(Timeout, ConnectionError):
+    """No lorapipe server answered the connection handshake; the message names the address and why."""
+
+
 class Forbidden(LorapipeError):
     """The server's configuration refuses the operation (runtime loading off, path outside its root)."""
 

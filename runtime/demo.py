@@ -27,6 +27,10 @@ PROMPTS = [
     "Numbers: one two three",
     "héllo wörld",
 ]
+RANDOM_WEIGHTS = (
+    "The demo model and its adapters have seeded random weights (made by runtime/synthetic): the\n"
+    "completions below are meant to be gibberish. The demo shows the pipeline, not a language model."
+)
 # every actor keeps these; the summary shows them as columns, everything else per stage below
 _COMMON = ("lorapipe_queue_", "lorapipe_messages_", "lorapipe_service_seconds", "lorapipe_handler_errors")
 
@@ -93,7 +97,13 @@ async def _workload(launcher: Launcher, max_tokens: int) -> int:
     names = [*dict(args.adapters), None]
     mix = [names[i % len(names)] for i in range(len(PROMPTS))]
     slots, cached = args.max_loras_per_batch, args.max_cpu_loras
-    print(f"{len(args.adapters)} adapters, {slots} GPU slots, {cached} in the host cache")
+    where = (
+        "GPU slots"
+        if args.resolved_device() == "cuda"
+        else f"adapter slots in {args.resolved_device()} memory"
+    )
+    print(f"{len(args.adapters)} adapters, {slots} {where}, {cached} in the host cache")
+    print(RANDOM_WEIGHTS)
     assert launcher.endpoints is not None
     async with AsyncClient(launcher.endpoints.client, timeout=60.0) as client:
         t0 = time.perf_counter()
@@ -144,9 +154,9 @@ def summarize(exposition: str) -> str:
                 elif s.name.startswith("lorapipe_service_seconds_") and not s.name.endswith("_bucket"):
                     common[stage][s.name.rsplit("_", 1)[1]] += s.value
             elif fam.type == "histogram" and s.name.endswith(("_count", "_sum")):
-                own[stage][s.name] += s.value
+                own[stage][_labelled(s.name, s.labels)] += s.value
             elif fam.type in ("counter", "gauge"):
-                own[stage][s.name] += s.value
+                own[stage][_labelled(s.name, s.labels)] += s.value
     lines = [f"{'stage':<10} {'up':>3} {'msgs in':>8} {'msgs out':>8} {'handled':>8} {'mean handler':>12}"]
     for stage, c in common.items():
         if stage == "launcher":  # its only metric (restarts) is shown under each stage
@@ -160,6 +170,12 @@ def summarize(exposition: str) -> str:
         for i in range(0, len(values), 4):
             lines.append("    " + "  ".join(values[i : i + 4]))
     return "\n".join(lines)
+
+
+def _labelled(name: str, labels: dict[str, str]) -> str:
+    """`name{value,...}` for a labelled series (one entry per label set, never summed across them)."""
+    values = [v for k, v in sorted(labels.items()) if k != "stage"]
+    return f"{name}{{{','.join(values)}}}" if values else name
 
 
 def _get(url: str) -> str:

@@ -31,7 +31,9 @@ from proto.control import (
 from runtime.base.endpoints import Endpoints, make_run_dir
 from runtime.control_channel import ControlChannel, MetricsEndpoint
 from runtime.host_cache_size import host_cache_bytes
-from runtime.serve_args import ServeArgs, ServeArgsError, stage_configs, validate
+from runtime.serve_args import ServeArgs, ServeArgsError
+from runtime.serve_checks import validate
+from runtime.stage_configs import compile_cache_dir, stage_configs
 from runtime.supervisor import RestartBudget, StageProcess, describe_exit, log
 
 STAGES = ("loader", "worker", "scheduler", "tokenizer")  # spawn order
@@ -55,8 +57,16 @@ class Launcher:
     `await wait()` returns the exit code once the pipeline stopped (0: asked to; 1: a stage failed);
     `request_stop()` drains and stops it. `run()` does all of that under SIGTERM/SIGINT handlers."""
 
-    def __init__(self, args: ServeArgs, *, stage_modules: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: ServeArgs,
+        *,
+        stage_modules: Mapping[str, str] | None = None,
+        model_cfg: Any = None,
+    ) -> None:
+        """`model_cfg`: what `validate(args)` returned, when the caller already checked the arguments."""
         self.args = args
+        self._model_cfg = model_cfg
         self.modules = {name: f"stages.{name}" for name in STAGES} | dict(stage_modules or {})
         self.stages: dict[str, StageProcess] = {}
         self.endpoints: Endpoints | None = None
@@ -108,7 +118,10 @@ class Launcher:
                 await self.start()
             except _StopRequested:
                 return 0
-            except (LaunchError, ServeArgsError) as exc:
+            except ServeArgsError as exc:  # the command line or the machine: one line, as argparse exits
+                log.error("%s", exc)
+                return 2
+            except LaunchError as exc:
                 log.error("%s", exc)
                 return 1
             print(self.banner(), flush=True)
@@ -145,7 +158,7 @@ class Launcher:
     # --- start-up -------------------------------------------------------------------------------------
     async def _start(self) -> None:
         args = self.args
-        model_cfg = validate(args)
+        model_cfg = self._model_cfg or validate(args)
         self.run_dir = make_run_dir()
         self.endpoints = Endpoints.in_run_dir(self.run_dir, client=args.endpoint)
         self.control = ControlChannel(self.endpoints.control, self._on_control)  # bound before any stage
@@ -167,7 +180,10 @@ class Launcher:
             path = self.run_dir / f"{name}.json"
             path.touch(mode=0o600)  # the tokenizer's may hold the API key
             path.write_bytes(msgspec.json.encode(configs[name]))
-            self.stages[name] = StageProcess(name, self.modules[name], path, self._on_exit, self._output)
+            env = {"TRITON_CACHE_DIR": compile_cache_dir(args)} if name == "worker" else {}  # before import
+            self.stages[name] = StageProcess(
+                name, self.modules[name], path, self._on_exit, self._output, env=env
+            )
         for name in STAGES:
             await self.stages[name].start()
         await self._wait_ready()
@@ -325,8 +341,9 @@ class Launcher:
             self._output = None
 
 
-def run_server(args: ServeArgs, stage_modules: Mapping[str, str] | None = None) -> int:
-    """`lorapipe serve`: run a Launcher on uvloop in this process until it stops; the exit code."""
+def run_server(args: ServeArgs, stage_modules: Mapping[str, str] | None = None, model_cfg: Any = None) -> int:
+    """`lorapipe serve`: run a Launcher on uvloop in this process until it stops; the exit code (2: the
+    arguments could not be served, 1: a stage failed)."""
     fmt = "%(asctime)s launcher %(levelname)s %(message)s"
     logging.basicConfig(level=args.log_level.upper(), format=fmt, stream=sys.stderr)
-    return uvloop.run(Launcher(args, stage_modules=stage_modules).run())
+    return uvloop.run(Launcher(args, stage_modules=stage_modules, model_cfg=model_cfg).run())

@@ -4,6 +4,7 @@ planner and the worker's executor in one process, step by step (schedule → exe
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,8 @@ class LLM:
         pinned_adapters: tuple[str, ...] = (),
         cuda_graph_max_batch: int | None = None,
         max_adapter_bypass: int = 16,
+        warmup: bool = False,
+        compile_cache_dir: str | None = None,
     ):
         """`overlap_loading` and `prefetch_depth` drive the same planner logic as `lorapipe serve`;
         here copies are synchronous, and a load is reported ready in the result of its step.
@@ -64,7 +67,11 @@ class LLM:
         flags of those names do (the GPU adapter pool; distinct adapters in one step, default as many
         as the pool holds; the bypass bound of churn-aware admission).
         `cuda_graph_max_batch`: decode batches up to this size replay CUDA graphs on CUDA (default
-        min(max_running_requests, 256); 0: always eager)."""
+        min(max_running_requests, 256); 0: always eager). `warmup`: compile every kernel variant the
+        engine can reach now, as `lorapipe serve` does, instead of on first use (CUDA only);
+        `compile_cache_dir` sets TRITON_CACHE_DIR for this process (before the first compile)."""
+        if compile_cache_dir is not None:
+            os.environ["TRITON_CACHE_DIR"] = str(compile_cache_dir)
         if cuda_graph_max_batch is None:
             cuda_graph_max_batch = min(max_running_requests, 256)
         self.runner = ModelRunner(
@@ -81,6 +88,8 @@ class LLM:
                 max_tokens_per_step=max_tokens_per_step,
                 max_model_len=max_model_len,
                 cuda_graph_max_batch=min(cuda_graph_max_batch, max_running_requests),
+                max_running_requests=max_running_requests,
+                warmup=warmup,
             )
         )
         mcfg = self.runner.model_cfg

@@ -1,5 +1,6 @@
-"""`lorapipe serve` arguments: parsing, up-front validation with clear errors, and the composition of
-the four frozen stage configs (tokenizer, scheduler, gpu-worker, adapter-loader) from them."""
+"""`lorapipe serve` arguments: the flags in help groups (one function per group), their defaults and
+parsing into `ServeArgs`. Checks live in `serve_checks`, the stage configs made from them in
+`stage_configs`."""
 
 from __future__ import annotations
 
@@ -7,28 +8,13 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import msgspec
 
 from runtime import http_args
-from runtime.base.endpoints import DEFAULT_CLIENT_PORT, Endpoints
+from runtime.base.endpoints import DEFAULT_CLIENT_PORT
 from runtime.base.sockets import MAX_CLIENT_MSG_BYTES
 from runtime.common.names import adapter_name_problem
-from runtime.host_cache_size import DEFAULT_CPU_LORA_CACHE_GB, host_cache_problem, loader_threads
-from runtime.serve_security import (
-    SecurityArgsError,
-    add_security_arguments,
-    check_security,
-    real_path,
-    resolved_api_key,
-    trusted_adapter_paths,
-)
-
-if TYPE_CHECKING:  # torch-importing modules load lazily: `lorapipe --help` stays fast
-    from runtime.base.actor import StageConfig
-    from runtime.common.model_config import ModelConfig
+from runtime.host_cache_size import DEFAULT_CPU_LORA_CACHE_GB
+from runtime.serve_security import add_security_arguments
 
 DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"
 DEFAULT_METRICS_PORT = DEFAULT_CLIENT_PORT + 1
@@ -72,6 +58,8 @@ class ServeArgs:
     startup_timeout_s: float = 600.0  # the worker loads weights before it is Ready
     drain_timeout_s: float = 30.0  # SIGTERM: how long open requests may take to finish
     seed: int = 0
+    warmup: bool = True  # compile every reachable kernel variant before ready (CUDA; nothing on CPU)
+    compile_cache_dir: str | None = None  # None: $TRITON_CACHE_DIR, else the XDG cache dir
     # OpenAI-compatible HTTP (served by the tokenizer stage)
     host: str = http_args.DEFAULT_HOST
     port: int = http_args.DEFAULT_PORT  # 0: no HTTP
@@ -96,98 +84,146 @@ class ServeArgs:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every flag's default: appended as "(default: X)" unless the help already says it in words
+    (flags whose default is None, i.e. decided at start-up, describe it themselves)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, [], argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Every `lorapipe serve` flag, in help groups; each group's flags are added by one function."""
     d = ServeArgs(model="")
-    p.add_argument(
+    for title, add in (
+        ("model", _model_arguments),
+        ("adapters", _adapter_arguments),
+        ("memory", _memory_arguments),
+        ("batching", _batching_arguments),
+        ("loading", _loading_arguments),
+        ("endpoints", _endpoint_arguments),
+        ("start-up and logs", _process_arguments),
+    ):
+        add(p.add_argument_group(title), d)
+    http_args.add_arguments(p)
+    add_security_arguments(p, d)
+
+
+def _model_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
+    g.add_argument(
         "--model", required=True, metavar="DIR", help="Hugging Face checkpoint directory of the base model"
     )
-    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="register an adapter")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
-    p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="serving dtype (auto: the checkpoint's)")
-    p.add_argument(
+    g.add_argument(
+        "--device", choices=("cpu", "cuda"), default=None, help="where to run (default: cuda if available)"
+    )
+    g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="serving dtype (auto: the checkpoint's)")
+    g.add_argument("--seed", type=int, metavar="N", default=d.seed, help="seed of requests that set none")
+
+
+def _adapter_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
+    g.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="register a PEFT adapter directory under NAME, checked before the server is ready "
+        "(repeatable; default: none)",
+    )
+    g.add_argument(
+        "--pin-adapter",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="keep this adapter in the GPU adapter pool once loaded (repeatable; default: none)",
+    )
+    g.add_argument(
+        "--max-lora-rank",
+        type=int,
+        metavar="R",
+        default=d.max_lora_rank,
+        help="largest adapter rank accepted",
+    )
+    g.add_argument(
+        "--lora-backend",
+        choices=("torch", "triton"),
+        default=None,
+        help="LoRA kernels (default: triton on cuda, torch on cpu)",
+    )
+    g.add_argument(
+        "--attention-backend",
+        choices=("torch", "triton"),
+        default=None,
+        help="paged attention: the Triton kernel or the torch loop (default: triton on cuda, torch on cpu)",
+    )
+
+
+def _memory_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
+    g.add_argument(
         "--max-loras-per-batch",
         type=int,
         metavar="N",
         default=None,
-        help="distinct adapters in one step (default: as many as the GPU adapter pool holds)",
+        help="distinct adapters one step can use (default: as many as the GPU adapter pool holds)",
     )
-    p.add_argument(
+    g.add_argument(
         "--lora-gpu-memory-gb",
         type=float,
         metavar="GB",
         default=None,
-        help="GiB of GPU memory for adapters, paged by rank (an adapter of rank r takes r rank rows); "
-        "default: 10%% of free device memory before the KV cache is sized (64 MiB on CPU)",
+        help="GiB of GPU memory for adapters, paged by rank (an adapter of rank r takes r rank rows; "
+        "default: 10%% of free device memory before the KV cache is sized, 64 MiB on cpu)",
     )
-    p.add_argument(
-        "--max-adapter-bypass",
-        type=int,
-        metavar="N",
-        default=d.max_adapter_bypass,
-        help="steps in which later requests may be admitted before one whose adapter is staged; then "
-        "the scheduler reserves room for its adapter (bounds every adapter wait)",
-    )
-    # host cache (adapter-loader): sized in bytes, each adapter taking its own rank's share
-    p.add_argument(
+    g.add_argument(
         "--cpu-lora-cache-gb",
         type=float,
         metavar="GB",
         default=None,
-        help="host cache size in GiB; an adapter takes its own rank's bytes (default: room for "
-        f"--max-cpu-loras adapters of --max-lora-rank if that is given, else {DEFAULT_CPU_LORA_CACHE_GB:g})",
+        help="the shared pinned host cache in GiB; an adapter takes its own rank's bytes (default: "
+        f"room for --max-cpu-loras adapters of --max-lora-rank if given, else {DEFAULT_CPU_LORA_CACHE_GB:g})",
     )
-    p.add_argument(
-        "--max-cpu-loras", type=int, metavar="N", default=None, help="cap on adapters in the host cache"
-    )
-    p.add_argument(
-        "--loader-threads",
+    g.add_argument(
+        "--max-cpu-loras",
         type=int,
         metavar="N",
         default=None,
-        help="threads reading adapters, one adapter's chunks spread over all (default: cores / 2, 2 to 8)",
+        help="cap on adapters in the host cache (default: none, its bytes bound it)",
     )
-    p.add_argument("--max-lora-rank", type=int, metavar="R", default=d.max_lora_rank)
-    p.add_argument("--max-running-requests", type=int, metavar="N", default=d.max_running_requests)
-    p.add_argument("--max-tokens-per-step", type=int, metavar="N", default=d.max_tokens_per_step)
-    p.add_argument(
-        "--max-model-len", type=int, metavar="N", default=None, help="default: the model's context length"
-    )
-    p.add_argument("--page-size", type=int, metavar="N", default=d.page_size, help="KV cache tokens per page")
-    p.add_argument(
-        "--num-pages", type=int, metavar="N", default=None, help="KV cache pages (default: sized from memory)"
-    )
-    p.add_argument("--lora-backend", choices=("torch", "triton"), default=None)
-    p.add_argument(
-        "--attention-backend",
-        choices=("torch", "triton"),
-        default=None,
-        help="paged attention: the Triton kernel (default on CUDA) or the torch loop (default on CPU)",
-    )
-    p.add_argument(
-        "--pin-adapter", action="append", default=[], metavar="NAME", help="keep in the GPU pool once loaded"
-    )
-    p.add_argument(
-        "--overlap-loading",
-        action=argparse.BooleanOptionalAction,
-        default=d.overlap_loading,
-        help="copy adapters into slots beside steps that do not use them (off: the step waits)",
-    )
-    p.add_argument(
-        "--prefetch-depth",
+    g.add_argument(
+        "--max-model-len",
         type=int,
         metavar="N",
-        default=d.prefetch_depth,
-        help="waiting requests looked ahead at for slot loads (0: off)",
+        default=None,
+        help="longest prompt + output in tokens (default: the model's context, capped by the KV cache)",
     )
-    p.add_argument(
-        "--overlap-min-mb",
-        type=float,
-        metavar="MB",
-        default=d.overlap_min_mb,
-        help="adapters smaller than this are not prefetched into slots, only loaded for the step that "
-        "needs them (0: prefetch all)",
+    g.add_argument("--page-size", type=int, metavar="N", default=d.page_size, help="KV cache tokens per page")
+    g.add_argument(
+        "--num-pages",
+        type=int,
+        metavar="N",
+        default=None,
+        help="KV cache pages (default: what free GPU memory holds; 64k tokens on cpu)",
     )
-    p.add_argument(
+
+
+def _batching_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
+    g.add_argument(
+        "--max-running-requests",
+        type=int,
+        metavar="N",
+        default=d.max_running_requests,
+        help="requests in the running batch at once; more wait in the queue",
+    )
+    g.add_argument(
+        "--max-tokens-per-step",
+        type=int,
+        metavar="N",
+        default=d.max_tokens_per_step,
+        help="tokens one forward step computes (longer prefills are chunked to fit)",
+    )
+    g.add_argument(
         "--cuda-graph-max-batch",
         type=int,
         metavar="N",
@@ -195,22 +231,95 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="decode batches up to N replay CUDA graphs captured at start-up "
         "(default: min(--max-running-requests, 256); 0: always eager)",
     )
-    p.add_argument(
+
+
+def _loading_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
+    g.add_argument(
+        "--overlap-loading",
+        action=argparse.BooleanOptionalAction,
+        default=d.overlap_loading,
+        help="copy adapters into the pool beside steps that do not use them (off: the step waits)",
+    )
+    g.add_argument(
+        "--prefetch-depth",
+        type=int,
+        metavar="N",
+        default=d.prefetch_depth,
+        help="waiting requests looked ahead at for pool loads (0: off)",
+    )
+    g.add_argument(
+        "--overlap-min-mb",
+        type=float,
+        metavar="MB",
+        default=d.overlap_min_mb,
+        help="smaller adapters are not prefetched into the pool, only loaded for the step that needs them "
+        "(0: prefetch all)",
+    )
+    g.add_argument(
+        "--max-adapter-bypass",
+        type=int,
+        metavar="N",
+        default=d.max_adapter_bypass,
+        help="steps in which later requests may be admitted before one whose adapter is staged; then "
+        "the scheduler reserves room for its adapter (bounds every adapter wait)",
+    )
+    g.add_argument(
+        "--loader-threads",
+        type=int,
+        metavar="N",
+        default=None,
+        help="threads reading adapters, one adapter's chunks spread over all (default: cores / 2, 2 to 8)",
+    )
+
+
+def _endpoint_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
+    g.add_argument(
         "--endpoint",
         metavar="ADDR",
         default=d.endpoint,
         help="client endpoint: tcp://HOST:PORT or ipc:///PATH",
     )
-    p.add_argument(
-        "--metrics-port", type=int, metavar="P", default=d.metrics_port, help="0: any free port, -1: none"
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="P",
+        default=d.metrics_port,
+        help="Prometheus /metrics on 127.0.0.1:P (0: any free port, -1: none)",
     )
-    p.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level)
-    p.add_argument("--log-file", metavar="PATH", default=None, help="write the stages' output here")
-    p.add_argument("--startup-timeout", type=float, metavar="S", default=d.startup_timeout_s)
-    p.add_argument("--drain-timeout", type=float, metavar="S", default=d.drain_timeout_s)
-    p.add_argument("--seed", type=int, metavar="N", default=d.seed)
-    http_args.add_arguments(p)
-    add_security_arguments(p, d)
+
+
+def _process_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
+    g.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=d.warmup,
+        help="compile every kernel variant serving can reach before reporting ready (cuda only)",
+    )
+    g.add_argument(
+        "--compile-cache-dir",
+        metavar="DIR",
+        default=None,
+        help="Triton's kernel cache, so that a restart skips compiling "
+        "(default: $TRITON_CACHE_DIR, else $XDG_CACHE_HOME/lorapipe/triton or ~/.cache/lorapipe/triton)",
+    )
+    g.add_argument(
+        "--startup-timeout",
+        type=float,
+        metavar="S",
+        default=d.startup_timeout_s,
+        help="seconds every stage has to become ready (weights, warm-up, graphs)",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="S",
+        default=d.drain_timeout_s,
+        help="on SIGTERM, seconds open requests have to finish",
+    )
+    g.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level, help="launcher and stage logs")
+    g.add_argument(
+        "--log-file", metavar="PATH", default=None, help="write the stages' output here (default: stderr)"
+    )
 
 
 def from_namespace(ns: argparse.Namespace) -> ServeArgs:
@@ -232,9 +341,11 @@ _RENAMED = {  # argparse dest → ServeArgs field
 
 def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
     """Parse and validate `lorapipe serve` arguments (argparse exits on syntax; ServeArgsError after)."""
-    parser = argparse.ArgumentParser(prog="lorapipe serve")
+    parser = argparse.ArgumentParser(prog="lorapipe serve", formatter_class=HelpFormatter)
     add_serve_arguments(parser)
     args = from_namespace(parser.parse_args(list(argv)))
+    from runtime.serve_checks import validate
+
     validate(args)
     return args
 
@@ -247,211 +358,3 @@ def parse_adapter(spec: str) -> tuple[str, str]:
     if problem is not None:
         raise ServeArgsError(f"--adapter {spec!r}: {problem}")
     return name, path
-
-
-def validate(args: ServeArgs) -> ModelConfig:
-    """Check everything that can be checked before spawning; returns the model's config."""
-    from runtime.common.model_config import ModelConfig as _ModelConfig
-    from runtime.common.model_config import ModelConfigError
-
-    model = Path(args.model)
-    if not model.is_dir():
-        raise ServeArgsError(f"--model {args.model}: not a directory")
-    try:
-        model_cfg = _ModelConfig.from_dir(model)
-    except (ModelConfigError, KeyError, TypeError) as exc:
-        raise ServeArgsError(f"--model {args.model}: {exc}") from None
-    if not (model / "tokenizer.json").is_file():
-        raise ServeArgsError(f"--model {args.model}: no tokenizer.json")
-    seen: set[str] = set()
-    for name, path in args.adapters:
-        if name in seen:
-            raise ServeArgsError(f"--adapter {name}: the name is given twice")
-        seen.add(name)
-        if not (Path(path) / "adapter_config.json").is_file():
-            raise ServeArgsError(f"--adapter {name}={path}: no adapter_config.json (not a PEFT adapter)")
-    for name in args.pinned_adapters:
-        if name not in seen:
-            raise ServeArgsError(f"--pin-adapter {name}: no --adapter registers that name")
-    _check_numbers(args, model_cfg)
-    _check_device(args)
-    _check_endpoint(args.endpoint)
-    try:
-        check_security(args)
-    except SecurityArgsError as exc:
-        raise ServeArgsError(str(exc)) from None
-    return model_cfg
-
-
-def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
-    for flag, value in [
-        ("--max-loras-per-batch", args.max_loras_per_batch),
-        ("--max-cpu-loras", args.max_cpu_loras),
-        ("--lora-gpu-memory-gb", args.lora_gpu_memory_gb),
-        ("--max-adapter-bypass", args.max_adapter_bypass),
-        ("--cpu-lora-cache-gb", args.cpu_lora_cache_gb),
-        ("--loader-threads", args.loader_threads),
-        ("--max-lora-rank", args.max_lora_rank),
-        ("--max-running-requests", args.max_running_requests),
-        ("--max-tokens-per-step", args.max_tokens_per_step),
-        ("--page-size", args.page_size),
-        ("--num-pages", args.num_pages),
-        ("--max-model-len", args.max_model_len),
-        ("--startup-timeout", args.startup_timeout_s),
-    ]:
-        if value is not None and value <= 0:
-            raise ServeArgsError(f"{flag} must be positive, got {value}")
-    if problem := host_cache_problem(args, model_cfg):
-        raise ServeArgsError(problem)
-    if args.overlap_min_mb < 0:
-        raise ServeArgsError(f"--overlap-min-mb must not be negative, got {args.overlap_min_mb}")
-    if args.cuda_graph_max_batch is not None and args.cuda_graph_max_batch < 0:
-        raise ServeArgsError(f"--cuda-graph-max-batch must not be negative, got {args.cuda_graph_max_batch}")
-    if args.prefetch_depth < 0:
-        raise ServeArgsError(f"--prefetch-depth must not be negative, got {args.prefetch_depth}")
-    if args.drain_timeout_s < 0:
-        raise ServeArgsError(f"--drain-timeout must not be negative, got {args.drain_timeout_s}")
-    http_args.check(args.port, args.served_model_name, ServeArgsError)
-    if not -1 <= args.metrics_port <= 65535:
-        raise ServeArgsError(f"--metrics-port {args.metrics_port}: not a port (0: any free port, -1: none)")
-    if args.max_model_len is not None and args.max_model_len > model_cfg.max_position_embeddings:
-        raise ServeArgsError(
-            f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings "
-            f"{model_cfg.max_position_embeddings}"
-        )
-
-
-def _check_device(args: ServeArgs) -> None:
-    device = args.resolved_device()
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ServeArgsError("--device cuda: no CUDA device is available")
-    if args.lora_backend == "triton" and device != "cuda":
-        raise ServeArgsError("--lora-backend triton needs --device cuda")
-
-
-def _check_endpoint(endpoint: str) -> None:
-    if endpoint.startswith("tcp://"):
-        host, sep, port = endpoint[len("tcp://") :].rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ServeArgsError(f"--endpoint {endpoint}: expected tcp://HOST:PORT")
-    elif endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://") :]
-        if not path or len(path) > 107:
-            raise ServeArgsError(f"--endpoint {endpoint}: expected ipc:///PATH (at most 107 bytes)")
-        if not Path(path).parent.is_dir():
-            raise ServeArgsError(f"--endpoint {endpoint}: directory {Path(path).parent} does not exist")
-    else:
-        raise ServeArgsError(f"--endpoint {endpoint}: expected tcp://HOST:PORT or ipc:///PATH")
-
-
-def max_model_len(args: ServeArgs, model_cfg: ModelConfig) -> int:
-    """--max-model-len, else the model's context capped by the KV cache when its size is known here
-    (on CUDA without --num-pages the worker sizes it from free memory, after start-up)."""
-    if args.max_model_len is not None:
-        return args.max_model_len
-    from stages.worker.runner import RunnerConfig
-
-    kv_tokens = None
-    if args.num_pages is not None:
-        kv_tokens = args.num_pages * args.page_size
-    elif args.resolved_device() == "cpu":
-        kv_tokens = RunnerConfig(model_dir=args.model).cpu_kv_tokens
-    limit = model_cfg.max_position_embeddings
-    return min(limit, kv_tokens) if kv_tokens else limit
-
-
-def cuda_graph_max_batch(args: ServeArgs) -> int:
-    """Largest decode batch replayed as a CUDA graph (never more than can run at once)."""
-    if args.cuda_graph_max_batch is None:
-        return min(args.max_running_requests, 256)
-    return min(args.cuda_graph_max_batch, args.max_running_requests)
-
-
-def serving_dtype(args: ServeArgs, model_cfg: ModelConfig) -> str:
-    """The dtype every stage uses, resolved once here ("auto" → the checkpoint's)."""
-    from runtime.common.host_pool import dtype_name
-    from runtime.common.model_config import parse_dtype
-
-    return dtype_name(parse_dtype(args.dtype, model_cfg.dtype))
-
-
-def stage_configs(
-    args: ServeArgs, model_cfg: ModelConfig, endpoints: Endpoints, pool_name: str, pool_bytes: int
-) -> dict[str, StageConfig]:
-    """The four frozen stage configs, keyed by stage name."""
-    from stages.loader.config import LoaderConfig
-    from stages.scheduler.config import SchedulerConfig
-    from stages.tokenizer.config import TokenizerConfig
-    from stages.worker.config import WorkerConfig
-    from stages.worker.runner import RunnerConfig
-
-    common: dict[str, Any] = {"control": endpoints.control, "endpoints": endpoints}
-    context = max_model_len(args, model_cfg)
-    dtype = serving_dtype(args, model_cfg)
-    pool = {"host_pool_name": pool_name, "host_pool_bytes": pool_bytes}
-    tokenizer = TokenizerConfig.from_model_dir(
-        args.model,
-        adapters=tuple(name for name, _ in args.adapters),
-        **http_args.tokenizer_fields(args),
-        max_client_msg_bytes=args.max_request_bytes,
-        max_prompt_bytes=args.max_prompt_bytes,
-        api_key=resolved_api_key(args),
-        adapter_root=real_path(args.adapter_root),
-        runtime_adapter_loading=args.runtime_adapter_loading,
-        **common,
-    )
-    runner = RunnerConfig(
-        model_dir=args.model,
-        device=args.resolved_device(),
-        dtype=dtype,
-        max_lora_rank=args.max_lora_rank,
-        lora_gpu_memory_gb=args.lora_gpu_memory_gb,
-        lora_backend=args.lora_backend,
-        attention_backend=args.attention_backend,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        max_tokens_per_step=args.max_tokens_per_step,
-        max_model_len=context,
-        cuda_graph_max_batch=cuda_graph_max_batch(args),
-    )
-    return {
-        "tokenizer": msgspec.structs.replace(
-            tokenizer, max_model_len=context, drain_timeout_s=args.drain_timeout_s
-        ),
-        "scheduler": SchedulerConfig(
-            max_loras_per_batch=args.max_loras_per_batch,
-            max_cpu_loras=args.max_cpu_loras,
-            max_model_len=context,
-            max_running_requests=args.max_running_requests,
-            max_tokens_per_step=args.max_tokens_per_step,
-            adapters=args.adapter_paths,
-            pinned_adapters=tuple(dict.fromkeys(args.pinned_adapters)),
-            overlap_loading=args.overlap_loading,
-            prefetch_depth=args.prefetch_depth,
-            overlap_min_bytes=int(args.overlap_min_mb * 2**20),
-            bypass_limit=args.max_adapter_bypass,
-            **common,
-        ),
-        "worker": WorkerConfig(
-            runner=runner,
-            max_model_len=context,
-            seed=args.seed,
-            overlap_loading=args.overlap_loading,
-            **pool,
-            **common,
-        ),
-        "loader": LoaderConfig(
-            model_dir=args.model,
-            dtype=dtype,
-            max_lora_rank=args.max_lora_rank,
-            max_cpu_loras=args.max_cpu_loras,
-            adapter_root=real_path(args.adapter_root),
-            trusted_paths=trusted_adapter_paths(args),
-            load_threads=loader_threads(args),
-            **pool,
-            **common,
-        ),
-    }

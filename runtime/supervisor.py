@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TextIO
 
@@ -38,8 +38,11 @@ class StageProcess:
         config_path: Path,
         on_exit: Callable[[StageProcess, int, int, int], None],
         output: TextIO | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        """`env`: variables set for this stage on top of the launcher's environment."""
         self.name = name
+        self.env = dict(env or {})
         self.argv = [sys.executable, "-m", module, str(config_path)]
         self.on_exit = on_exit
         self.output = output
@@ -57,7 +60,7 @@ class StageProcess:
         return self.proc is not None and self.proc.returncode is None
 
     async def start(self) -> None:
-        env = dict(os.environ)
+        env = dict(os.environ) | self.env
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         out = self.output if self.output is not None else sys.stderr  # stdout stays the launcher's
         self.proc = await asyncio.create_subprocess_exec(

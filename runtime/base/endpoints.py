@@ -1,9 +1,11 @@
 """Every address of a pipeline, in one frozen object the launcher builds and hands to each stage: ipc://
-sockets in a private run directory, the client endpoint on loopback tcp unless told otherwise."""
+sockets in a private run directory, the client endpoint on loopback tcp unless told otherwise; and why
+an address does not answer (`unreachable_reason`)."""
 
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -61,3 +63,26 @@ def make_run_dir(prefix: str = "lorapipe-") -> Path:
     Short base dir: unix socket paths are limited to 107 bytes."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+def unreachable_reason(endpoint: str) -> str:
+    """Why a handshake got no answer, from a plain connection attempt to the same address."""
+    kind, _, where = endpoint.partition("://")
+    try:
+        if kind == "tcp":
+            host, _, port = where.rpartition(":")
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                pass
+        elif kind == "ipc":
+            if not os.path.exists(where):
+                return f"there is no socket file {where}"
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(1.0)
+                s.connect(where)
+        else:
+            return "the address is neither tcp:// nor ipc://"
+    except ConnectionRefusedError:
+        return "nothing listens there (connection refused)"
+    except (OSError, ValueError) as exc:
+        return f"it cannot be reached ({exc})"
+    return "something accepted the connection but did not answer the lorapipe handshake"

@@ -97,7 +97,9 @@ class TokenizerActor(Actor[TokenizerConfig]):
 
     def _init_metrics(self) -> None:
         m = self.metrics
-        self.m_requests = m.counter("lorapipe_requests", "Requests by outcome", ["outcome"])
+        self.m_requests = m.counter(
+            "lorapipe_requests", "Requests by final outcome, each counted once when it ends", ["outcome"]
+        )
         m.gauge("lorapipe_requests_in_flight", "Requests between accept and finish").set_function(
             lambda: len(self.requests)
         )
@@ -231,7 +233,6 @@ class TokenizerActor(Actor[TokenizerConfig]):
         now = time.monotonic()
         detok = IncrementalDetokenizer(self.tokenizer, ids)
         self.requests.add(OpenRequest(rid, identity, msg.stream, detok, len(ids), now))
-        self.m_requests.labels(outcome="accepted").inc()
         self.m_prompt.observe(len(ids))
         tokenized = TokenizedRequest(
             request_id=rid,

@@ -3,9 +3,10 @@
 A decode batch of B sequences runs padded to the next bucket size Bp. Its inputs are staged on the host
 (a pinned ring) and moved with two non-blocking copies into fixed device buffers that the graph of that
 bucket reads: token ids, positions, KV rows, the attention block plan and a narrow page table. Padding
-tokens write their K/V to the cache's scratch page, have no adapter and no attention block. Graphs are
-keyed by (Bp, attention key splits, adapters present); the LoRA kernels' grids are sized for the bucket
-and stop at the tile count in their device metadata, so one graph serves every adapter mix.
+tokens are one-token sequences on the cache's scratch page (they write and read only there) with no
+adapter. Graphs are keyed by (Bp, attention key splits, adapters present); the LoRA kernels' grids are
+sized for the bucket and stop at the tile count in their device metadata, so one graph serves every
+adapter mix.
 Without capture (CPU, tests) the same padded forward runs eagerly."""
 
 from __future__ import annotations
@@ -166,15 +167,20 @@ class DecodeGraphs:
             h64[2, i] = s.page_ids[p // ps] * ps + p % ps
             used = p // ps + 1
             table[i, :used] = s.page_ids[:used]
+        # Padding tokens are one-token sequences on the scratch page: each writes its K/V there and
+        # attends to it, so every row of the step (attention output, hidden state, K/V of later layers)
+        # is computed. Without an attention block, a padding row's attention output was whatever the
+        # fresh buffer held, and NaN from it reached the scratch page through the next layers.
         h64[0, n:padded], h64[1, n:padded], h64[2, n:padded] = 0, 0, self.kv.scratch_row
+        table[n:padded, 0] = self.kv.num_pages  # the scratch page
+        ctx = np.concatenate([ctx, np.ones(padded - n, dtype=np.int64)])
         meta, _, most_keys = plan_blocks(
-            np.arange(n), np.ones(n, dtype=np.int64), ctx,
+            np.arange(padded), np.ones(padded, dtype=np.int64), ctx,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, block_m=self.block_m,
         )  # fmt: skip
         blocks = padded * self.blocks_per_seq
-        attn = h32[: blocks * META_COLS].reshape(blocks, META_COLS)
-        attn[: meta.shape[0]] = meta
-        attn[meta.shape[0] :] = 0  # q_len 0: padding blocks read and write nothing
+        assert meta.shape[0] == blocks, (meta.shape, blocks)
+        h32[: blocks * META_COLS] = meta.reshape(-1)
         if splits is None:
             splits = choose_splits(blocks, self.num_kv_heads, most_keys, self.device)
         self._i64.copy_(st.i64, non_blocking=True)

@@ -40,6 +40,9 @@ class RunnerConfig:
     max_model_len: int | None = None  # None: the model's context, capped by the KV cache
     # Decode batches up to this size replay CUDA graphs (0: always eager; CUDA + Triton attention only)
     cuda_graph_max_batch: int = 0
+    max_running_requests: int = 64  # sequences one step can hold (bounds the attention blocks)
+    # Compile every kernel variant serving can reach before the first step (CUDA only; see warmup.py)
+    warmup: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,13 @@ class ModelRunner:
         self._init_lora()
         self._init_kv_cache()
         self._init_graphs()
+        if cfg.warmup:
+            from stages.worker.warmup import warm_up
+
+            self.warmup = warm_up(self)
+        if self.graphs is not None:
+            with torch.inference_mode():
+                self.graphs.capture_all()
 
     def _init_model(self) -> None:
         weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
@@ -115,25 +125,37 @@ class ModelRunner:
         )
 
     def _init_graphs(self) -> None:
-        """Decode graphs (CUDA only), all captured now so that serving never pauses to capture."""
+        """Decode graphs (CUDA only); the constructor captures them all (after the warm-up) so that
+        serving never pauses to capture."""
         self.graphs: DecodeGraphs | None = None
         if self.cfg.cuda_graph_max_batch <= 0 or self.device.type != "cuda":
             return
         if self.attention_backend != "triton":
             return  # the torch attention loop depends on each batch's extents: not capturable
-        max_len = self.cfg.max_model_len or self.model_cfg.max_position_embeddings
-        max_len = min(max_len, self.kv.num_pages * self.kv.page_size)
         lora = self.lora if self.lora.name == "triton" else None  # the torch backend reads host ranks
         self.graphs = DecodeGraphs(
             self.model,
             self.kv,
             lora,
             max_batch=self.cfg.cuda_graph_max_batch,
-            max_model_len=max_len,
+            max_model_len=self.max_context,
             capture=True,
         )
-        with torch.inference_mode():
-            self.graphs.capture_all()
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence a step can see: max_model_len (else the model's), capped by the KV cache."""
+        max_len = self.cfg.max_model_len or self.model_cfg.max_position_embeddings
+        return min(max_len, self.kv.num_pages * self.kv.page_size)
+
+    @property
+    def max_seqs(self) -> int:
+        return self.cfg.max_running_requests
+
+    def graphs_sizes(self) -> tuple[int, ...]:
+        """Padded batch sizes of the decode graphs that run LoRA kernels (none without graphs)."""
+        graphs = self.graphs
+        return tuple(graphs.buckets) if graphs is not None and graphs.lora is not None else ()
 
     @property
     def num_pages(self) -> int:

@@ -28,7 +28,9 @@ from runtime.base.endpoints import Endpoints
 from runtime.cli import main as cli_main
 from runtime.client import Client, ServerError
 from runtime.launcher import STAGES, Launcher, LaunchError
-from runtime.serve_args import ServeArgs, parse_serve_args, stage_configs, validate
+from runtime.serve_args import ServeArgs, ServeArgsError, parse_serve_args
+from runtime.serve_checks import validate
+from runtime.stage_configs import stage_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = "tests.integration.fake_stage"
@@ -188,15 +190,15 @@ def test_ports_in_use_are_clear_start_up_errors(tiny_llama):
         taken.listen()
         port = taken.getsockname()[1]
         cases = [
-            (dict(endpoint=f"tcp://127.0.0.1:{port}"), "stage 'tokenizer' failed during start-up: .*in use"),
-            (dict(metrics_port=port), f"--metrics-port {port}: .*in use"),
+            (dict(endpoint=f"tcp://127.0.0.1:{port}"), f"--endpoint tcp://127.0.0.1:{port}: already in use"),
+            (dict(metrics_port=port), f"--metrics-port {port}: already in use"),
         ]
-        for kw, message in cases:
+        for kw, message in cases:  # refused before anything is made or spawned
             launcher = Launcher(serve_args(tiny_llama, **kw), stage_modules=FAKES)
-            with pytest.raises(LaunchError, match=message):
+            with pytest.raises(ServeArgsError, match=message):
                 uvloop.run(launcher.start())
-            pids = [s.pid for s in launcher.stages.values()]
-            assert_cleaned_up(pids, launcher.run_dir, launcher.pool_name)
+            assert not launcher.stages and launcher.run_dir is None and launcher.pool is None
+            assert uvloop.run(Launcher(serve_args(tiny_llama, **kw), stage_modules=FAKES).run()) == 2
 
 
 @pytest.mark.timeout(60)

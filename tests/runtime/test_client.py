@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -40,6 +42,7 @@ from runtime.client import (
     InvalidRequest,
     ProtocolMismatchError,
     ServerError,
+    ServerUnreachable,
     Timeout,
     UnknownAdapter,
 )
@@ -266,3 +269,35 @@ def test_sync_client(tmp_path):
     finally:
         loop.call_soon_threadsafe(server.cancel)
         thread.join(10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_no_server_is_reported_within_seconds_with_the_address_and_a_hint():
+    addr = f"tcp://127.0.0.1:{_free_port()}"  # nothing listens there
+    start = time.monotonic()
+    with Client(addr, timeout=60) as client, pytest.raises(ServerUnreachable) as exc:
+        client.health()
+    assert time.monotonic() - start < 10, "waited as if for a busy server"
+    msg = str(exc.value)
+    assert addr in msg and "nothing listens there (connection refused)" in msg
+    assert "lorapipe serve" in msg and "--endpoint" in msg
+    assert isinstance(exc.value, Timeout)  # code that caught Timeout before still does
+
+
+def test_a_silent_listener_and_a_missing_socket_file_are_told_apart(tmp_path):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()  # accepts connections (the kernel's backlog) and never speaks ZMTP
+        addr = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        with Client(addr, timeout=60, connect_timeout=1.0) as client, pytest.raises(ServerUnreachable) as exc:
+            client.health()
+        assert addr in str(exc.value) and "did not answer the lorapipe handshake" in str(exc.value)
+    missing = f"ipc://{tmp_path}/no-server.sock"
+    with Client(missing, connect_timeout=1.0) as client, pytest.raises(ServerUnreachable) as exc:
+        client.health()
+    assert f"there is no socket file {tmp_path}/no-server.sock" in str(exc.value)

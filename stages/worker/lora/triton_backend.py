@@ -131,6 +131,29 @@ class TritonLoraBackend(LoraBackend):
             configs[g.name] = (shrink_cfg, expand_config(info, g.out_dims, shrink_cfg.split_k), v)
         return configs
 
+    def configs_for(self, info: BatchInfo) -> dict[str, tuple[ShrinkConfig, ExpandConfig, torch.Tensor]]:
+        """Per group: the kernel configs a forward with `info` runs, and its shrink output view (the
+        warm-up plans every variant serving can reach from this)."""
+        return self._make_configs(info)
+
+    def apply_as(
+        self,
+        info: BatchInfo,
+        configs: dict[str, tuple[ShrinkConfig, ExpandConfig, torch.Tensor]],
+        x: torch.Tensor,
+        out: torch.Tensor,
+        layer: int,
+        group: GroupLayout,
+    ) -> None:
+        """`apply` as if `prepare` had made `info` and `configs` (the warm-up's launches); the prepared
+        batch is left as it was."""
+        saved = self._info, self._configs
+        self._info, self._configs = info, configs
+        try:
+            self.apply(x, out, layer, group)
+        finally:
+            self._info, self._configs = saved
+
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:
         info = self._info
         if info is None:

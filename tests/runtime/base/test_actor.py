@@ -31,7 +31,7 @@ from runtime.base.actor import Mailbox
 from runtime.base.sockets import PullSocket, PushSocket, RouterSocket
 from tests.runtime.echo_actor import EchoConfig
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[3]  # the repository (this file is tests/runtime/base/)
 pytestmark = pytest.mark.timeout(30)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,10 @@ def test_streams_detokenized_text_back(tmp_path, model_dir, tokenizer):
             assert isinstance(chunk, TokenChunk) and chunk.finished and chunk.text == TEXT
         text = p.actor.metrics.exposition()
         assert 'lorapipe_requests_total{outcome="finished",stage="tokenizer"} 2.0' in text
+        # each request counted once, by how it ended
+        assert re.findall(r"^lorapipe_requests_total\{.*", text, re.M) == [
+            'lorapipe_requests_total{outcome="finished",stage="tokenizer"} 2.0'
+        ]
 
     _run(tmp_path, model_dir, body)
 

@@ -97,6 +97,26 @@ def test_padded_decode_equals_plain_path(engine, slots):
         assert runner.kv.k[:, scratch].abs().sum() > 0, "padding tokens wrote nowhere visible"
 
 
+def test_padding_rows_never_read_uninitialised_memory(engine, monkeypatch):
+    """Every fresh float buffer starts as NaN here (what torch.empty may hand out): the padded step must
+    still give finite logits for all rows and leave only finite K/V in the scratch page."""
+    runner, graphs, _ = engine
+    seqs = sorted(_prefill(runner, [1, -1, 0], seed=77), key=lambda s: s.slot)
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    padded = graphs.bucket(len(seqs))
+    assert padded > len(seqs)
+    graphs.run(seqs)
+    assert torch.isfinite(graphs.out[:padded]).all(), "a padding row computed from uninitialised memory"
+    scratch = slice(runner.kv.scratch_row, runner.kv.scratch_row + PAGE)
+    assert torch.isfinite(runner.kv.k[:, scratch]).all() and torch.isfinite(runner.kv.v[:, scratch]).all()
+
+
 @pytest.mark.parametrize("splits", [2, 8])
 def test_forced_key_splits_give_the_same_logits(engine, splits):
     """Graphs are captured for every split count a bucket may choose; each must be exact."""

@@ -1,0 +1,165 @@
+"""Kernel warm-up, run by the worker before it reports ready: every Triton kernel variant a serving step
+can reach is compiled, or loaded from Triton's on-disk cache (TRITON_CACHE_DIR, set by the launcher from
+--compile-cache-dir), so that the first burst after "ready" runs at full speed.
+
+Each variant is launched once through the serving code itself (`TritonLoraBackend.apply`, the model's
+`triton_paged_attention`) on real-shaped buffers, with device metadata that says 0 tiles / empty
+queries: the launch compiles the variant and computes nothing. The variants come from the heuristics
+(`warmup_plan.py`) rather than from real forwards over a sweep of batches: a sweep large enough to
+reach every (tokens, tiles, rank class, key splits) combination would run thousands of forwards, while
+the plan needs one launch per variant and one LoRA launch per layer (views of different layers may
+differ in alignment, which Triton specialises on). One real forward at the step-size limit then
+warms the allocator and the matmul libraries. Nothing here runs on the CPU: there is nothing to compile.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from stages.worker.model import attention
+from stages.worker.model.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from stages.worker.runner import ModelRunner
+
+log = logging.getLogger("lorapipe.worker")
+LOG_EVERY_S = 5.0
+
+
+@dataclass(frozen=True)
+class WarmupStats:
+    lora: int  # LoRA shrink/expand variants launched
+    attention: int  # attention variants launched
+    seconds: float
+    cache_dir: str
+
+
+class _Progress:
+    """Log lines with a count and the elapsed time: the first, then at most one per LOG_EVERY_S, the last."""
+
+    def __init__(self, total: int, say: Callable[[str], None]):
+        self.total, self.say, self.done = total, say, 0
+        self.start = self.last = time.perf_counter()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if self.done in (1, self.total) or now - self.last >= LOG_EVERY_S:
+            self.last = now
+            self.say(f"warm-up: {self.done}/{self.total} kernel variants ({what}), {now - self.start:.1f} s")
+
+
+def warm_up(runner: ModelRunner, say: Callable[[str], None] = log.info) -> WarmupStats:
+    """Compile everything serving can reach on this runner (CUDA only; a no-op elsewhere)."""
+    cache_dir = os.environ.get("TRITON_CACHE_DIR", "triton's default (~/.triton/cache)")
+    start = time.perf_counter()
+    if runner.device.type != "cuda":
+        return WarmupStats(0, 0, 0.0, cache_dir)
+    from stages.worker.warmup_plan import attention_variants, lora_launches
+
+    graphs = runner.graphs_sizes()
+    lora = runner.lora
+    launches = lora_launches(lora, graphs) if lora.name == "triton" else []  # type: ignore[arg-type]
+    attn = []
+    if attention.use_triton(torch.empty(0, device=runner.device)):
+        m = runner.model_cfg
+        attn = attention_variants(
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            max_tokens=runner.cfg.max_tokens_per_step,
+            max_seqs=runner.max_seqs,
+            max_model_len=runner.max_context,
+            device=runner.device,
+        )
+    say(
+        f"warm-up: {len(launches)} LoRA and {len(attn)} attention kernel variants to compile or load "
+        f"(cache: {cache_dir})"
+    )
+    progress = _Progress(len(launches) + len(attn), say)
+    with torch.inference_mode():
+        _lora(runner, launches, progress)
+        _attention(runner, attn, progress)
+        _forward(runner)
+    torch.cuda.synchronize(runner.device)
+    took = time.perf_counter() - start
+    say(f"warm-up done in {took:.1f} s")
+    return WarmupStats(len(launches), len(attn), took, cache_dir)
+
+
+def _lora(runner: ModelRunner, launches: list, progress: _Progress) -> None:
+    from kernels.batch_info import BatchInfo
+
+    backend, layout = runner.lora, runner.lora_layout
+    empty = backend.batch_info  # lora_launches left an empty batch prepared: its header says 0 tiles
+    assert empty is not None
+    for launch in launches:
+        info = BatchInfo(
+            meta=empty.meta,
+            num_tokens=launch.num_tokens,
+            num_tiles=launch.num_tiles,
+            block_m=launch.block_m,
+            max_len=min(launch.num_tokens, launch.num_tiles * launch.block_m),
+            block_rank=launch.block_rank,
+            num_slots_used=1,
+        )
+        configs = backend.configs_for(info)
+        group = layout.group(launch.group)
+        x = torch.zeros((launch.num_tokens, group.in_dim), dtype=runner.dtype, device=runner.device)
+        out = torch.zeros((launch.num_tokens, group.out_total), dtype=runner.dtype, device=runner.device)
+        for layer in range(layout.num_layers):
+            backend.apply_as(info, configs, x, out, layer, group)
+        progress.step(f"LoRA {launch.group} block_m={launch.block_m} block_rank={launch.block_rank}")
+
+
+def _attention(runner: ModelRunner, variants: list[tuple[int, int]], progress: _Progress) -> None:
+    from kernels.paged_attention import META_COLS, AttentionPlan
+
+    m, dev = runner.model_cfg, runner.device
+    meta = torch.zeros((1, META_COLS), dtype=torch.int32, device=dev)  # one block with no query rows
+    q = torch.zeros((1, m.num_heads, m.head_dim), dtype=runner.dtype, device=dev)  # [T, H, D]
+    one = torch.zeros(1, dtype=torch.int64, device=dev)
+    for block_m, splits in variants:
+        plan = AttentionPlan(
+            meta=meta,
+            num_tokens=1,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            block_m=block_m,
+            num_splits=splits,
+        )
+        fb = ForwardBatch(
+            input_ids=one,
+            positions=one,
+            slot_mapping=one,
+            page_table=torch.zeros((1, 1), dtype=torch.int64, device=dev),  # as the eager path builds it
+            logits_indices=one,
+            seqs=(),
+            derived={attention.plan_key(m.num_heads, m.num_kv_heads): plan},
+        )
+        for layer in range(m.num_layers):
+            attention.triton_paged_attention(q, runner.kv, layer, fb, runner.model.scale, m.sliding_window)
+        progress.step(f"attention block_m={block_m} splits={splits}")
+
+
+def _forward(runner: ModelRunner) -> None:
+    """One base-model prefill step of max_tokens_per_step tokens, in sequences of at most the context
+    length, on pages from 0 (no sequence has written any yet): the caching allocator reaches its peak
+    and the matmul libraries meet their largest shapes now."""
+    from stages.worker.runner import SeqInput
+
+    ps, page = runner.cfg.page_size, 0
+    left = min(runner.cfg.max_tokens_per_step, runner.kv.num_pages * ps)
+    seqs = []
+    while left > 0 and page < runner.kv.num_pages:
+        n = min(left, runner.max_context, (runner.kv.num_pages - page) * ps)
+        pages = -(-n // ps)
+        seqs.append(SeqInput([0] * n, 0, list(range(page, page + pages)), -1))
+        page, left = page + pages, left - n
+    runner._forward_eager(seqs)

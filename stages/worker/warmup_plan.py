@@ -1,0 +1,174 @@
+"""What the kernel warm-up compiles: every Triton kernel variant a serving step can reach, enumerated from
+the same heuristics that pick them per batch (LoRA shrink/expand configs, attention block rows and key
+splits), so that the warm-up cannot drift from them. `warmup.py` launches the plan.
+
+A variant is fixed by a kernel's constexprs and launch options (the integers that change per batch are
+either not passed or not specialised on). The heuristics see a batch only through host-known sizes:
+- LoRA (`TritonLoraBackend.configs_for`): token count T (through the split-K cap of the workspace),
+  tile count, token tile `block_m` (from the longest adapter run and T) and rank tile `block_rank`.
+  Every T in 1..max_tokens is swept, with every longest run (in spans of one `block_m`), every tile
+  count a batch of T tokens can have (`tile_range`, the bounds of `kernels.batch_info.plan_tiles`)
+  and every rank class; padded decode
+  batches (CUDA graphs) add one configuration per graph size, made by `prepare(pad_to=...)` itself.
+- attention (`kernels.paged_attention`): `block_m` from the rows of the longest query
+  (`decode_block_m`) and the key splits (`choose_splits`) over every block count and context length.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from kernels.batch_info import BatchInfo, block_rank_for, choose_block_m
+from kernels.paged_attention import choose_splits, decode_block_m
+from stages.worker.lora.triton_backend import TritonLoraBackend, split_cap, workspace_rows
+
+
+@dataclass(frozen=True)
+class LoraLaunch:
+    """One shrink + expand launch pair of one fused group, with the batch sizes that select it."""
+
+    group: str
+    num_tokens: int
+    num_tiles: int
+    block_m: int
+    block_rank: int
+    key: tuple  # (group, block_m, block_rank, ShrinkConfig, ExpandConfig): what gets compiled
+
+
+def rank_classes(max_rank: int) -> list[int]:
+    """Every rank tile a batch can have: `block_rank_for` of each real rank 1..max_rank."""
+    return sorted({block_rank_for(r) for r in range(1, max_rank + 1)})
+
+
+def tile_range(num_tokens: int, max_len, block_m: int, num_slots: int) -> tuple:
+    """Fewest and most token tiles of a batch of `num_tokens` tokens whose longest adapter run has
+    `max_len` tokens (an int or an array of them), with at most `num_slots` runs (one per adapter slot,
+    `plan_runs`), each cut into tiles of `block_m` (`plan_tiles`). Every count in between is reachable
+    (lengthening or adding a run changes it by at most one)."""
+    first = -(-max_len // block_m)  # the longest run's tiles
+    budget = num_tokens - max_len  # tokens left for the other runs
+    k = np.minimum(num_slots - 1, budget)  # other runs, one token at least each
+    # Each other run gives 1 + (len - 1) // block_m tiles and is at most max_len tokens long.
+    return first, first + k + np.minimum((budget - k) // block_m, k * ((max_len - 1) // block_m))
+
+
+def block_m_spans(num_tokens: int) -> list[tuple[int, int, int]]:
+    """[(first, last, block_m)]: the longest-run lengths 1..num_tokens in spans of one `choose_block_m`
+    answer. It is asked at both ends and each side of every power of two, and where two neighbouring
+    answers differ, the change is found by bisection (so any single threshold between them is exact;
+    `tests/stages/worker/test_warmup_plan.py` checks every length)."""
+    points = {1, num_tokens}
+    p = 2
+    while p <= num_tokens:
+        points.update(x for x in (p - 1, p, p + 1) if x <= num_tokens)
+        p *= 2
+    marks = sorted(points)
+    answers = {x: choose_block_m(x, num_tokens) for x in marks}
+    for a, b in itertools.pairwise(marks):
+        while answers[a] != answers[b] and b - a > 1:
+            mid = (a + b) // 2
+            answers[mid] = choose_block_m(mid, num_tokens)
+            a, b = (mid, b) if answers[mid] == answers[a] else (a, mid)
+    marks = sorted(answers)
+    spans, start = [], marks[0]
+    for a, b in itertools.pairwise(marks):
+        if answers[b] != answers[a]:
+            spans.append((start, a, answers[a]))
+            start = b
+    spans.append((start, marks[-1], answers[marks[-1]]))
+    return spans
+
+
+def _reachable_tiles(max_tokens: int, num_slots: int) -> dict[tuple[int, int], np.ndarray]:
+    """{(split-K cap, block_m): first token count per tile count (0: unreachable)}, index = tiles."""
+    ws = workspace_rows(max_tokens)
+    first: dict[tuple[int, int], np.ndarray] = {}
+    for t in range(1, max_tokens + 1):
+        cap = split_cap(t, ws)
+        for a, b, bm in block_m_spans(t):
+            lo, hi = tile_range(t, np.arange(a, b + 1), bm, num_slots)
+            seen = first.setdefault((cap, bm), np.zeros(max_tokens + num_slots + 1, dtype=np.int64))
+            window = seen[int(lo.min()) : int(hi.max()) + 1]  # the spans of consecutive lengths overlap
+            window[window == 0] = t
+    return first
+
+
+def lora_launches(backend: TritonLoraBackend, padded_sizes: tuple[int, ...] = ()) -> list[LoraLaunch]:
+    """One launch per distinct LoRA kernel variant: eager batches of every size, tile count and rank
+    class, then padded decode batches of each graph size. Leaves an empty batch prepared (its device
+    header says 0 tiles, so the launches compile their kernels and compute nothing)."""
+    backend.prepare([0], [])
+    empty = backend.batch_info
+    assert empty is not None
+    launches: list[LoraLaunch] = []
+    seen: set[tuple] = set()
+
+    def add(info: BatchInfo) -> None:
+        for name, (shrink, expand, _) in backend.configs_for(info).items():
+            key = (name, info.block_m, info.block_rank, shrink, expand)
+            if key not in seen:
+                seen.add(key)
+                launches.append(
+                    LoraLaunch(name, info.num_tokens, info.num_tiles, info.block_m, info.block_rank, key)
+                )
+
+    num_slots = backend.slots.num_slots
+    ranks = rank_classes(backend.layout.max_rank)
+    for (_, bm), first in sorted(_reachable_tiles(backend.max_tokens, num_slots).items()):
+        for tiles in np.flatnonzero(first):
+            t = int(first[tiles])
+            for br in ranks:
+                add(
+                    replace(
+                        empty,
+                        num_tokens=t,
+                        num_tiles=int(tiles),
+                        block_m=bm,
+                        max_len=min(t, int(tiles) * bm),
+                        block_rank=br,
+                        num_slots_used=min(num_slots, int(tiles)),
+                    )
+                )
+    for size in padded_sizes:
+        backend.prepare([0], [], pad_to=size)
+        padded = backend.batch_info
+        assert padded is not None
+        add(padded)
+    backend.prepare([0], [])
+    return launches
+
+
+def _key_samples(max_keys: int) -> set[int]:
+    out, p = {1, max_keys}, 2
+    while p <= max_keys:
+        out.update(x for x in (p - 1, p, p + 1) if x <= max_keys)
+        p *= 2
+    return out
+
+
+def attention_variants(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    max_tokens: int,
+    max_seqs: int,
+    max_model_len: int,
+    device: object,
+) -> list[tuple[int, int]]:
+    """(block_m, key splits) pairs of the attention kernel an eager step can choose: block rows from the
+    longest query (1..max_tokens tokens), splits over every block count and context length."""
+    group = num_heads // num_kv_heads
+    rows = sorted({decode_block_m(q * group) for q in range(1, max_tokens + 1)})
+    out = []
+    for bm in rows:
+        max_blocks = -(-max_tokens * group // bm) + min(max_seqs, max_tokens)  # a partial block per seq
+        splits = {
+            choose_splits(b, num_kv_heads, k, device)
+            for b in range(1, max_blocks + 1)
+            for k in _key_samples(max_model_len)
+        }
+        out.extend((bm, s) for s in sorted(splits))
+    return out

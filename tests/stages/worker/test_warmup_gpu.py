@@ -1,0 +1,67 @@
+"""On a GPU: after the warm-up (and the decode graphs' capture), no serving step compiles a Triton kernel.
+A compile hook records every compile while random mixed batches run: prefills and decodes, base-only and
+adapters of every rank class, sizes from one token to the step limit, graphed and eager decodes.
+Runs only where CUDA is available (the GPU machine)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from runtime.synthetic.adapters import make_adapters
+from stages.loader.adapter_reader import read_adapter
+from stages.worker.runner import ModelRunner, RunnerConfig, SeqInput
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+PAGE = 16
+MAX_TOKENS = 512
+
+
+def _batches(rng: random.Random, slots: int):
+    """Fixed edge cases first, then random mixes: lists of (new tokens, context before them, slot)."""
+    yield [(1, 0, 0)]
+    yield [(MAX_TOKENS, 0, slots - 1)]
+    yield [(1, 100 + i, i % slots) for i in range(32)]  # a graphed decode batch with adapters
+    yield [(1, 700 + i, i % slots - 1) for i in range(33)]  # one past the graphs: eager
+    for _ in range(80):
+        seqs, budget = [], rng.randint(1, MAX_TOKENS)
+        while budget > 0 and len(seqs) < 64:
+            n = 1 if rng.random() < 0.6 else rng.randint(1, budget)
+            seqs.append((n, rng.choice([0, rng.randint(1, 1500)]), rng.randint(-1, slots - 1)))
+            budget -= n
+        yield seqs
+
+
+def test_no_kernel_compiles_after_warm_up(tiny_llama, tmp_path):
+    import triton
+
+    cfg = RunnerConfig(
+        model_dir=str(tiny_llama), device="cuda", dtype="bfloat16", max_loras_per_batch=4, max_lora_rank=64,
+        lora_backend="triton", page_size=PAGE, num_pages=4096, max_tokens_per_step=MAX_TOKENS,
+        max_model_len=2048, cuda_graph_max_batch=32, max_running_requests=64, warmup=True,
+    )  # fmt: skip
+    runner = ModelRunner(cfg)
+    assert runner.warmup.lora > 0 and runner.warmup.attention > 0
+    paths = make_adapters(tiny_llama, tmp_path, n=4, ranks=(8, 24, 40, 64), seed=5)  # every rank class
+    for slot, path in enumerate(paths):
+        packed = read_adapter(path.name, path, runner.model_cfg, runner.lora_layout, runner.dtype)
+        runner.load_adapter(slot, packed)
+    compiled: list[str] = []
+    triton.knobs.runtime.jit_cache_hook = lambda **kw: compiled.append(kw["repr"])  # None: compile on
+    try:
+        rng, next_page = random.Random(0), 0
+        for batch in _batches(rng, slots=4):
+            seqs = []
+            for n, ctx, slot in batch:
+                pages = -(-(ctx + n) // PAGE)
+                if next_page + pages > runner.num_pages:
+                    next_page = 0  # the cache's contents do not matter here, only the kernels run
+                seqs.append(SeqInput([7] * n, ctx, list(range(next_page, next_page + pages)), slot))
+                next_page += pages
+            runner.execute(seqs)
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    assert not compiled, f"{len(compiled)} kernels compiled after the warm-up:\n" + "\n".join(compiled[:10])

@@ -1,0 +1,147 @@
+"""The warm-up plan against brute force: `tile_range` against every way of cutting small batches into
+adapter runs, the LoRA plan against the heuristics swept over every token count, longest run, tile count
+and rank class of a small config (with a CPU's and an H100's SM count), the attention plan against the
+choices of random real batches; and the warm-up does nothing on the CPU."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import kernels.lora_shrink as lora_shrink
+import kernels.paged_attention as paged_attention
+from kernels.batch_info import choose_block_m, plan_runs, plan_tiles
+from kernels.paged_attention import choose_splits, plan_blocks
+from runtime.common.lora_layout import LoraLayout
+from stages.worker.lora.slots import LoraSlots
+from stages.worker.lora.triton_backend import TritonLoraBackend
+from stages.worker.runner import ModelRunner, RunnerConfig
+from stages.worker.warmup import warm_up
+from stages.worker.warmup_plan import (
+    attention_variants,
+    block_m_spans,
+    lora_launches,
+    rank_classes,
+    tile_range,
+)
+
+
+def _compositions(total: int, parts: int):
+    """Every tuple of `parts` positive run lengths summing to `total`."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield tuple(b - a for a, b in itertools.pairwise(bounds))
+
+
+@pytest.mark.parametrize("block_m", [1, 2, 3, 4])
+def test_tile_range_is_exactly_what_plan_tiles_can_make(block_m):
+    slots = 3
+    for tokens in range(1, 13):
+        seen: dict[int, set[int]] = {}
+        for adapter_tokens in range(1, tokens + 1):  # the rest are base-only tokens (no tiles)
+            for runs in range(1, min(slots, adapter_tokens) + 1):
+                for lengths in _compositions(adapter_tokens, runs):
+                    indptr = [0, *itertools.accumulate(lengths), tokens]
+                    tiles = plan_tiles(plan_runs(indptr, [*range(runs), -1]), block_m)
+                    seen.setdefault(max(lengths), set()).add(len(tiles))
+        for max_len, counts in seen.items():
+            lo, hi = tile_range(tokens, max_len, block_m, slots)
+            assert counts == set(range(lo, hi + 1)), (tokens, max_len, block_m)
+
+
+def test_block_m_spans_give_choose_block_m_at_every_length():
+    for t in [*range(1, 300), 511, 512, 513, 700, 1024]:
+        spans = block_m_spans(t)
+        assert spans[0][0] == 1 and spans[-1][1] == t
+        assert all(b + 1 == c for (_, b, _), (c, _, _) in itertools.pairwise(spans))
+        assert all(choose_block_m(ml, t) == bm for a, b, bm in spans for ml in range(a, b + 1))
+
+
+def _backend(max_tokens: int, max_rank: int = 24, slots: int = 3) -> TritonLoraBackend:
+    # Real projection widths, so that split-K (bounded by in_dim) takes every value it can.
+    layout = LoraLayout.build(
+        num_layers=1, hidden=2048, q_out=2048, kv_out=512, intermediate=8192, max_rank=max_rank
+    )
+    return TritonLoraBackend(LoraSlots(layout, slots, torch.float32, torch.device("cpu")), max_tokens)
+
+
+def _brute_force_keys(backend: TritonLoraBackend, padded: tuple[int, ...]) -> set[tuple]:
+    """Every (group, block_m, block_rank, shrink config, expand config) the backend can pick, from every
+    token count, longest adapter run and tile count, without the plan's shortcuts."""
+    backend.prepare([0], [])
+    empty = backend.batch_info
+    num_slots = backend.slots.num_slots
+    batches: set[tuple[int, int, int]] = set()
+    for t in range(1, backend.max_tokens + 1):
+        for max_len in range(1, t + 1):
+            bm = choose_block_m(max_len, t)
+            lo, hi = tile_range(t, max_len, bm, num_slots)
+            batches.update((t, bm, tiles) for tiles in range(lo, hi + 1))
+    infos = [
+        empty.__class__(
+            meta=empty.meta,
+            num_tokens=t,
+            num_tiles=tiles,
+            block_m=bm,
+            max_len=min(t, tiles * bm),
+            block_rank=br,
+            num_slots_used=1,
+        )  # fmt: skip
+        for t, bm, tiles in batches
+        for br in rank_classes(backend.layout.max_rank)
+    ]
+    for size in padded:
+        backend.prepare([0], [], pad_to=size)
+        infos.append(backend.batch_info)
+    keys = set()
+    for info in infos:
+        for name, (shrink, expand, _) in backend.configs_for(info).items():
+            keys.add((name, info.block_m, info.block_rank, shrink, expand))
+    return keys
+
+
+@pytest.mark.parametrize("sms", [4, 132])
+def test_lora_plan_is_exactly_what_the_heuristics_can_pick(sms, monkeypatch):
+    monkeypatch.setattr(lora_shrink, "_num_sms", lambda device: sms)
+    backend = _backend(max_tokens=560)  # past 512 tokens: prefill-sized token tiles too
+    padded = (1, 2, 4, 8, 16, 24)
+    planned = [launch.key for launch in lora_launches(backend, padded)]
+    assert len(planned) == len(set(planned)), "a variant planned twice"
+    want = _brute_force_keys(backend, padded)
+    assert set(planned) == want
+    assert {k[1] for k in want} == {16, 64} and {k[2] for k in want} == {16, 32}
+    assert len({k[3].split_k for k in want}) > 2, "split-K did not vary: the sweep is too small"
+
+
+@pytest.mark.parametrize("sms", [4, 132])
+def test_attention_plan_holds_every_choice_of_real_batches(sms, monkeypatch):
+    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: sms)
+    heads, kv_heads, max_tokens, max_seqs, max_len = 8, 1, 512, 16, 4096
+    planned = set(
+        attention_variants(
+            num_heads=heads, num_kv_heads=kv_heads, max_tokens=max_tokens, max_seqs=max_seqs,
+            max_model_len=max_len, device="cpu",
+        )
+    )  # fmt: skip
+    rng = random.Random(sms)
+    chosen = set()
+    for _ in range(400):
+        n = rng.randint(1, max_seqs)
+        q = [1 if rng.random() < 0.6 else rng.randint(1, max_tokens // n) for _ in range(n)]
+        ctx = [rng.randint(qi, max_len) for qi in q]
+        starts = list(itertools.accumulate([0, *q[:-1]]))
+        meta, bm, most_keys = plan_blocks(starts, q, ctx, num_heads=heads, num_kv_heads=kv_heads)
+        chosen.add((bm, choose_splits(meta.shape[0], kv_heads, most_keys, "cpu")))
+    assert chosen <= planned
+    assert len({s for _, s in chosen}) > 1 and len({b for b, _ in chosen}) > 1
+
+
+def test_warm_up_does_nothing_on_cpu(tiny_llama):
+    runner = ModelRunner(
+        RunnerConfig(model_dir=str(tiny_llama), dtype="float32", num_pages=16, lora_backend="triton")
+    )
+    stats = warm_up(runner)
+    assert (stats.lora, stats.attention) == (0, 0) and stats.seconds < 0.1
