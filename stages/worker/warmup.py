@@ -68,7 +68,7 @@ def warm_up(runner: ModelRunner, say: Callable[[str], None] = log.info) -> Warmu
     lora = runner.lora
     launches = lora_launches(lora, graphs) if lora.name == "triton" else []  # type: ignore[arg-type]
     attn = []
-    if attention.use_triton(torch.empty(0, device=runner.device)):
+    if runner.attention_backend == "triton":
         m = runner.model_cfg
         attn = attention_variants(
             num_heads=m.num_heads,
@@ -137,11 +137,11 @@ def _attention(runner: ModelRunner, variants: list[tuple[int, int]], progress: _
         fb = ForwardBatch(
             input_ids=one,
             positions=one,
-            slot_mapping=one,
+            kv_rows=one,
             page_table=torch.zeros((1, 1), dtype=torch.int64, device=dev),  # as the eager path builds it
             logits_indices=one,
             seqs=(),
-            derived={attention.plan_key(m.num_heads, m.num_kv_heads): plan},
+            attn_plan=plan,
         )
         for layer in range(m.num_layers):
             attention.triton_paged_attention(q, runner.kv, layer, fb, runner.model.scale, m.sliding_window)

@@ -115,7 +115,7 @@ def lora_launches(backend: TritonLoraBackend, padded_sizes: tuple[int, ...] = ()
                     LoraLaunch(name, info.num_tokens, info.num_tiles, info.block_m, info.block_rank, key)
                 )
 
-    num_slots = backend.slots.num_slots
+    num_slots = backend.pool.num_ids  # distinct adapters (runs) one batch can hold
     ranks = rank_classes(backend.layout.max_rank)
     for (_, bm), first in sorted(_reachable_tiles(backend.max_tokens, num_slots).items()):
         for tiles in np.flatnonzero(first):

@@ -31,6 +31,12 @@ def _bf16_triton_llm(model, adapters, slots: int) -> LLM:
     )
 
 
+def _load_all(runner, llm: LLM, names) -> None:
+    """Every adapter under id = its index, in consecutive pool rows (16 per adapter at most)."""
+    for slot, name in enumerate(names):
+        runner.load_adapter(slot, llm.adapters[name], [(16 * slot, llm.adapters[name].rank)])
+
+
 def test_bf16_triton_engine_matches_peft_bf16(tiny_llama, llama_adapters, recorded_logits):
     seen = recorded_logits
     names = list(llama_adapters)
@@ -65,8 +71,7 @@ def test_bf16_triton_engine_matches_peft_bf16(tiny_llama, llama_adapters, record
 def test_mixed_forward_has_no_host_device_sync(tiny_llama, llama_adapters):
     llm = _bf16_triton_llm(tiny_llama, llama_adapters, slots=4)
     r = llm.runner
-    for slot, name in enumerate(llama_adapters):
-        r.load_adapter(slot, llm.adapters[name])
+    _load_all(r, llm, llama_adapters)
     seqs = [SeqInput([5, 6, 7, 8, 9][: 1 + i % 5], 0, [i], i % 5 - 1) for i in range(12)]
     seqs.sort(key=lambda s: s.slot)
     fb, seg_indptr, seg_slots = r._build_batch(seqs)
@@ -125,8 +130,7 @@ def test_cuda_graph_decode_equals_eager(tiny_llama, llama_adapters, recorded_log
 def test_graphed_decode_step_has_no_host_device_sync(tiny_llama, llama_adapters):
     llm = _bf16_triton_llm(tiny_llama, llama_adapters, slots=4)
     r = llm.runner
-    for slot, name in enumerate(llama_adapters):
-        r.load_adapter(slot, llm.adapters[name])
+    _load_all(r, llm, llama_adapters)
     seqs = [SeqInput([5], 3 + i, [i], i % 5 - 1) for i in range(11)]  # bucket 16, every slot and none
     r.execute(seqs)
     replays = r.graphs.replays

@@ -6,36 +6,34 @@ from __future__ import annotations
 
 import torch
 
-from stages.worker.model import attention
 from stages.worker.runner import ModelRunner, RunnerConfig
 from stages.worker.warmup import _attention, _forward, _lora, _Progress
 from stages.worker.warmup_plan import lora_launches
 
 
-def test_launches_compute_nothing(tiny_llama, monkeypatch):
+def test_launches_compute_nothing(tiny_llama):
     runner = ModelRunner(
         RunnerConfig(
             model_dir=str(tiny_llama), dtype="float32", num_pages=16, lora_backend="triton",
-            max_lora_rank=32, max_tokens_per_step=64, max_loras_per_batch=2,
+            attention_backend="triton", max_lora_rank=32, max_tokens_per_step=64,
         )
     )  # fmt: skip
     torch.manual_seed(0)
-    runner.slots.mem.normal_()
-    runner.slots.ranks.fill_(8)
+    runner.pool.mem.normal_()
+    runner.pool.ranks.fill_(8)
     runner.kv.k.normal_()
     runner.kv.v.normal_()
-    before = [t.clone() for t in (runner.slots.mem, runner.kv.k, runner.kv.v)]
+    before = [t.clone() for t in (runner.pool.mem, runner.kv.k, runner.kv.v)]
     launches = lora_launches(runner.lora)
     small = [launch for launch in launches if launch.num_tiles <= 2]  # the interpreter runs every program
     assert {launch.group for launch in small} == {"qkv", "o", "gate_up", "down"}
     assert {launch.block_rank for launch in small} == {16, 32}
     lines: list[str] = []
     progress = _Progress(len(small) + 2, lines.append)
-    monkeypatch.setattr(attention, "USE_TRITON", True)
     with torch.inference_mode():
         _lora(runner, small, progress)
         _attention(runner, [(16, 1), (16, 2)], progress)
-    for old, new in zip(before, (runner.slots.mem, runner.kv.k, runner.kv.v), strict=True):
+    for old, new in zip(before, (runner.pool.mem, runner.kv.k, runner.kv.v), strict=True):
         assert torch.equal(old, new)
     assert runner.lora.batch_info.num_tiles == 0  # the empty batch lora_launches prepared is still there
     assert lines[0].startswith(f"warm-up: 1/{len(small) + 2} kernel variants") and lines[-1].startswith(

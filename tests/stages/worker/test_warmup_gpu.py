@@ -38,16 +38,18 @@ def test_no_kernel_compiles_after_warm_up(tiny_llama, tmp_path):
     import triton
 
     cfg = RunnerConfig(
-        model_dir=str(tiny_llama), device="cuda", dtype="bfloat16", max_loras_per_batch=4, max_lora_rank=64,
-        lora_backend="triton", page_size=PAGE, num_pages=4096, max_tokens_per_step=MAX_TOKENS,
-        max_model_len=2048, cuda_graph_max_batch=32, max_running_requests=64, warmup=True,
+        model_dir=str(tiny_llama), device="cuda", dtype="bfloat16", max_lora_rank=64, lora_backend="triton",
+        page_size=PAGE, num_pages=4096, max_tokens_per_step=MAX_TOKENS, max_model_len=2048,
+        cuda_graph_max_batch=32, max_running_requests=64, warmup=True, lora_gpu_memory_gb=0.05,
     )  # fmt: skip
     runner = ModelRunner(cfg)
     assert runner.warmup.lora > 0 and runner.warmup.attention > 0
     paths = make_adapters(tiny_llama, tmp_path, n=4, ranks=(8, 24, 40, 64), seed=5)  # every rank class
+    row = 0
     for slot, path in enumerate(paths):
         packed = read_adapter(path.name, path, runner.model_cfg, runner.lora_layout, runner.dtype)
-        runner.load_adapter(slot, packed)
+        runner.load_adapter(slot, packed, [(row, packed.rank)])
+        row += packed.rank
     compiled: list[str] = []
     triton.knobs.runtime.jit_cache_hook = lambda **kw: compiled.append(kw["repr"])  # None: compile on
     try:

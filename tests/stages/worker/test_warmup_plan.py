@@ -16,7 +16,7 @@ import kernels.paged_attention as paged_attention
 from kernels.batch_info import choose_block_m, plan_runs, plan_tiles
 from kernels.paged_attention import choose_splits, plan_blocks
 from runtime.common.lora_layout import LoraLayout
-from stages.worker.lora.slots import LoraSlots
+from stages.worker.lora.pool import LoraPool
 from stages.worker.lora.triton_backend import TritonLoraBackend
 from stages.worker.runner import ModelRunner, RunnerConfig
 from stages.worker.warmup import warm_up
@@ -65,7 +65,8 @@ def _backend(max_tokens: int, max_rank: int = 24, slots: int = 3) -> TritonLoraB
     layout = LoraLayout.build(
         num_layers=1, hidden=2048, q_out=2048, kv_out=512, intermediate=8192, max_rank=max_rank
     )
-    return TritonLoraBackend(LoraSlots(layout, slots, torch.float32, torch.device("cpu")), max_tokens)
+    pool = LoraPool(layout, max_rank * slots, slots, torch.float32, torch.device("cpu"))  # `slots` ids
+    return TritonLoraBackend(pool, max_tokens)
 
 
 def _brute_force_keys(backend: TritonLoraBackend, padded: tuple[int, ...]) -> set[tuple]:
@@ -73,7 +74,7 @@ def _brute_force_keys(backend: TritonLoraBackend, padded: tuple[int, ...]) -> se
     token count, longest adapter run and tile count, without the plan's shortcuts."""
     backend.prepare([0], [])
     empty = backend.batch_info
-    num_slots = backend.slots.num_slots
+    num_slots = backend.pool.num_ids
     batches: set[tuple[int, int, int]] = set()
     for t in range(1, backend.max_tokens + 1):
         for max_len in range(1, t + 1):
