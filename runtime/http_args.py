@@ -12,10 +12,16 @@ DEFAULT_PORT = 8000
 _SERVED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-/]*")  # no ':' (it separates base:adapter)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("HTTP (OpenAI-compatible API, /health, /metrics)")
-    g.add_argument("--host", default=DEFAULT_HOST, help="address the HTTP server binds")
-    g.add_argument("--port", type=int, metavar="P", default=DEFAULT_PORT, help="HTTP port (0: no HTTP)")
+def add_arguments(g: argparse._ArgumentGroup) -> None:
+    """The HTTP flags, into the "endpoints" help group."""
+    g.add_argument("--host", default=DEFAULT_HOST, help="address the OpenAI-compatible HTTP server binds")
+    g.add_argument(
+        "--port",
+        type=int,
+        metavar="P",
+        default=DEFAULT_PORT,
+        help="HTTP port: /v1/*, /health, /metrics (0: none)",
+    )
     g.add_argument(
         "--served-model-name",
         metavar="NAME",

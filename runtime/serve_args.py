@@ -1,12 +1,11 @@
 """`lorapipe serve` arguments: the flags in help groups (one function per group), their defaults and
-parsing into `ServeArgs`. Checks live in `serve_checks`, the stage configs made from them in
-`stage_configs`."""
+parsing into `ServeArgs`. Checks (and `parse_serve_args`: parse, then check) live in `serve_checks`, the
+stage configs made from them in `stage_configs`."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from runtime import http_args
@@ -108,7 +107,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         ("start-up and logs", _process_arguments),
     ):
         add(p.add_argument_group(title), d)
-    http_args.add_arguments(p)
     add_security_arguments(p, d)
 
 
@@ -286,6 +284,7 @@ def _endpoint_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         default=d.metrics_port,
         help="Prometheus /metrics on 127.0.0.1:P (0: any free port, -1: none)",
     )
+    http_args.add_arguments(g)
 
 
 def _process_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
@@ -337,17 +336,6 @@ _RENAMED = {  # argparse dest → ServeArgs field
     "startup_timeout": "startup_timeout_s",
     "drain_timeout": "drain_timeout_s",
 }
-
-
-def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
-    """Parse and validate `lorapipe serve` arguments (argparse exits on syntax; ServeArgsError after)."""
-    parser = argparse.ArgumentParser(prog="lorapipe serve", formatter_class=HelpFormatter)
-    add_serve_arguments(parser)
-    args = from_namespace(parser.parse_args(list(argv)))
-    from runtime.serve_checks import validate
-
-    validate(args)
-    return args
 
 
 def parse_adapter(spec: str) -> tuple[str, str]:

@@ -4,19 +4,30 @@ adapter-loader's own code."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runtime import http_args
 from runtime.host_cache_size import host_cache_problem
-from runtime.serve_args import ServeArgs, ServeArgsError
+from runtime.serve_args import HelpFormatter, ServeArgs, ServeArgsError, add_serve_arguments, from_namespace
 from runtime.serve_security import SecurityArgsError, check_security
 
 if TYPE_CHECKING:
     from runtime.common.model_config import ModelConfig
+
+
+def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
+    """Parse and validate `lorapipe serve` arguments (argparse exits on syntax; ServeArgsError after)."""
+    parser = argparse.ArgumentParser(prog="lorapipe serve", formatter_class=HelpFormatter)
+    add_serve_arguments(parser)
+    args = from_namespace(parser.parse_args(list(argv)))
+    validate(args)
+    return args
 
 
 def validate(args: ServeArgs) -> ModelConfig:

@@ -40,9 +40,15 @@ def add_security_arguments(p: argparse.ArgumentParser, d: ServeArgs) -> None:
         metavar="KEY",
         default=None,
         help=f"shared secret every client must hold (SDK: api_key= or ${API_KEY_ENV}); the endpoint then "
-        "uses CURVE encryption. Visible in the process list: prefer --api-key-file",
+        "uses CURVE encryption and HTTP needs `Authorization: Bearer KEY`. Visible in the process list: "
+        "prefer --api-key-file (default: none, no key required)",
     )
-    key.add_argument("--api-key-file", metavar="PATH", default=None, help="read the API key from a 0600 file")
+    key.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        default=None,
+        help="read the API key from a 0600 file (default: none)",
+    )
     g.add_argument(
         "--max-request-bytes",
         type=int,

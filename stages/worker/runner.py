@@ -19,6 +19,9 @@ from stages.worker.model.forward_batch import ForwardBatch, SeqExtent
 from stages.worker.model.kv_cache import KVCache
 from stages.worker.model.llama import LlamaModel
 from stages.worker.model.weights import load_weights
+from stages.worker.seq_input import SeqInput
+
+__all__ = ["ModelRunner", "RunnerConfig", "SeqInput"]
 
 
 @dataclass(frozen=True)
@@ -43,14 +46,6 @@ class RunnerConfig:
     max_running_requests: int = 64  # sequences one step can hold (bounds the attention blocks)
     # Compile every kernel variant serving can reach before the first step (CUDA only; see warmup.py)
     warmup: bool = False
-
-
-@dataclass(frozen=True)
-class SeqInput:
-    token_ids: list[int]  # the tokens to compute this step
-    start_pos: int  # tokens of this sequence already in the KV cache
-    page_ids: list[int]  # all its pages, enough for start_pos + len(token_ids)
-    slot: int  # adapter id in the pool, -1 for none
 
 
 class ModelRunner:

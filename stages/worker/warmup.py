@@ -152,7 +152,7 @@ def _forward(runner: ModelRunner) -> None:
     """One base-model prefill step of max_tokens_per_step tokens, in sequences of at most the context
     length, on pages from 0 (no sequence has written any yet): the caching allocator reaches its peak
     and the matmul libraries meet their largest shapes now."""
-    from stages.worker.runner import SeqInput
+    from stages.worker.seq_input import SeqInput
 
     ps, page = runner.cfg.page_size, 0
     left = min(runner.cfg.max_tokens_per_step, runner.kv.num_pages * ps)

@@ -28,8 +28,8 @@ from runtime.base.endpoints import Endpoints
 from runtime.cli import main as cli_main
 from runtime.client import Client, ServerError
 from runtime.launcher import STAGES, Launcher, LaunchError
-from runtime.serve_args import ServeArgs, ServeArgsError, parse_serve_args
-from runtime.serve_checks import validate
+from runtime.serve_args import ServeArgs, ServeArgsError
+from runtime.serve_checks import parse_serve_args, validate
 from runtime.stage_configs import stage_configs
 
 ROOT = Path(__file__).resolve().parents[2]

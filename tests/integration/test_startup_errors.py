@@ -75,7 +75,8 @@ def test_help_shows_every_flag_with_a_default_in_groups():
     parser = argparse.ArgumentParser(prog="lorapipe serve", formatter_class=HelpFormatter)
     add_serve_arguments(parser)
     titles = [g.title for g in parser._action_groups[2:]]
-    assert titles == ["model", "adapters", "memory", "batching", "loading", "endpoints", "start-up and logs"]
+    groups = ["model", "adapters", "memory", "batching", "loading", "endpoints", "start-up and logs"]
+    assert titles == [*groups, "security and limits"]
     formatter = parser._get_formatter()
     for action in parser._actions:
         if action.dest in ("help", "model"):  # --model is required: it has no default

@@ -12,7 +12,8 @@ from runtime.common.host_pool import pool_bytes_for
 from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig
 from runtime.host_cache_size import DEFAULT_CPU_LORA_CACHE_GB, host_cache_bytes
-from runtime.serve_args import ServeArgsError, parse_serve_args
+from runtime.serve_args import ServeArgsError
+from runtime.serve_checks import parse_serve_args
 from runtime.stage_configs import stage_configs
 
 

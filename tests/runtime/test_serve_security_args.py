@@ -9,8 +9,7 @@ import pytest
 
 from runtime.base.endpoints import Endpoints
 from runtime.cli import main as cli_main
-from runtime.serve_args import parse_serve_args
-from runtime.serve_checks import validate
+from runtime.serve_checks import parse_serve_args, validate
 from runtime.stage_configs import stage_configs
 
 KEY = "0123456789abcdef-key"
