@@ -8,15 +8,16 @@
 # Distinct adapter files: REAL per rank (default 16); adapter i is a directory symlink to real file set
 # i mod (4 x REAL), so the server loads, validates and packs every adapter as its own, from the page cache.
 #   usage: bash tools/run_churn_bench.sh OUT_DIR      knobs: PARTS ("s1 s2"), NUM_PROMPTS, S1_ADAPTERS,
-#   S2_ADAPTERS, REAL, PRESET, DEVICE, DTYPE, POOL_GB, PYTHON
+#   S2_ADAPTERS, REAL, PRESET, DEVICE, DTYPE, POOL_GB, S1_CACHE_GB, S2_CACHE_GB, SERVER_FLAGS, PYTHON
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:?usage: bash tools/run_churn_bench.sh OUT_DIR}")
 py=${PYTHON:-python}
 parts=${PARTS:-"s1 s2"} num=${NUM_PROMPTS:-1000} real=${REAL:-16}
 n1=${S1_ADAPTERS:-2000} n2=${S2_ADAPTERS:-1000} pool_gb=${POOL_GB:-4}
+cache1=${S1_CACHE_GB:-16} cache2=${S2_CACHE_GB:-8}
 device=${DEVICE:-cuda} preset=${PRESET:-1b} dtype=${DTYPE:-bfloat16}
-common=${SERVER_FLAGS:-"--max-model-len 2048 --max-running-requests 256 --max-tokens-per-step 8192"}
+common=${SERVER_FLAGS:-"--max-model-len 2048 --max-running-requests 256 --max-tokens-per-step 8192 --port 0"}
 port=${PORT:-27000}
 scratch=${SCRATCH:-$out/scratch}
 mkdir -p "$out" "$scratch"
@@ -65,7 +66,7 @@ case " $parts " in *" s1 "*)
   g=(--num-prompts "$num" --input-len 256 --output-len 128 --request-rate inf --seed 0)
   "$py" -m tools.workload --out "$out/s1_many.jsonl" "${g[@]}" --num-adapters "$n1" --adapter-distribution uniform
   "$py" -m tools.workload --out "$out/s1_few.jsonl" "${g[@]}" --num-adapters 8 --adapter-distribution uniform
-  start_server s1 "$scratch/s1" "$n1" --max-lora-rank 16 --lora-gpu-memory-gb "$pool_gb" --cpu-lora-cache-gb 16
+  start_server s1 "$scratch/s1" "$n1" --max-lora-rank 16 --lora-gpu-memory-gb "$pool_gb" --cpu-lora-cache-gb "$cache1"
   "$py" -m tools.bench_serving --endpoint "tcp://127.0.0.1:$port" --num-prompts 256 --input-len 256 \
     --output-len 128 --num-adapters 8 --seed 99 --quiet  # warm-up (kernels, graphs, allocator)
   bench "$out/s1_few.jsonl" s1_few_1
@@ -84,7 +85,7 @@ case " $parts " in *" s2 "*)
   g=(--num-prompts "$num" --input-len 32:1024 --output-len 16:256 --num-adapters "$n2" --adapter-distribution zipf:1.0 --seed 0)
   "$py" -m tools.workload --out "$out/s2_mix.jsonl" "${g[@]}" --request-rate inf
   "$py" -m tools.workload --out "$out/s2_base.jsonl" "${g[@]}" --request-rate inf --base-share 1.0
-  start_server s2 "$scratch/s2" "$n2" --max-lora-rank 64 --lora-gpu-memory-gb "$pool_gb" --cpu-lora-cache-gb 8
+  start_server s2 "$scratch/s2" "$n2" --max-lora-rank 64 --lora-gpu-memory-gb "$pool_gb" --cpu-lora-cache-gb "$cache2"
   "$py" -m tools.bench_serving --endpoint "tcp://127.0.0.1:$port" --num-prompts 256 --input-len 32:1024 \
     --output-len 16:256 --num-adapters 8 --seed 99 --quiet  # warm-up
   bench "$out/s2_base.jsonl" s2_base_1
