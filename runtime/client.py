@@ -110,6 +110,7 @@ class AsyncClient:
         self._pending: dict[str, asyncio.Queue[Any]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._refused: Unauthorized | None = None  # the last refused handshake, until one succeeds
         self._events: ConnectionEvents | None = None
         self._lock = asyncio.Lock()
 
@@ -136,6 +137,8 @@ class AsyncClient:
             try:
                 reply = await self._call(hello, limit)
             except Timeout:
+                if self._refused is not None:  # refused before the Hello waited: the key, not the address
+                    raise self._refused from None
                 why = await asyncio.to_thread(unreachable_reason, self.endpoint)
                 raise ServerUnreachable(
                     f"no lorapipe server answered at {self.endpoint} within {limit:g}s: {why}. Is "
@@ -301,19 +304,18 @@ class AsyncClient:
         while True:
             match await self._events.next():
                 case "connected":
-                    pass
+                    self._refused = None
                 case "disconnected":
                     self.welcome = None  # a server that comes back is greeted again
                     where = f"the server at {self.endpoint}"
                     self._fail_all(ServerError(f"lost the connection to {where} (it stopped or died)"))
                 case "refused":
                     why = "the API key is wrong" if self._api_key else "the API key is missing or wrong"
-                    self._fail_all(
-                        Unauthorized(
-                            f"the server at {self.endpoint} refused the connection: {why}, or the server "
-                            "expects none"
-                        )
+                    self._refused = Unauthorized(
+                        f"the server at {self.endpoint} refused the connection: {why}, or the server "
+                        "expects none"
                     )
+                    self._fail_all(self._refused)
 
     def _fail_all(self, exc: LorapipeError) -> None:
         for queue in self._pending.values():
