@@ -18,9 +18,10 @@ class FileRefused(OSError):
     message names the file by its base name only."""
 
 
-def open_regular(path: str | os.PathLike[str], max_bytes: int) -> BinaryIO:
-    """An open binary file, after checking on the open descriptor (no race with a swapped path) that
-    it is a regular file of at most `max_bytes`. O_NONBLOCK makes opening a FIFO return at once."""
+def open_regular_fd(path: str | os.PathLike[str], max_bytes: int) -> tuple[int, int]:
+    """(fd, size) of a regular file of at most `max_bytes`, checked on the open descriptor (no race with
+    a swapped path). O_NONBLOCK makes opening a FIFO return at once; the descriptor is made blocking
+    again for the reads. FileNotFoundError passes through; anything else refused is FileRefused."""
     name = Path(path).name
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -33,12 +34,18 @@ def open_regular(path: str | os.PathLike[str], max_bytes: int) -> BinaryIO:
         if not stat.S_ISREG(st.st_mode):
             raise FileRefused(f"{name} is not a regular file")
         if st.st_size > max_bytes:
-            raise FileRefused(f"{name} is {st.st_size} bytes, more than the {max_bytes} allowed")
+            raise FileRefused(f"{name} is {st.st_size} bytes, more than the limit of {max_bytes}")
         os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
         raise
+    return fd, st.st_size
+
+
+def open_regular(path: str | os.PathLike[str], max_bytes: int) -> BinaryIO:
+    """`open_regular_fd` as a binary file object."""
+    fd, _ = open_regular_fd(path, max_bytes)
+    return os.fdopen(fd, "rb")
 
 
 def read_regular(path: str | os.PathLike[str], max_bytes: int, deadline_s: float) -> bytes:

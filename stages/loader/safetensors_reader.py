@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from stages.loader.files import FileRefused, open_regular_fd
 
 MAX_HEADER_BYTES = 100 << 20  # the safetensors project's own bound; adapter headers are a few hundred KB
 # Every dtype name of the format, with its item size; only the float ones map to a torch dtype we accept.
@@ -45,26 +46,14 @@ class TensorEntry(NamedTuple):  # a tuple: hundreds are made per adapter, under 
 
 
 def open_regular(path: Path, max_bytes: int) -> tuple[int, int]:
-    """(fd, size) of a regular file of at most `max_bytes`. Opened non-blocking so a FIFO or device swapped
-    in between the stat and the open cannot hang the caller; checked again on the open descriptor."""
+    """(fd, size) of a regular file of at most `max_bytes` (`files.open_regular_fd`), refusals as
+    FormatError."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise FormatError(f"{path.name} is not a regular file")
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return open_regular_fd(path, max_bytes)
     except FileNotFoundError:
         raise FormatError(f"{path.name} does not exist") from None
-    except OSError as e:
-        raise FormatError(f"cannot open {path.name} ({e.strerror})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise FormatError(f"{path.name} is not a regular file")
-        if st.st_size > max_bytes:
-            raise FormatError(f"{path.name} is {st.st_size} bytes, more than the limit of {max_bytes}")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st.st_size
+    except FileRefused as e:
+        raise FormatError(str(e)) from None
 
 
 def read_exact(fd: int, out: memoryview, offset: int, deadline: float) -> None:
