@@ -96,13 +96,12 @@ async def _workload(launcher: Launcher, max_tokens: int) -> int:
     args = launcher.args
     names = [*dict(args.adapters), None]
     mix = [names[i % len(names)] for i in range(len(PROMPTS))]
-    slots, cached = args.max_loras_per_batch, args.max_cpu_loras
-    where = (
-        "GPU slots"
-        if args.resolved_device() == "cuda"
-        else f"adapter slots in {args.resolved_device()} memory"
+    device = args.resolved_device()
+    memory = "GPU memory" if device == "cuda" else f"{device} memory"
+    print(
+        f"{len(args.adapters)} adapters, at most {args.max_loras_per_batch} per step from the adapter pool "
+        f"in {memory}, at most {args.max_cpu_loras} in the host cache"
     )
-    print(f"{len(args.adapters)} adapters, {slots} {where}, {cached} in the host cache")
     print(RANDOM_WEIGHTS)
     assert launcher.endpoints is not None
     async with AsyncClient(launcher.endpoints.client, timeout=60.0) as client:
