@@ -14,13 +14,15 @@ from tokenizers import Tokenizer
 
 from proto.plan import SlotLoad
 from proto.sampling import SamplingParams
+from runtime.common.model_config import ModelConfig
 from runtime.common.names import check_adapter_name
 from runtime.common.packed import PackedAdapter
+from runtime.engine_args import EngineArgs, context_length, planner_policy, runner_config
 from stages.loader.adapter_reader import read_adapter
 from stages.scheduler.planner import Planner, PlannerConfig, PlannerStats
 from stages.worker.executor import StepExecutor
 from stages.worker.lora.pool import row_bytes, runs_of
-from stages.worker.runner import ModelRunner, RunnerConfig
+from stages.worker.runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -58,13 +60,14 @@ class LLM:
         pinned_adapters: tuple[str, ...] = (),
         cuda_graph_max_batch: int | None = None,
         max_adapter_bypass: int = 16,
+        overlap_min_mb: float = 64.0,
         warmup: bool = False,
         compile_cache_dir: str | None = None,
     ):
         """`overlap_loading` and `prefetch_depth` drive the same planner logic as `lorapipe serve`;
         here copies are synchronous, and a load is reported ready in the result of its step.
-        `lora_gpu_memory_gb`, `max_loras_per_batch` and `max_adapter_bypass` mean what the `serve`
-        flags of those names do (the GPU adapter pool; distinct adapters in one step, default as many
+        `lora_gpu_memory_gb`, `max_loras_per_batch`, `max_adapter_bypass` and `overlap_min_mb` mean what
+        the `serve` flags of those names do (both derive their configs in runtime/engine_args.py) (the GPU adapter pool; distinct adapters in one step, default as many
         as the pool holds; the bypass bound of churn-aware admission).
         `cuda_graph_max_batch`: decode batches up to this size replay CUDA graphs on CUDA (default
         min(max_running_requests, 256); 0: always eager). `warmup`: compile every kernel variant the
@@ -72,52 +75,55 @@ class LLM:
         `compile_cache_dir` sets TRITON_CACHE_DIR for this process (before the first compile)."""
         if compile_cache_dir is not None:
             os.environ["TRITON_CACHE_DIR"] = str(compile_cache_dir)
-        if cuda_graph_max_batch is None:
-            cuda_graph_max_batch = min(max_running_requests, 256)
-        self.runner = ModelRunner(
-            RunnerConfig(
-                model_dir=str(model),
-                device=device,
-                dtype=dtype if isinstance(dtype, str | None) else str(dtype).removeprefix("torch."),
-                max_lora_rank=max_lora_rank,
-                lora_gpu_memory_gb=lora_gpu_memory_gb,
-                lora_backend=lora_backend,
-                attention_backend=attention_backend,
-                page_size=page_size,
-                num_pages=num_pages,
-                max_tokens_per_step=max_tokens_per_step,
-                max_model_len=max_model_len,
-                cuda_graph_max_batch=min(cuda_graph_max_batch, max_running_requests),
-                max_running_requests=max_running_requests,
-                warmup=warmup,
-            )
+        self.engine_args = EngineArgs(
+            model=str(model),
+            device=device,
+            dtype="auto"
+            if dtype is None
+            else dtype
+            if isinstance(dtype, str)
+            else str(dtype).removeprefix("torch."),
+            max_loras_per_batch=max_loras_per_batch,
+            lora_gpu_memory_gb=lora_gpu_memory_gb,
+            max_adapter_bypass=max_adapter_bypass,
+            max_lora_rank=max_lora_rank,
+            max_running_requests=max_running_requests,
+            max_tokens_per_step=max_tokens_per_step,
+            max_model_len=max_model_len,
+            page_size=page_size,
+            num_pages=num_pages,
+            lora_backend=lora_backend,
+            attention_backend=attention_backend,
+            pinned_adapters=tuple(pinned_adapters),
+            overlap_loading=overlap_loading,
+            prefetch_depth=prefetch_depth,
+            overlap_min_mb=overlap_min_mb,
+            cuda_graph_max_batch=cuda_graph_max_batch,
+            seed=seed,
+            warmup=warmup,
         )
-        mcfg = self.runner.model_cfg
-        kv_tokens = self.runner.num_pages * page_size
-        if max_model_len is None:
-            max_model_len = min(mcfg.max_position_embeddings, kv_tokens)
-        elif max_model_len > mcfg.max_position_embeddings:
+        mcfg = ModelConfig.from_dir(model)
+        if max_model_len is not None and max_model_len > mcfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                 f"{mcfg.max_position_embeddings}"
             )
-        self.max_model_len = max_model_len
+        self.runner = ModelRunner(runner_config(self.engine_args, mcfg))
+        context = context_length(self.engine_args, mcfg)
+        kv_tokens = self.runner.num_pages * page_size
+        # a given max_model_len stands (the planner refuses one the KV cache cannot hold); the derived
+        # one is capped by the KV cache the runner turned out to have
+        self.max_model_len = context if max_model_len is not None else min(context, kv_tokens)
         pool = self.runner.pool
-        self.planner_cfg = PlannerConfig(
+        self.planner_cfg = PlannerConfig.from_policy(
+            planner_policy(self.engine_args),
             num_pages=self.runner.num_pages,
             page_size=page_size,
             pool_rows=pool.total_rows,
             pool_ids=pool.num_ids,
             pool_row_bytes=row_bytes(pool.layout, pool.dtype),
             max_lora_rank=pool.layout.max_rank,
-            max_loras_per_batch=max_loras_per_batch or pool.num_ids,
-            max_running_requests=max_running_requests,
-            max_tokens_per_step=max_tokens_per_step,
             max_model_len=self.max_model_len,
-            pinned_adapters=tuple(pinned_adapters),
-            overlap_loading=overlap_loading,
-            prefetch_depth=prefetch_depth,
-            bypass_limit=max_adapter_bypass,
         )
         tok_file = Path(model) / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.exists() else None
@@ -212,3 +218,10 @@ class LLM:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+
+
+def _dtype_name(dtype: str | torch.dtype | None) -> str:
+    """`dtype` as EngineArgs spells it ("auto": the checkpoint's)."""
+    if dtype is None:
+        return "auto"
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")

@@ -12,6 +12,7 @@ from runtime import http_args
 from runtime.base.endpoints import DEFAULT_CLIENT_PORT
 from runtime.base.sockets import MAX_CLIENT_MSG_BYTES
 from runtime.common.names import adapter_name_problem
+from runtime.engine_args import EngineArgs
 from runtime.host_cache_size import DEFAULT_CPU_LORA_CACHE_GB
 from runtime.serve_security import add_security_arguments
 
@@ -26,38 +27,19 @@ class ServeArgsError(ValueError):
 
 
 @dataclass(frozen=True)
-class ServeArgs:
-    model: str
+class ServeArgs(EngineArgs):
+    """`EngineArgs` (what the offline engine takes too) plus what only the server has."""
+
     adapters: tuple[tuple[str, str], ...] = ()  # (name, path), in command-line order
-    device: str | None = None  # None: cuda if available, else cpu
-    dtype: str = "auto"
-    max_loras_per_batch: int | None = None  # distinct adapters in one step; None: as many as the pool holds
-    lora_gpu_memory_gb: float | None = None  # the GPU adapter pool; None: see RunnerConfig
-    max_adapter_bypass: int = 16  # steps a request whose adapter is staged may be passed
     max_cpu_loras: int | None = None  # an optional cap on adapters in the host cache
     cpu_lora_cache_gb: float | None = None  # the host cache in GiB (see host_cache_bytes)
     loader_threads: int | None = None  # None: min(8, max(2, cpu_count // 2))
-    max_lora_rank: int = 64
-    max_running_requests: int = 64
-    max_tokens_per_step: int = 2048
-    max_model_len: int | None = None  # None: the model's context, capped by a known KV size
-    page_size: int = 16
-    num_pages: int | None = None
-    lora_backend: str | None = None  # None: triton on cuda, torch on cpu
-    attention_backend: str | None = None  # None: triton on cuda, torch on cpu
-    pinned_adapters: tuple[str, ...] = ()
-    overlap_loading: bool = True  # slot loads run beside steps that do not need them
-    prefetch_depth: int = 8  # waiting requests looked ahead at for slot loads (0: off)
-    overlap_min_mb: float = 64.0  # smaller adapters are not prefetched into slots (only churns them)
-    cuda_graph_max_batch: int | None = None  # None: min(max_running_requests, 256); 0: no CUDA graphs
     endpoint: str = DEFAULT_ENDPOINT
     metrics_port: int = DEFAULT_METRICS_PORT  # 0: any free port; -1: no metrics endpoint
     log_level: str = "info"
     log_file: str | None = None  # stage output goes here instead of the launcher's stderr
     startup_timeout_s: float = 600.0  # the worker loads weights before it is Ready
     drain_timeout_s: float = 30.0  # SIGTERM: how long open requests may take to finish
-    seed: int = 0
-    warmup: bool = True  # compile every reachable kernel variant before ready (CUDA; nothing on CPU)
     compile_cache_dir: str | None = None  # None: $TRITON_CACHE_DIR, else the XDG cache dir
     # OpenAI-compatible HTTP (served by the tokenizer stage)
     host: str = http_args.DEFAULT_HOST
@@ -74,13 +56,6 @@ class ServeArgs:
     @property
     def adapter_paths(self) -> dict[str, str]:
         return dict(self.adapters)
-
-    def resolved_device(self) -> str:
-        if self.device is not None:
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -86,7 +86,7 @@ class SchedulerActor(Actor[SchedulerConfig]):
             self._fail,
             self.series,
             max_held=config.max_cpu_loras,
-            max_held_waiting=config.max_loras_per_batch or STAGE_AHEAD,
+            max_held_waiting=config.policy.max_loras_per_batch or STAGE_AHEAD,
         )
         self.ops = AdapterOps(self.adapters, self.lifecycle, self.to_tokenizer, self._fail)
         add_gateway_metrics(
@@ -188,22 +188,15 @@ class SchedulerActor(Actor[SchedulerConfig]):
 
     async def on_worker_started(self, msg: WorkerStarted) -> None:
         c = self.config
-        cfg = PlannerConfig(
+        cfg = PlannerConfig.from_policy(
+            c.policy,
             num_pages=msg.num_pages,
             page_size=msg.page_size,
             pool_rows=msg.lora_rows,
             pool_ids=msg.lora_ids,
             pool_row_bytes=msg.lora_row_bytes,
             max_lora_rank=msg.lora_max_rank,
-            max_loras_per_batch=c.max_loras_per_batch or msg.lora_ids,
-            max_running_requests=c.max_running_requests,
-            max_tokens_per_step=c.max_tokens_per_step,
             max_model_len=min(c.max_model_len, msg.max_model_len),
-            pinned_adapters=c.pinned_adapters,
-            overlap_loading=c.overlap_loading,
-            prefetch_depth=c.prefetch_depth,
-            overlap_min_bytes=c.overlap_min_bytes,
-            bypass_limit=c.bypass_limit,
         )
         self.planner = Planner(
             cfg,

@@ -8,6 +8,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from proto.base import TokenIds
 from proto.plan import BatchPlan, CachedRequestData, NewRequestData, SlotLoad, StepResult
 from proto.sampling import SamplingParams
@@ -15,6 +17,20 @@ from stages.scheduler.admission import Admission
 from stages.scheduler.page_allocator import PageAllocator
 from stages.scheduler.pool_table import PoolTable
 from stages.scheduler.residency import Place, Residency
+
+
+class PlannerPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """The planner's settings known before the worker starts (the launcher's and the offline engine's
+    one derivation: `runtime/engine_args.py`); `PlannerConfig.from_policy` adds what the worker reports."""
+
+    max_loras_per_batch: int | None = None  # None: as many as the pool has adapter ids
+    max_running_requests: int = 64
+    max_tokens_per_step: int = 2048
+    pinned_adapters: tuple[str, ...] = ()
+    overlap_loading: bool = True
+    prefetch_depth: int = 8
+    overlap_min_bytes: int = 64 << 20
+    bypass_limit: int = 16
 
 
 @dataclass(frozen=True)
@@ -41,6 +57,38 @@ class PlannerConfig:
     # Steps in which later requests may be admitted before one whose adapter is staged; then it is due
     # and the planner reserves what it needs (stages/scheduler/admission.py). Bounds every adapter wait.
     bypass_limit: int = 16
+
+    @classmethod
+    def from_policy(
+        cls,
+        policy: PlannerPolicy,
+        *,
+        num_pages: int,
+        page_size: int,
+        pool_rows: int,
+        pool_ids: int,
+        pool_row_bytes: int,
+        max_lora_rank: int,
+        max_model_len: int,
+    ) -> PlannerConfig:
+        """The config for a worker's KV cache and adapter pool (what `WorkerStarted` reports)."""
+        return cls(
+            num_pages=num_pages,
+            page_size=page_size,
+            pool_rows=pool_rows,
+            pool_ids=pool_ids,
+            pool_row_bytes=pool_row_bytes,
+            max_lora_rank=max_lora_rank,
+            max_loras_per_batch=policy.max_loras_per_batch or pool_ids,
+            max_running_requests=policy.max_running_requests,
+            max_tokens_per_step=policy.max_tokens_per_step,
+            max_model_len=max_model_len,
+            pinned_adapters=policy.pinned_adapters,
+            overlap_loading=policy.overlap_loading,
+            prefetch_depth=policy.prefetch_depth,
+            overlap_min_bytes=policy.overlap_min_bytes,
+            bypass_limit=policy.bypass_limit,
+        )
 
     def __post_init__(self):
         if self.max_model_len > self.num_pages * self.page_size:

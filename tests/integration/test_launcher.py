@@ -145,15 +145,15 @@ def test_stage_configs_round_trip(tiny_llama, llama_adapters, tmp_path):
     tok, sched, worker, loader = (configs[n] for n in ("tokenizer", "scheduler", "worker", "loader"))
     assert tok.adapters == tuple(llama_adapters) and tok.endpoints.client == args.endpoint
     assert sched.adapters == {n: str(p) for n, p in llama_adapters.items()}
-    assert sched.pinned_adapters == ("qv5",) and sched.max_loras_per_batch == 2
+    assert sched.policy.pinned_adapters == ("qv5",) and sched.policy.max_loras_per_batch == 2
     assert worker.runner.device == "cpu" and worker.runner.dtype == loader.dtype == "bfloat16"
     assert worker.host_pool_name == loader.host_pool_name == "pool-x"
     assert tok.max_model_len == sched.max_model_len == worker.max_model_len == min(512, 64 * 16)
-    assert sched.overlap_loading and worker.overlap_loading and sched.prefetch_depth == 8  # defaults
+    assert sched.policy.overlap_loading and worker.overlap_loading and sched.policy.prefetch_depth == 8
     off = parse_serve_args([*argv, "--no-overlap-loading", "--prefetch-depth", "0"])
     off_cfgs = stage_configs(off, model_cfg, endpoints, "pool-x", 4096)
-    assert not off_cfgs["scheduler"].overlap_loading and not off_cfgs["worker"].overlap_loading
-    assert off_cfgs["scheduler"].prefetch_depth == 0
+    assert not off_cfgs["scheduler"].policy.overlap_loading and not off_cfgs["worker"].overlap_loading
+    assert off_cfgs["scheduler"].policy.prefetch_depth == 0
     assert tok.http_port == 0 and tok.model_name == tiny_llama.name  # HTTP off; the directory's name
     http = stage_configs(
         parse_serve_args([*argv, "--port", "9123", "--host", "0.0.0.0", "--served-model-name", "org/m"]),

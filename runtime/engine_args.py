@@ -1,0 +1,113 @@
+"""What `lorapipe serve` and the offline engine (`runtime.offline.LLM`) share, and the one place the
+engine's configs are derived from it: the runner's config, the planner's policy, the context length,
+the CUDA-graph batch bound and the serving dtype. `ServeArgs` extends `EngineArgs`; `LLM` builds one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch-importing modules load lazily: `lorapipe --help` stays fast
+    from runtime.common.model_config import ModelConfig
+    from stages.scheduler.planner import PlannerPolicy
+    from stages.worker.runner import RunnerConfig
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str = "auto"
+    max_loras_per_batch: int | None = None  # distinct adapters in one step; None: as many as the pool holds
+    lora_gpu_memory_gb: float | None = None  # the GPU adapter pool; None: see RunnerConfig
+    max_adapter_bypass: int = 16  # steps a request whose adapter is staged may be passed
+    max_lora_rank: int = 64
+    max_running_requests: int = 64
+    max_tokens_per_step: int = 2048
+    max_model_len: int | None = None  # None: the model's context, capped by a known KV size
+    page_size: int = 16
+    num_pages: int | None = None
+    lora_backend: str | None = None  # None: triton on cuda, torch on cpu
+    attention_backend: str | None = None  # None: triton on cuda, torch on cpu
+    pinned_adapters: tuple[str, ...] = ()
+    overlap_loading: bool = True  # pool loads run beside steps that do not need them
+    prefetch_depth: int = 8  # waiting requests looked ahead at for pool loads (0: off)
+    overlap_min_mb: float = 64.0  # smaller adapters are not prefetched into the pool (only churns it)
+    cuda_graph_max_batch: int | None = None  # None: min(max_running_requests, 256); 0: no CUDA graphs
+    seed: int = 0
+    warmup: bool = True  # compile every reachable kernel variant before ready (CUDA; nothing on CPU)
+
+    def resolved_device(self) -> str:
+        if self.device is not None:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def context_length(e: EngineArgs, model_cfg: ModelConfig) -> int:
+    """max_model_len, else the model's context capped by the KV cache when its size is known before
+    start-up (on CUDA without num_pages the worker sizes it from free memory, and caps it then)."""
+    if e.max_model_len is not None:
+        return e.max_model_len
+    from stages.worker.runner import RunnerConfig
+
+    kv_tokens = None
+    if e.num_pages is not None:
+        kv_tokens = e.num_pages * e.page_size
+    elif e.resolved_device() == "cpu":
+        kv_tokens = RunnerConfig(model_dir=e.model).cpu_kv_tokens
+    limit = model_cfg.max_position_embeddings
+    return min(limit, kv_tokens) if kv_tokens else limit
+
+
+def graph_batch(e: EngineArgs) -> int:
+    """Largest decode batch replayed as a CUDA graph (never more than can run at once)."""
+    if e.cuda_graph_max_batch is None:
+        return min(e.max_running_requests, 256)
+    return min(e.cuda_graph_max_batch, e.max_running_requests)
+
+
+def serving_dtype(e: EngineArgs, model_cfg: ModelConfig) -> str:
+    """The dtype every stage uses ("auto": the checkpoint's)."""
+    from runtime.common.host_pool import dtype_name
+    from runtime.common.model_config import parse_dtype
+
+    return dtype_name(parse_dtype(e.dtype, model_cfg.dtype))
+
+
+def runner_config(e: EngineArgs, model_cfg: ModelConfig) -> RunnerConfig:
+    from stages.worker.runner import RunnerConfig
+
+    return RunnerConfig(
+        model_dir=e.model,
+        device=e.resolved_device(),
+        dtype=serving_dtype(e, model_cfg),
+        max_lora_rank=e.max_lora_rank,
+        lora_gpu_memory_gb=e.lora_gpu_memory_gb,
+        lora_backend=e.lora_backend,
+        attention_backend=e.attention_backend,
+        page_size=e.page_size,
+        num_pages=e.num_pages,
+        max_tokens_per_step=e.max_tokens_per_step,
+        max_model_len=context_length(e, model_cfg),
+        cuda_graph_max_batch=graph_batch(e),
+        max_running_requests=e.max_running_requests,
+        warmup=e.warmup,
+    )
+
+
+def planner_policy(e: EngineArgs) -> PlannerPolicy:
+    """What the planner is told before the worker reports the KV cache and adapter pool it has."""
+    from stages.scheduler.planner import PlannerPolicy
+
+    return PlannerPolicy(
+        max_loras_per_batch=e.max_loras_per_batch,
+        max_running_requests=e.max_running_requests,
+        max_tokens_per_step=e.max_tokens_per_step,
+        pinned_adapters=tuple(dict.fromkeys(e.pinned_adapters)),
+        overlap_loading=e.overlap_loading,
+        prefetch_depth=e.prefetch_depth,
+        overlap_min_bytes=int(e.overlap_min_mb * 2**20),
+        bypass_limit=e.max_adapter_bypass,
+    )

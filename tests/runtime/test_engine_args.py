@@ -1,0 +1,95 @@
+"""`lorapipe serve` and the offline engine build their engine from one derivation (runtime/engine_args.py):
+from the same arguments they get the same runner config and the same planner config, and their defaults
+agree (the offline engine once dropped the overlap threshold and planned with 0 instead of 64 MB)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from runtime.base.endpoints import Endpoints
+from runtime.engine_args import EngineArgs, planner_policy
+from runtime.offline import LLM
+from runtime.serve_args import ServeArgs
+from runtime.serve_checks import parse_serve_args, validate
+from runtime.stage_configs import stage_configs
+from stages.scheduler.planner import PlannerConfig
+from stages.worker.lora.pool import row_bytes
+
+pytestmark = pytest.mark.timeout(120)
+
+SHARED = dict(
+    dtype="float32",
+    max_loras_per_batch=3,
+    lora_gpu_memory_gb=0.01,
+    max_adapter_bypass=5,
+    max_lora_rank=16,
+    max_running_requests=8,
+    max_tokens_per_step=64,
+    max_model_len=256,
+    page_size=4,
+    num_pages=128,
+    pinned_adapters=("qv5",),
+    overlap_loading=False,
+    prefetch_depth=3,
+    overlap_min_mb=0.5,
+    cuda_graph_max_batch=4,
+    seed=7,
+    warmup=False,
+)
+
+
+def _argv(model, adapters) -> list[str]:
+    """The SHARED values as `lorapipe serve` flags (the CLI path, not a hand-built ServeArgs)."""
+    argv = ["--model", str(model), "--device", "cpu", "--metrics-port", "-1", "--port", "0", "--no-warmup"]
+    for key, value in SHARED.items():
+        flag = "--" + {"pinned_adapters": "pin_adapter", "max_adapter_bypass": "max_adapter_bypass"}.get(
+            key, key
+        ).replace("_", "-")
+        if key == "warmup":
+            continue
+        if key == "overlap_loading":
+            argv.append("--overlap-loading" if value else "--no-overlap-loading")
+        elif key == "pinned_adapters":
+            for name in value:
+                argv += [flag, name]
+        else:
+            argv += [flag, str(value)]
+    for name, path in adapters.items():
+        argv += ["--adapter", f"{name}={path}"]
+    return argv
+
+
+def test_serve_and_offline_derive_the_same_engine(tiny_llama, llama_adapters, tmp_path):
+    args = parse_serve_args(_argv(tiny_llama, llama_adapters))
+    configs = stage_configs(args, validate(args), Endpoints.in_run_dir(tmp_path), "pool-x", 4096)
+    llm = LLM(tiny_llama, adapters=dict(llama_adapters), device="cpu", **SHARED)
+
+    assert configs["worker"].runner == llm.runner.cfg
+    sched, pool, r = configs["scheduler"], llm.runner.pool, llm.runner
+    # what the scheduler derives once the worker reports this runner's KV cache and adapter pool
+    served = PlannerConfig.from_policy(
+        sched.policy,
+        num_pages=r.num_pages,
+        page_size=r.cfg.page_size,
+        pool_rows=pool.total_rows,
+        pool_ids=pool.num_ids,
+        pool_row_bytes=row_bytes(pool.layout, pool.dtype),
+        max_lora_rank=pool.layout.max_rank,
+        max_model_len=min(sched.max_model_len, configs["worker"].max_model_len),
+    )
+    assert served == llm.planner_cfg
+    assert served.overlap_min_bytes == int(0.5 * 2**20) and served.max_loras_per_batch == 3
+
+
+def test_defaults_agree(tiny_llama):
+    """Everything the two share defaults alike, except the warm-up: on for a server, off for the
+    offline engine (so that short scripts and tests do not compile every kernel variant)."""
+    offline = LLM(tiny_llama, device="cpu").engine_args
+    served = ServeArgs(model=str(tiny_llama), device="cpu")
+    shared = {f.name for f in dataclasses.fields(EngineArgs)} - {"warmup"}
+    differ = {name for name in shared if getattr(offline, name) != getattr(served, name)}
+    assert differ == set()
+    assert planner_policy(offline) == planner_policy(served)
+    assert offline.warmup is False and served.warmup is True
