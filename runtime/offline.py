@@ -67,8 +67,9 @@ class LLM:
         """`overlap_loading` and `prefetch_depth` drive the same planner logic as `lorapipe serve`;
         here copies are synchronous, and a load is reported ready in the result of its step.
         `lora_gpu_memory_gb`, `max_loras_per_batch`, `max_adapter_bypass` and `overlap_min_mb` mean what
-        the `serve` flags of those names do (both derive their configs in runtime/engine_args.py) (the GPU adapter pool; distinct adapters in one step, default as many
-        as the pool holds; the bypass bound of churn-aware admission).
+        the `serve` flags of those names do (the GPU adapter pool; distinct adapters in one step, default
+        as many as the pool holds; the bypass bound of churn-aware admission; smaller adapters are not
+        prefetched); both derive their configs in runtime/engine_args.py.
         `cuda_graph_max_batch`: decode batches up to this size replay CUDA graphs on CUDA (default
         min(max_running_requests, 256); 0: always eager). `warmup`: compile every kernel variant the
         engine can reach now, as `lorapipe serve` does, instead of on first use (CUDA only);
