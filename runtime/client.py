@@ -127,9 +127,14 @@ class AsyncClient:
                 return self.welcome
             if self._sock is None:
                 self._sock = DealerSocket(
-                    self.endpoint, ClientReply, ClientRequest, api_key=self._api_key, **self._socket_kw
+                    self.endpoint,
+                    ClientReply,
+                    ClientRequest,
+                    api_key=self._api_key,
+                    monitor=True,
+                    **self._socket_kw,
                 )
-                self._events = ConnectionEvents(self._sock)
+                self._events = self._sock.events
                 self._reader = asyncio.ensure_future(self._read())
                 self._watcher = asyncio.ensure_future(self._watch())
             limit = self.connect_timeout if self.timeout is None else min(self.connect_timeout, self.timeout)

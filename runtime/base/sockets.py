@@ -73,9 +73,12 @@ class _Base(Generic[In, Out]):
         max_msg_bytes: int = -1,
         max_frames: int | None = None,
         api_key: str | None = None,
+        monitor: bool = False,
     ) -> None:
         """`max_msg_bytes` > 0: zmq drops a peer that sends a bigger frame (before buffering it), and
-        the codec refuses a message whose frames add up to more; `max_frames` bounds the frame count."""
+        the codec refuses a message whose frames add up to more; `max_frames` bounds the frame count.
+        `monitor`: `self.events` reports connection events from before the first connect on (a monitor
+        attached later can miss a handshake refused at once)."""
         if hwm <= 0:
             raise ValueError(f"high-water mark must be a positive message count, got {hwm}")
         self.addr = addr
@@ -100,6 +103,7 @@ class _Base(Generic[In, Out]):
         if identity is not None:
             self.sock.setsockopt(zmq.IDENTITY, identity)
         self._init_kind()
+        self.events = ConnectionEvents(self) if monitor else None
         if bind:
             self.sock.bind(addr)
             # tcp://host:0 picks a free port; report the one chosen
