@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import torch
 
 from proto.loader import (
     AdapterFailed,
@@ -74,6 +75,13 @@ class LoaderActor(Actor[LoaderConfig]):
             config.max_adapter_file_bytes, config.read_timeout_s, pack_tasks=config.load_threads
         )
         self.buffers: list[SegmentBuffer] = []  # read buffers of finished loads, for the next ones
+        # made by setup() (a failure there is StageFatal, reported to the launcher)
+        self.pool: Any = None  # the shared host pool (multiprocessing SharedMemory)
+        self.model_cfg: ModelConfig | None = None
+        self.dtype: torch.dtype | None = None
+        self.layout: LoraLayout | None = None
+        self.loads = self.mailbox("loads")
+        self.to_scheduler = self.mailbox("to_scheduler")
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -118,8 +126,6 @@ class LoaderActor(Actor[LoaderConfig]):
         from_scheduler = self.socket(PullSocket(ep.scheduler_to_loader, SchedulerToLoader))
         to_scheduler = self.socket(PushSocket(ep.loader_to_scheduler, LoaderToScheduler))
         requests = self.mailbox("scheduler_requests")
-        self.loads = self.mailbox("loads")
-        self.to_scheduler = self.mailbox("to_scheduler")
         self.add_receiver("scheduler", from_scheduler, requests)
         self.add_handler("scheduler_requests", requests, self.handle_scheduler)
         for i in range(cfg.load_threads):
@@ -351,6 +357,5 @@ class LoaderActor(Actor[LoaderConfig]):
     def teardown(self) -> None:
         super().teardown()
         self.executor.shutdown(wait=False, cancel_futures=True)
-        pool = getattr(self, "pool", None)
-        if pool is not None and not close_pool(pool):
+        if self.pool is not None and not close_pool(self.pool):
             self.log.info("host pool still mapped by a running copy; the exit unmaps it")

@@ -86,7 +86,13 @@ class TokenizerActor(Actor[TokenizerConfig]):
         self.ops: dict[int, tuple[bytes, Any]] = {}  # op_id -> (client identity, client request)
         self._op_ids = itertools.count(1)
         self.local = LocalClients()  # in-process clients: the HTTP front end
-        self.http: Any = None
+        self.http: Any = None  # the HTTP front end, made by setup() when --port is set
+        self.client: RouterSocket | None = None  # bound by setup()
+        self.client_requests = self.mailbox("client_requests")
+        self.scheduler_events = self.mailbox("scheduler_events")
+        self.token_batches = self.mailbox("token_batches")
+        self.client_replies = self.mailbox("client_replies")
+        self.to_scheduler = self.mailbox("to_scheduler")
         self.max_prompt_bytes = prompt_byte_limit(
             self.tokenizer, config.max_model_len, config.max_prompt_bytes
         )
@@ -125,17 +131,12 @@ class TokenizerActor(Actor[TokenizerConfig]):
         to_scheduler = self.socket(PushSocket(ep.tokenizer_to_scheduler, TokenizerToScheduler))
         from_scheduler = self.socket(PullSocket(ep.scheduler_to_tokenizer, SchedulerToTokenizer))
         from_worker = self.socket(PullSocket(ep.worker_to_tokenizer, WorkerToTokenizer))
-        self.client_requests = client_requests = self.mailbox("client_requests")
-        self.scheduler_events = scheduler_events = self.mailbox("scheduler_events")
-        token_batches = self.mailbox("token_batches")
-        self.client_replies = self.mailbox("client_replies")
-        self.to_scheduler = self.mailbox("to_scheduler")
-        self.add_receiver("client", self.client, client_requests)
-        self.add_receiver("scheduler", from_scheduler, scheduler_events)
-        self.add_receiver("worker", from_worker, token_batches)
-        self.add_handler("client_requests", client_requests, self.handle_client)
-        self.add_handler("scheduler_events", scheduler_events, self.handle_scheduler)
-        self.add_handler("token_batches", token_batches, self.handle_tokens)
+        self.add_receiver("client", self.client, self.client_requests)
+        self.add_receiver("scheduler", from_scheduler, self.scheduler_events)
+        self.add_receiver("worker", from_worker, self.token_batches)
+        self.add_handler("client_requests", self.client_requests, self.handle_client)
+        self.add_handler("scheduler_events", self.scheduler_events, self.handle_scheduler)
+        self.add_handler("token_batches", self.token_batches, self.handle_tokens)
         self.add_sender("client", self.client_replies, self._send_reply)
         self.add_sender("scheduler", self.to_scheduler, to_scheduler.send)
         if cfg.http_port:

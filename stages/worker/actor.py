@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -45,6 +46,15 @@ class WorkerActor(Actor[WorkerConfig]):
         self.stepping = False
         self.copy_seconds = 0.0  # host-to-device copy time, all loads
         self.overlapped_seconds = 0.0  # of which no step's compute waited for
+        # made by setup(), on the event loop: weights load there in the step thread, after start-up
+        # has begun, so that readiness, parent-death watch and drain already run meanwhile
+        self.runner: ModelRunner | None = None
+        self.executor: StepExecutor | None = None
+        self.host_pool: Any = None  # the shared host pool (multiprocessing SharedMemory), mapped once
+        self.cuda = False
+        self.load_stream: torch.cuda.Stream | None = None
+        self.to_scheduler = self.mailbox("to_scheduler")
+        self.to_tokenizer = self.mailbox("to_tokenizer")
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -77,14 +87,14 @@ class WorkerActor(Actor[WorkerConfig]):
             self._graph_replays
         )
         m.gauge("lorapipe_adapters_resident", "Adapters resident in the GPU adapter pool").set_function(
-            lambda: self.runner.pool.resident() if hasattr(self, "runner") else 0
+            lambda: self.runner.pool.resident() if self.runner is not None else 0
         )
 
     def _phase_seconds(self, phase: str) -> float:
-        return self.executor.phase_seconds[phase] if hasattr(self, "executor") else 0.0
+        return self.executor.phase_seconds[phase] if self.executor is not None else 0.0
 
     def _graph_replays(self) -> int:
-        graphs = self.runner.graphs if hasattr(self, "runner") else None
+        graphs = self.runner.graphs if self.runner is not None else None
         return graphs.replays if graphs is not None else 0
 
     async def setup(self) -> None:
@@ -109,8 +119,6 @@ class WorkerActor(Actor[WorkerConfig]):
             on_load_done=self._load_done,
         )
         plans = self.mailbox("plans", 4)
-        self.to_scheduler = self.mailbox("to_scheduler")
-        self.to_tokenizer = self.mailbox("to_tokenizer")
         self.add_receiver(
             "scheduler", self.socket(PullSocket(ep.scheduler_to_worker, SchedulerToWorker)), plans
         )
@@ -161,7 +169,7 @@ class WorkerActor(Actor[WorkerConfig]):
         while True:
             # Wake often only while idle: a running step polls its own loads when it ends, and every
             # wake-up here takes the GIL from the step thread.
-            pending = hasattr(self, "executor") and bool(self.executor.pending) and not self.stepping
+            pending = self.executor is not None and bool(self.executor.pending) and not self.stepping
             await asyncio.sleep(0.0005 if pending else 0.005)
             if pending and not self.stepping:
                 ready = await loop.run_in_executor(self.thread, self.executor.poll_loads)
