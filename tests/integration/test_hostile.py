@@ -308,6 +308,7 @@ def test_soak_hostile_inputs_mixed_into_normal_traffic(server, reference, llama_
     names = [*llama_adapters, None]
     work = [(p, names[i % len(names)]) for i, p in enumerate(PROMPTS * 24)]
     stop = asyncio.Event()
+    two_rounds = asyncio.Event()  # the attack ran whole twice (the good traffic may finish sooner)
 
     async def good(k: int) -> list[tuple[tuple[str, str | None], list[int]]]:
         async with AsyncClient(server.endpoint, timeout=120) as c:
@@ -351,6 +352,8 @@ def test_soak_hostile_inputs_mixed_into_normal_traffic(server, reference, llama_
                 await disconnecting.close()  # the connection goes away with the request open
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await pending
+                if rounds >= 2:
+                    two_rounds.set()
         finally:
             ctx.term()
         return rounds
@@ -358,6 +361,7 @@ def test_soak_hostile_inputs_mixed_into_normal_traffic(server, reference, llama_
     async def main():
         attack = asyncio.ensure_future(hostile())
         results = await asyncio.gather(*(good(k) for k in range(3)))
+        await asyncio.wait([asyncio.ensure_future(two_rounds.wait()), attack], return_when="FIRST_COMPLETED")
         stop.set()
         return results, await attack
 
