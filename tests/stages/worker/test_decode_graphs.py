@@ -15,6 +15,9 @@ from stages.worker.runner import ModelRunner, RunnerConfig, SeqInput
 
 PAGE = 4
 MAX_LEN = 96
+# float32 logits: the interpreter's dots are exact float32; on a GPU, Triton's float32 dots use TF32 (10-bit
+# mantissa) in the LoRA kernels, so the adapter's share of the output carries ~1e-3 relative error there.
+TOL = 2e-3 if torch.cuda.is_available() else 1e-4
 
 
 def test_buckets_cover_every_size_once():
@@ -85,7 +88,7 @@ def test_padded_decode_equals_plain_path(engine, slots):
     got = graphs.run(seqs)
     assert got.shape == want.shape
     err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
-    assert err < 1e-4, f"relative error {err:.2e}"
+    assert err < TOL, f"relative error {err:.2e}"
     # The padded step rewrote only its own rows (same values) and the scratch page.
     scratch = slice(runner.kv.scratch_row, runner.kv.scratch_row + PAGE)
     for new, old in ((runner.kv.k, kv_k), (runner.kv.v, kv_v)):
@@ -128,7 +131,7 @@ def test_forced_key_splits_give_the_same_logits(engine, splits):
     graphs._forward(key)
     got = graphs.out[: len(seqs)]
     err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
-    assert err < 1e-4, f"relative error {err:.2e}"
+    assert err < TOL, f"relative error {err:.2e}"
 
 
 def test_unsupported_batches_fall_back(engine):

@@ -1,4 +1,4 @@
-"""The warm-up's launches on the CPU (Triton interpreter): they go through the serving code (the LoRA
+"""The warm-up's launches (on the CPU under the Triton interpreter; on the GPU where there is one): they go through the serving code (the LoRA
 backend's `apply`, the model's attention entry point) with empty device metadata, so they run and leave
 the KV cache, the adapter slots and the prepared batch as they were."""
 
@@ -10,12 +10,15 @@ from stages.worker.runner import ModelRunner, RunnerConfig
 from stages.worker.warmup import _attention, _forward, _lora, _Progress
 from stages.worker.warmup_plan import lora_launches
 
+# Triton kernels run on CUDA tensors, or on CPU tensors only under the interpreter (set without a GPU).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def test_launches_compute_nothing(tiny_llama):
     runner = ModelRunner(
         RunnerConfig(
             model_dir=str(tiny_llama), dtype="float32", num_pages=16, lora_backend="triton",
-            attention_backend="triton", max_lora_rank=32, max_tokens_per_step=64,
+            attention_backend="triton", max_lora_rank=32, max_tokens_per_step=64, device=DEVICE,
         )
     )  # fmt: skip
     torch.manual_seed(0)
