@@ -1,7 +1,6 @@
 """Disk→host leg of adapter loads: the loader's path (header plan, then per segment parallel reads and
 parallel pack tasks into a block of the shared-memory host pool, on a thread pool, as the adapter-loader
-runs it) against a
-plain read of the same file into a reused buffer, per adapter rank, for one load at a time and for N
+runs it, then the effective-delta check) against a plain read of the same file into a reused buffer, per adapter rank, for one load at a time and for N
 loads at once (aggregate). Page cache warm (each file read once first); `--cold` also drops each file's
 pages before every timed read (posix_fadvise, no root needed; tmpfs keeps its pages). Medians of
 `--reps`. Rates in GB/s (1e9 B/s) of packed bytes (the block: what the issue's targets count) and of
@@ -35,6 +34,7 @@ from runtime.synthetic.model import PRESETS, build_config
 from stages.loader.adapter_plan import ReadLimits
 from stages.loader.adapter_reader import plan_adapter, read_adapter
 from stages.loader.block_writer import SegmentBuffer, pack_part, prepare, read_part, zero_gaps
+from stages.loader.delta_bound import check_packed_deltas
 from stages.loader.process import SWITCH_INTERVAL_S, tune_for_loads
 
 SCHEMA_VERSION = 1
@@ -76,6 +76,7 @@ class Loads:
                 prepare(plan, s, buf)
                 self._all([(read_part, plan, s, i, buf) for i in range(len(seg.reads))])
                 self._all([(pack_part, plan, s, k, buf, block) for k in range(len(seg.packs))])
+            self._all([(check_packed_deltas, plan.name, self.layout, block, plan.ranks, plan.scalings)])
 
     def _all(self, calls: list[tuple]) -> None:
         for f in wait([self.executor.submit(*call) for call in calls]).done:

@@ -35,9 +35,10 @@ from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig, parse_dtype
 from stages.loader.adapter_config import AdapterError
 from stages.loader.adapter_plan import AdapterPlan, ReadLimits
-from stages.loader.adapter_reader import check_packed_deltas, max_file_bytes, plan_adapter
+from stages.loader.adapter_reader import max_file_bytes, plan_adapter
 from stages.loader.block_writer import SegmentBuffer, pack_part, prepare, read_part, zero_gaps
 from stages.loader.config import LoaderConfig
+from stages.loader.delta_bound import check_packed_deltas
 from stages.loader.files import FileRefused, inside_root
 from stages.loader.host_cache import HostCache, HostCacheFull
 

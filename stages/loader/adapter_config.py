@@ -198,6 +198,13 @@ def _pattern(name: str, field: str, value, check) -> dict:
     return out
 
 
+def delta_limit(dtype: torch.dtype, in_dim: int) -> float:
+    """The largest effective-delta entry accepted: MAX_DELTA_ENTRY, and for a narrow dtype what `in_dim`
+    such entries may sum to without overflowing it."""
+    top = torch.finfo(dtype).max if dtype.is_floating_point else math.inf
+    return min(MAX_DELTA_ENTRY, top / max(in_dim, 1))
+
+
 def check_delta_magnitude(
     name: str, where: str, a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype
 ) -> None:
@@ -216,7 +223,7 @@ def check_delta_magnitude(
     a_norm = float((a.detach().float() / a_max).norm(dim=0).max()) * a_max  # max over columns of A
     b_norm = float((b.detach().float() / b_max).norm(dim=1).max()) * b_max  # max over rows of B
     bound = scaling * b_norm * a_norm
-    limit = min(MAX_DELTA_ENTRY, top / max(a.shape[1], 1))
+    limit = delta_limit(dtype, a.shape[1])
     if not math.isfinite(bound) or bound > limit:
         raise AdapterError(
             name,

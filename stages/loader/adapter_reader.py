@@ -13,14 +13,10 @@ import torch
 from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
 from runtime.common.model_config import ModelConfig
 from runtime.common.packed import PackedAdapter
-from stages.loader.adapter_config import (
-    AdapterConfig,
-    AdapterError,
-    check_delta_magnitude,
-    read_adapter_config,
-)
+from stages.loader.adapter_config import AdapterConfig, AdapterError, read_adapter_config
 from stages.loader.adapter_plan import AdapterPlan, Piece, ReadLimits, deadline_after, make_gaps
 from stages.loader.block_writer import write_all
+from stages.loader.delta_bound import check_packed_deltas
 from stages.loader.safetensors_reader import FLOAT_DTYPES, FormatError, TensorEntry, open_regular, read_header
 from stages.loader.segments import make_segments
 
@@ -44,24 +40,6 @@ def read_adapter(
         write_all(plan, block)
     check_packed_deltas(name, layout, block, plan.ranks, plan.scalings)
     return PackedAdapter(name=name, block=block, ranks=plan.ranks, scalings=plan.scalings)
-
-
-def check_packed_deltas(
-    name: str, layout: LoraLayout, block: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor
-) -> None:
-    """The effective-delta bound (`check_delta_magnitude`) of every adapted module, read straight from
-    the packed block [num_layers, rank, row_elems] (A rows, B^T columns): no copy of the weights."""
-    for layer in range(block.shape[0]):
-        for sid, module in enumerate(TARGET_MODULES):
-            r = int(ranks[layer, sid])
-            if r == 0:
-                continue
-            g, i = layout.module_slot(module)
-            a0, b0 = g.a_offset + i * g.in_stride, g.b_offset + g.out_offsets[i]
-            a = block[layer, :r, a0 : a0 + g.in_dim]  # [r, in]
-            b = block[layer, :r, b0 : b0 + g.out_dims[i]].t()  # [out, r]
-            where = f"{module} of layer {layer}"
-            check_delta_magnitude(name, where, a, b, float(scalings[layer, sid]), block.dtype)
 
 
 def max_file_bytes(layout: LoraLayout) -> int:

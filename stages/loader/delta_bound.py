@@ -1,0 +1,79 @@
+"""The effective-delta bound of a packed adapter block (`check_delta_magnitude`'s rule) in one pass.
+
+|(s * B @ A)[i, j]| <= s * ||B[i, :]|| * ||A[:, j]||, and a packed block keeps rank k of every A column
+and of every B row in rank row k. So one float32 accumulation of squares over a layer's rank rows gives
+the squared norm of every column of every A and every row of every B at once; a module's bound is its
+largest B-row norm times its largest A-column norm. Rows past a module's own rank are zero in a packed
+block (the writer zeroes every gap), so they add nothing. Cost: one read of the block, no matmul, no
+copy of it (rank 16 of a 1B-shaped model: a few milliseconds, where a check per module took ~100)."""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from runtime.common.lora_layout import TARGET_MODULES, LoraLayout
+from stages.loader.adapter_config import check_delta_magnitude, delta_limit
+
+
+@lru_cache(maxsize=8)
+def _ranges(layout: LoraLayout) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """`np.maximum.reduceat` starts over a rank row (every A and B range's start and end), and per target
+    module (its slice id, the index of its A range's segment, of its B range's). The ranges are disjoint,
+    so the segment from a range's start to the next boundary is exactly that range."""
+    spans = []
+    for module in TARGET_MODULES:
+        g, i = layout.module_slot(module)
+        a0, b0 = g.a_offset + i * g.in_stride, g.b_offset + g.out_offsets[i]
+        spans.append(((a0, a0 + g.in_dim), (b0, b0 + g.out_dims[i])))
+    bounds = sorted({x for pair in spans for span in pair for x in span if x < layout.row_elems})
+    at = {x: n for n, x in enumerate(bounds)}
+    return np.asarray(bounds, dtype=np.int64), [(sid, at[a[0]], at[b[0]]) for sid, (a, b) in enumerate(spans)]
+
+
+def column_sq_norms(block: torch.Tensor) -> torch.Tensor:
+    """[num_layers, row_elems] float32: the sum over rank rows of each element's square."""
+    layers, rank, row = block.shape
+    out = torch.zeros(layers, row, dtype=torch.float32)
+    tmp = torch.empty(row, dtype=torch.float32)
+    for layer in range(layers):
+        acc = out[layer]
+        for k in range(rank):
+            tmp.copy_(block[layer, k])
+            acc.addcmul_(tmp, tmp)
+    return out
+
+
+def check_packed_deltas(
+    name: str, layout: LoraLayout, block: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor
+) -> None:
+    """Refuse the adapter (AdapterError naming module and layer) if any module's effective delta may pass
+    `delta_limit`. `block` is [num_layers, rank, row_elems]; `ranks`/`scalings` [num_layers, slices]."""
+    starts, modules = _ranges(layout)
+    peaks = np.maximum.reduceat(column_sq_norms(block).numpy(), starts, axis=1)  # [layers, spans]
+    rank_rows, scale_rows = ranks.tolist(), scalings.tolist()
+    for layer in range(block.shape[0]):
+        for sid, a, b in modules:
+            r = rank_rows[layer][sid]
+            if r == 0:
+                continue
+            module = TARGET_MODULES[sid]
+            scaling = float(scale_rows[layer][sid])
+            bound = scaling * math.sqrt(float(peaks[layer, a]) * float(peaks[layer, b]))
+            g, i = layout.module_slot(module)
+            if math.isfinite(bound) and scaling > 0 and bound <= delta_limit(block.dtype, g.in_dim):
+                continue
+            # Over the limit, a bad scaling, or squares past float32 (entries beyond ~1e19): the exact
+            # per-module check decides and names the reason.
+            a0, b0 = g.a_offset + i * g.in_stride, g.b_offset + g.out_offsets[i]
+            check_delta_magnitude(
+                name,
+                f"{module} of layer {layer}",
+                block[layer, :r, a0 : a0 + g.in_dim],
+                block[layer, :r, b0 : b0 + g.out_dims[i]].t(),
+                scaling,
+                block.dtype,
+            )
