@@ -79,6 +79,7 @@ class StepGraphs:
         self.pieces: dict[tuple[int, bool], list[torch.cuda.CUDAGraph]] = {}
         self.pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
         self.capture_seconds = 0.0
+        self.runs = 0  # steps run on this path (replayed or, without capture, eager)
         self.replays = 0
 
     @property
@@ -125,6 +126,7 @@ class StepGraphs:
                 self._forward_full(key)
             else:
                 graph.replay()
+        self.runs += 1
         if self.capture:
             self.replays += 1
         return self.out[: len(seqs)]
