@@ -61,7 +61,7 @@ with Client(sys.argv[1], timeout=2.0) as c: sys.exit(0 if c.health().ok else 1)"
 
 n=0
 for side in $order; do n=$((n + 1)); run_one "$side" "$n"; done
-"$py" - "$out" <<'EOF'
+"$py" - "$out" "$num requests, 256 in / 128 out, all at once; preset $preset, $dtype; runs in order: $order" <<'EOF'
 import json, re, statistics, sys
 from pathlib import Path
 
@@ -73,7 +73,7 @@ for f in sorted(out.glob("run_*.json")):
     side = run.rstrip("0123456789")
     runs.setdefault((workload, side), []).append((run, s["output_throughput"], s["ttft"]["p50"], s["e2e"]["p50"]))
 lines = ["# Step CUDA graphs on vs --cuda-graph-max-tokens 0", "",
-         "1,000 requests, 256 in / 128 out, all at once; 1B-shaped model, bf16; runs in A-B-B-A order.", "",
+         sys.argv[2] + ".", "",
          "| workload | graphs | runs: output tok/s | median tok/s | median TTFT P50 (s) | median E2E P50 (s) |",
          "| --- | --- | --- | --- | --- | --- |"]
 med = {}
