@@ -1,6 +1,7 @@
 """What `lorapipe serve` and the offline engine (`runtime.offline.LLM`) share, and the one place the
 engine's configs are derived from it: the runner's config, the planner's policy, the context length,
-the CUDA-graph batch bound and the serving dtype. `ServeArgs` extends `EngineArgs`; `LLM` builds one."""
+the CUDA-graph batch and token bounds and the serving dtype. `ServeArgs` extends `EngineArgs`; `LLM`
+builds one."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ class EngineArgs:
     prefetch_depth: int = 8  # waiting requests looked ahead at for pool loads (0: off)
     overlap_min_mb: float = 64.0  # smaller adapters are not prefetched into the pool (only churns it)
     cuda_graph_max_batch: int | None = None  # None: min(max_running_requests, 256); 0: no CUDA graphs
+    # steps with prefill tokens up to N tokens replay CUDA graphs; None: min(max_tokens_per_step, 2048)
+    cuda_graph_max_tokens: int | None = None
     seed: int = 0
     warmup: bool = True  # compile every reachable kernel variant before ready (CUDA; nothing on CPU)
 
@@ -68,6 +71,16 @@ def graph_batch(e: EngineArgs) -> int:
     return min(e.cuda_graph_max_batch, e.max_running_requests)
 
 
+DEFAULT_GRAPH_TOKENS = 2048  # the largest bucket's pool and capture stay small; larger steps are GPU-bound
+
+
+def graph_tokens(e: EngineArgs) -> int:
+    """Largest step with prefill tokens replayed as a CUDA graph (never more than one step computes)."""
+    if e.cuda_graph_max_tokens is None:
+        return min(e.max_tokens_per_step, DEFAULT_GRAPH_TOKENS)
+    return min(e.cuda_graph_max_tokens, e.max_tokens_per_step)
+
+
 def serving_dtype(e: EngineArgs, model_cfg: ModelConfig) -> str:
     """The dtype every stage uses ("auto": the checkpoint's)."""
     from runtime.common.host_pool import dtype_name
@@ -92,6 +105,7 @@ def runner_config(e: EngineArgs, model_cfg: ModelConfig) -> RunnerConfig:
         max_tokens_per_step=e.max_tokens_per_step,
         max_model_len=context_length(e, model_cfg),
         cuda_graph_max_batch=graph_batch(e),
+        cuda_graph_max_tokens=graph_tokens(e),
         max_running_requests=e.max_running_requests,
         warmup=e.warmup,
     )

@@ -59,6 +59,7 @@ class LLM:
         prefetch_depth: int = 8,
         pinned_adapters: tuple[str, ...] = (),
         cuda_graph_max_batch: int | None = None,
+        cuda_graph_max_tokens: int | None = None,
         max_adapter_bypass: int = 16,
         overlap_min_mb: float = 64.0,
         warmup: bool = False,
@@ -71,7 +72,9 @@ class LLM:
         as many as the pool holds; the bypass bound of churn-aware admission; smaller adapters are not
         prefetched); both derive their configs in runtime/engine_args.py.
         `cuda_graph_max_batch`: decode batches up to this size replay CUDA graphs on CUDA (default
-        min(max_running_requests, 256); 0: always eager). `warmup`: compile every kernel variant the
+        min(max_running_requests, 256); 0: always eager); `cuda_graph_max_tokens`: steps with prefill
+        tokens up to this many tokens replay CUDA graphs per token bucket (default
+        min(max_tokens_per_step, 2048); 0: always eager). `warmup`: compile every kernel variant the
         engine can reach now, as `lorapipe serve` does, instead of on first use (CUDA only);
         `compile_cache_dir` sets TRITON_CACHE_DIR for this process (before the first compile)."""
         if compile_cache_dir is not None:
@@ -100,6 +103,7 @@ class LLM:
             prefetch_depth=prefetch_depth,
             overlap_min_mb=overlap_min_mb,
             cuda_graph_max_batch=cuda_graph_max_batch,
+            cuda_graph_max_tokens=cuda_graph_max_tokens,
             seed=seed,
             warmup=warmup,
         )

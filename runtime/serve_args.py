@@ -204,6 +204,15 @@ def _batching_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         help="decode batches up to N replay CUDA graphs captured at start-up "
         "(default: min(--max-running-requests, 256); 0: always eager)",
     )
+    g.add_argument(
+        "--cuda-graph-max-tokens",
+        type=int,
+        metavar="N",
+        default=None,
+        help="steps with prefill tokens, up to N tokens, replay CUDA graphs captured at start-up per "
+        "token-count bucket (padded to the next bucket; full graphs with the Triton attention, piecewise "
+        "around attention otherwise) (default: min(--max-tokens-per-step, 2048); 0: always eager)",
+    )
 
 
 def _loading_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:

@@ -90,6 +90,8 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
         raise ServeArgsError(f"--overlap-min-mb must not be negative, got {args.overlap_min_mb}")
     if args.cuda_graph_max_batch is not None and args.cuda_graph_max_batch < 0:
         raise ServeArgsError(f"--cuda-graph-max-batch must not be negative, got {args.cuda_graph_max_batch}")
+    if (n := args.cuda_graph_max_tokens) is not None and n < 0:
+        raise ServeArgsError(f"--cuda-graph-max-tokens must not be negative, got {n}")
     if args.prefetch_depth < 0:
         raise ServeArgsError(f"--prefetch-depth must not be negative, got {args.prefetch_depth}")
     if args.drain_timeout_s < 0:

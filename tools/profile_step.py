@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--prefill: batch * ctx must be at most 2048 (the runner's max_tokens_per_step)")
     cfg = RunnerConfig(model_dir=a.model, device="cuda", dtype="bfloat16",
                        max_lora_rank=16, num_pages=a.batch * (a.ctx // 16 + 2) + 16,
-                       max_model_len=a.ctx + 32, cuda_graph_max_batch=a.batch)  # fmt: skip
+                       max_model_len=a.ctx + 32, cuda_graph_max_batch=a.batch,
+                       cuda_graph_max_tokens=a.batch * a.ctx if a.prefill else 0)  # fmt: skip
     runner = ModelRunner(cfg)
     dirs = sorted(d for d in Path(a.adapter_dir).iterdir() if d.is_dir())[: a.slots]
     row = 0
@@ -89,16 +90,15 @@ def main(argv: list[str] | None = None) -> None:
         row += packed.rank
     pages_per = a.ctx // 16 + 2
     results = {}
-    graphs = runner.graphs
+    graphs, steps = runner.graphs, runner.step_graphs
     for label, slot_of, graphed in (
         ("base-only", lambda i: -1, False),
         ("lora", lambda i: i % len(dirs), False),
         ("base-only graph", lambda i: -1, True),
         ("lora graph", lambda i: i % len(dirs), True),
     ):
-        if graphed and a.prefill:
-            continue  # graphs replay decode steps only
-        runner.graphs = graphs if graphed else None
+        runner.graphs = graphs if graphed else None  # decode steps
+        runner.step_graphs = steps if graphed else None  # prefill steps
         new = a.ctx if a.prefill else 1
         seqs = [
             SeqInput([7] * new, a.ctx + 1 - new, list(range(i * pages_per, (i + 1) * pages_per)), slot_of(i))
@@ -128,7 +128,10 @@ def main(argv: list[str] | None = None) -> None:
         print(table)
     if graphs is not None:
         n, secs = len(graphs.graphs), graphs.capture_seconds
-        print(f"graphs captured: {n} in {secs:.2f} s; replays {graphs.replays}")
+        print(f"decode graphs captured: {n} in {secs:.2f} s; replays {graphs.replays}")
+    if steps is not None:
+        n, secs = steps.num_graphs, steps.capture_seconds
+        print(f"step graphs captured: {n} in {secs:.2f} s; replays {steps.replays}")
     print(f"\n{'case':<16} {'wall ms':>8} {'gpu ms':>8} {'kernels ms':>10}")
     for label, r in results.items():
         kernels = f"{r['kernel_ms']:10.2f}" if r.get("kernel_ms") is not None else f"{'-':>10}"

@@ -86,6 +86,9 @@ class WorkerActor(Actor[WorkerConfig]):
         m.gauge("lorapipe_decode_graph_replays", "Decode steps replayed as CUDA graphs").set_function(
             self._graph_replays
         )
+        m.gauge(
+            "lorapipe_step_graph_replays", "Steps with prefill tokens replayed as CUDA graphs"
+        ).set_function(self._step_graph_replays)
         m.gauge("lorapipe_adapters_resident", "Adapters resident in the GPU adapter pool").set_function(
             lambda: self.runner.pool.resident() if self.runner is not None else 0
         )
@@ -97,14 +100,28 @@ class WorkerActor(Actor[WorkerConfig]):
         graphs = self.runner.graphs if self.runner is not None else None
         return graphs.replays if graphs is not None else 0
 
+    def _step_graph_replays(self) -> int:
+        graphs = self.runner.step_graphs if self.runner is not None else None
+        return graphs.replays if graphs is not None else 0
+
     async def setup(self) -> None:
         cfg, ep = self.config, self.config.endpoints
         self.runner = await asyncio.get_running_loop().run_in_executor(self.thread, ModelRunner, cfg.runner)
-        graphs = self.runner.graphs
+        graphs, steps = self.runner.graphs, self.runner.step_graphs
         if graphs is not None:
             self.log.info(
                 "captured %d decode CUDA graphs in %.1f s", len(graphs.graphs), graphs.capture_seconds
             )
+        if steps is not None:
+            self.log.info(
+                "captured %d %s step CUDA graphs (token buckets %s) in %.1f s",
+                steps.num_graphs,
+                "piecewise" if steps.piecewise else "full",
+                ",".join(map(str, steps.buckets)),
+                steps.capture_seconds,
+            )
+        if graphs is not None or steps is not None:
+            self.log.info("CUDA graph memory pool: %.0f MiB", self.runner.graph_memory_bytes / 2**20)
         self.host_pool = attach_pool(cfg.host_pool_name)
         self.cuda = self.runner.device.type == "cuda"
         if self.cuda:

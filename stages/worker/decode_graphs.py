@@ -41,7 +41,7 @@ class DecodeSeq(Protocol):
     slot: int  # LoRA slot, -1 for none
 
 
-class _Staging:
+class HostStaging:
     """One pinned host copy of the fixed device inputs, with the event of its last upload."""
 
     def __init__(self, n64: int, n32: int, pin: bool):
@@ -83,7 +83,7 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self._init_buffers(cfg.vocab_size, ring)
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.pool = torch.cuda.graph_pool_handle() if capture else None  # shared with the step graphs
         self.capture_seconds = 0.0
         self.replays = 0
 
@@ -99,7 +99,7 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(mb, dtype=torch.int64, device=dev)
         self.out = torch.empty((mb, vocab), dtype=torch.float32, device=dev)  # every graph's logits
         pin = dev.type == "cuda"
-        self._ring = [_Staging(n64, n32, pin) for _ in range(ring)]
+        self._ring = [HostStaging(n64, n32, pin) for _ in range(ring)]
         self._next = 0
 
     def bucket(self, n: int) -> int:
@@ -221,7 +221,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         self._forward(key)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self._forward(key)
         self.graphs[key] = graph
         self.capture_seconds += time.perf_counter() - start

@@ -20,6 +20,7 @@ from stages.worker.model.kv_cache import KVCache
 from stages.worker.model.llama import LlamaModel
 from stages.worker.model.weights import load_weights
 from stages.worker.seq_input import SeqInput
+from stages.worker.step_graphs import StepGraphs
 
 __all__ = ["ModelRunner", "RunnerConfig", "SeqInput"]
 
@@ -43,6 +44,9 @@ class RunnerConfig:
     max_model_len: int | None = None  # None: the model's context, capped by the KV cache
     # Decode batches up to this size replay CUDA graphs (0: always eager; CUDA + Triton attention only)
     cuda_graph_max_batch: int = 0
+    # Steps with prefill tokens, up to this many tokens, replay CUDA graphs per token-count bucket (0:
+    # eager; CUDA only; full graphs with Triton attention, piecewise with the torch loop)
+    cuda_graph_max_tokens: int = 0
     max_running_requests: int = 64  # sequences one step can hold (bounds the attention blocks)
     # Compile every kernel variant serving can reach before the first step (CUDA only; see warmup.py)
     warmup: bool = False
@@ -63,9 +67,7 @@ class ModelRunner:
             from stages.worker.warmup import warm_up
 
             self.warmup = warm_up(self)
-        if self.graphs is not None:
-            with torch.inference_mode():
-                self.graphs.capture_all()
+        self._capture_graphs()
 
     def _init_model(self) -> None:
         weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
@@ -104,6 +106,9 @@ class ModelRunner:
             spare -= self.cfg.max_tokens_per_step * 65536
             # Decode graphs: the shared logits buffer plus the pool's logits of the largest bucket.
             spare -= self.cfg.cuda_graph_max_batch * self.model_cfg.vocab_size * (4 + 4 + 2)
+            # Step graphs: their pool holds the largest bucket's activations and logits as well.
+            tokens = self.graph_tokens
+            spare -= tokens * 65536 + min(tokens, self.max_seqs) * self.model_cfg.vocab_size * (4 + 4 + 2)
             num_pages = int(spare // per_page)
         elif num_pages is None:
             num_pages = (self.cfg.cpu_kv_tokens + ps - 1) // ps
@@ -120,22 +125,58 @@ class ModelRunner:
         )
 
     def _init_graphs(self) -> None:
-        """Decode graphs (CUDA only); the constructor captures them all (after the warm-up) so that
-        serving never pauses to capture."""
+        """Decode graphs and step graphs (CUDA only), sharing one memory pool; the constructor captures
+        them all (after the warm-up) so that serving never pauses to capture."""
         self.graphs: DecodeGraphs | None = None
-        if self.cfg.cuda_graph_max_batch <= 0 or self.device.type != "cuda":
+        self.step_graphs: StepGraphs | None = None
+        self.graph_memory_bytes = 0
+        if self.device.type != "cuda":
             return
-        if self.attention_backend != "triton":
-            return  # the torch attention loop depends on each batch's extents: not capturable
         lora = self.lora if self.lora.name == "triton" else None  # the torch backend reads host ranks
-        self.graphs = DecodeGraphs(
-            self.model,
-            self.kv,
-            lora,
-            max_batch=self.cfg.cuda_graph_max_batch,
-            max_model_len=self.max_context,
-            capture=True,
-        )
+        # the torch attention loop depends on each batch's extents: no decode graphs, piecewise steps
+        triton_attention = self.attention_backend == "triton"
+        if self.cfg.cuda_graph_max_batch > 0 and triton_attention:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv,
+                lora,
+                max_batch=self.cfg.cuda_graph_max_batch,
+                max_model_len=self.max_context,
+                capture=True,
+            )
+        if self.graph_tokens > 0:
+            self.step_graphs = StepGraphs(
+                self.model,
+                self.kv,
+                lora,
+                max_tokens=self.graph_tokens,
+                max_seqs=self.max_seqs,
+                max_model_len=self.max_context,
+                piecewise=not triton_attention,
+                capture=True,
+                pool=self.graphs.pool if self.graphs is not None else None,
+            )
+
+    def _capture_graphs(self) -> None:
+        """Step graphs first (the largest buckets), then decode graphs, into the shared pool; the memory
+        it took is kept for the log."""
+        if self.graphs is None and self.step_graphs is None:
+            return
+        before = torch.cuda.memory_reserved(self.device)
+        with torch.inference_mode():
+            if self.step_graphs is not None:
+                self.step_graphs.capture_all()
+            if self.graphs is not None:
+                self.graphs.capture_all()
+        torch.cuda.synchronize(self.device)
+        self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - before
+
+    @property
+    def graph_tokens(self) -> int:
+        """Largest step (tokens) the step graphs replay: 0 without them."""
+        if self.device.type != "cuda":
+            return 0
+        return max(0, min(self.cfg.cuda_graph_max_tokens, self.cfg.max_tokens_per_step))
 
     @property
     def max_context(self) -> int:
@@ -147,10 +188,16 @@ class ModelRunner:
     def max_seqs(self) -> int:
         return self.cfg.max_running_requests
 
-    def graphs_sizes(self) -> tuple[int, ...]:
-        """Padded batch sizes of the decode graphs that run LoRA kernels (none without graphs)."""
-        graphs = self.graphs
-        return tuple(graphs.buckets) if graphs is not None and graphs.lora is not None else ()
+    def graphs_sizes(self) -> tuple[int | tuple[int, int], ...]:
+        """Padded batches of the graphs that run LoRA kernels: decode batch sizes (decode token tile),
+        then (tokens, LoRA token tile) of the step graphs' buckets; none without graphs."""
+        graphs, steps = self.graphs, self.step_graphs
+        sizes: tuple[int | tuple[int, int], ...] = ()
+        if graphs is not None and graphs.lora is not None:
+            sizes += tuple(graphs.buckets)
+        if steps is not None:
+            sizes += steps.padded_lora_configs()
+        return sizes
 
     @property
     def num_pages(self) -> int:
@@ -174,6 +221,8 @@ class ModelRunner:
         ordered = [seqs[i] for i in order]
         if layer_waits is None and self.graphs is not None and self.graphs.supports(ordered):
             logits = self.graphs.run(ordered)  # [B, V] in `order`
+        elif layer_waits is None and self.step_graphs is not None and self.step_graphs.supports(ordered):
+            logits = self.step_graphs.run(ordered)
         else:
             logits = self._forward_eager(ordered, layer_waits)
         if all(i == pos for pos, i in enumerate(order)):

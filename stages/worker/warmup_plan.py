@@ -8,8 +8,8 @@ either not passed or not specialised on). The heuristics see a batch only throug
   tile count, token tile `block_m` (from the longest adapter run and T) and rank tile `block_rank`.
   Every T in 1..max_tokens is swept, with every longest run (in spans of one `block_m`), every tile
   count a batch of T tokens can have (`tile_range`, the bounds of `kernels.batch_info.plan_tiles`)
-  and every rank class; padded decode
-  batches (CUDA graphs) add one configuration per graph size, made by `prepare(pad_to=...)` itself.
+  and every rank class; padded batches (CUDA graphs: decode sizes, and the step graphs' token buckets
+  with their token tile) add one configuration each, made by `prepare(pad_to=...)` itself.
 - attention (`kernels.paged_attention`): `block_m` from the rows of the longest query
   (`decode_block_m`) and the key splits (`choose_splits`) over every block count and context length.
 """
@@ -17,6 +17,7 @@ either not passed or not specialised on). The heuristics see a batch only throug
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -96,10 +97,13 @@ def _reachable_tiles(max_tokens: int, num_slots: int) -> dict[tuple[int, int], n
     return first
 
 
-def lora_launches(backend: TritonLoraBackend, padded_sizes: tuple[int, ...] = ()) -> list[LoraLaunch]:
+def lora_launches(
+    backend: TritonLoraBackend, padded_sizes: Sequence[int | tuple[int, int]] = ()
+) -> list[LoraLaunch]:
     """One launch per distinct LoRA kernel variant: eager batches of every size, tile count and rank
-    class, then padded decode batches of each graph size. Leaves an empty batch prepared (its device
-    header says 0 tiles, so the launches compile their kernels and compute nothing)."""
+    class, then padded batches of each graph: a decode size, or (tokens, token tile) of a step graph.
+    Leaves an empty batch prepared (its device header says 0 tiles, so the launches compile their
+    kernels and compute nothing)."""
     backend.prepare([0], [])
     empty = backend.batch_info
     assert empty is not None
@@ -132,8 +136,9 @@ def lora_launches(backend: TritonLoraBackend, padded_sizes: tuple[int, ...] = ()
                         num_slots_used=min(num_slots, int(tiles)),
                     )
                 )
-    for size in padded_sizes:
-        backend.prepare([0], [], pad_to=size)
+    for spec in padded_sizes:
+        size, block_m = spec if isinstance(spec, tuple) else (spec, None)
+        backend.prepare([0], [], pad_to=size, block_m=block_m)
         padded = backend.batch_info
         assert padded is not None
         add(padded)

@@ -35,6 +35,7 @@ SHARED = dict(
     prefetch_depth=3,
     overlap_min_mb=0.5,
     cuda_graph_max_batch=4,
+    cuda_graph_max_tokens=32,
     seed=7,
     warmup=False,
 )

@@ -24,9 +24,16 @@ class LoraBackend(ABC):
         self.max_tokens = max_tokens
 
     @abstractmethod
-    def prepare(self, seg_indptr: Sequence[int], seg_slots: Sequence[int], pad_to: int | None = None) -> None:
+    def prepare(
+        self,
+        seg_indptr: Sequence[int],
+        seg_slots: Sequence[int],
+        pad_to: int | None = None,
+        block_m: int | None = None,
+    ) -> None:
         """Build this forward's batch metadata (host-side lists in, no device reads). `pad_to`: the
-        forward runs that many tokens, real ones first (padding has no adapter)."""
+        forward runs that many tokens, real ones first (padding has no adapter); `block_m`: the token
+        tile of such a padded batch (None: the decode tile)."""
 
     @abstractmethod
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:

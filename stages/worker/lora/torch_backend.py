@@ -15,7 +15,13 @@ from stages.worker.lora.backend import LoraBackend
 class TorchLoraBackend(LoraBackend):
     name = "torch"
 
-    def prepare(self, seg_indptr: Sequence[int], seg_slots: Sequence[int], pad_to: int | None = None) -> None:
+    def prepare(
+        self,
+        seg_indptr: Sequence[int],
+        seg_slots: Sequence[int],
+        pad_to: int | None = None,
+        block_m: int | None = None,
+    ) -> None:
         # Merge runs of one adapter; drop base-only segments.
         segs: list[tuple[int, int, int]] = []
         for i, lora_id in enumerate(seg_slots):

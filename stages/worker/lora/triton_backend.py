@@ -17,6 +17,7 @@ from stages.worker.lora.backend import LoraBackend
 from stages.worker.lora.pool import LoraPool
 
 MAX_SPLIT_K = 16
+Configs = tuple[ShrinkConfig, ExpandConfig, torch.Tensor]  # per group: kernel configs, shrink output view
 PADDED_BLOCK_M = 16  # token tile of fixed-shape (graphed) decode batches
 
 
@@ -72,8 +73,8 @@ class TritonLoraBackend(LoraBackend):
     def _init_metadata(self) -> None:
         self._builder = BatchInfoBuilder(self.max_tokens, self.pool.device)
         self._info: BatchInfo | None = None
-        self._configs: dict[str, tuple[ShrinkConfig, ExpandConfig, torch.Tensor]] = {}
-        self._padded_configs: dict[int, dict[str, tuple[ShrinkConfig, ExpandConfig, torch.Tensor]]] = {}
+        self._configs: dict[str, Configs] = {}
+        self._padded_configs: dict[tuple[int, int], dict[str, Configs]] = {}  # by (pad_to, block_m)
 
     def _init_workspace(self) -> None:
         # Shrink output (split-K fp32 partials), reused by every apply: allocated once, fixed address.
@@ -86,12 +87,19 @@ class TritonLoraBackend(LoraBackend):
     def batch_info(self) -> BatchInfo | None:
         return self._info
 
-    def prepare(self, seg_indptr: Sequence[int], seg_slots: Sequence[int], pad_to: int | None = None) -> None:
+    def prepare(
+        self,
+        seg_indptr: Sequence[int],
+        seg_slots: Sequence[int],
+        pad_to: int | None = None,
+        block_m: int | None = None,
+    ) -> None:
         """`pad_to`: a fixed-shape batch of that many tokens (the real ones first): the kernels' grids,
-        split-K and rank tile then depend on `pad_to` alone, so one CUDA graph serves every batch of
-        that size. The tile bound holds for runs of one token per sequence (decode)."""
+        split-K and rank tile then depend on (`pad_to`, `block_m`) alone, so one CUDA graph serves every
+        batch of that size. Tiles of at most `block_m` tokens (PADDED_BLOCK_M unless given) number at
+        most one partial tile per adapter run plus pad_to // block_m full ones, whatever the runs."""
         if pad_to is not None:
-            self._prepare_padded(seg_indptr, seg_slots, pad_to)
+            self._prepare_padded(seg_indptr, seg_slots, pad_to, block_m or PADDED_BLOCK_M)
             return
         used = sorted({s for s in seg_slots if s >= 0})
         max_rank = int(self.pool.host_ranks[used].max()) if used else 0
@@ -99,26 +107,29 @@ class TritonLoraBackend(LoraBackend):
         self._configs = self._make_configs(info)
         self._info = info
 
-    def _prepare_padded(self, seg_indptr: Sequence[int], seg_slots: Sequence[int], pad_to: int) -> None:
+    def _prepare_padded(
+        self, seg_indptr: Sequence[int], seg_slots: Sequence[int], pad_to: int, block_m: int
+    ) -> None:
         if seg_indptr[-1] > pad_to:
             raise ValueError(f"batch has {seg_indptr[-1]} tokens, more than pad_to={pad_to}")
-        real = self._builder.build(seg_indptr, seg_slots, self.layout.max_rank, block_m=PADDED_BLOCK_M)
-        # Tiles of runs cut at PADDED_BLOCK_M tokens: at most one partial tile per slot plus full ones.
-        bound = min(pad_to, self.pool.num_ids + pad_to // PADDED_BLOCK_M)
+        real = self._builder.build(seg_indptr, seg_slots, self.layout.max_rank, block_m=block_m)
+        # Runs are one per adapter id (the runner orders tokens by id): sum(ceil(len / block_m)) is at
+        # most the run count plus pad_to // block_m.
+        bound = min(pad_to, self.pool.num_ids + pad_to // block_m)
         if real.num_tiles > bound:
             raise ValueError(f"{real.num_tiles} LoRA tiles exceed the padded bound {bound}")
         info = BatchInfo(
             meta=real.meta,
             num_tokens=pad_to,
             num_tiles=bound,  # grid size; programs past the device header's count return at once
-            block_m=PADDED_BLOCK_M,
+            block_m=block_m,
             max_len=pad_to,
             block_rank=real.block_rank,
             num_slots_used=real.num_slots_used,
         )
-        cached = self._padded_configs.get(pad_to)
+        cached = self._padded_configs.get((pad_to, block_m))
         if cached is None:
-            cached = self._padded_configs[pad_to] = self._make_configs(info)
+            cached = self._padded_configs[pad_to, block_m] = self._make_configs(info)
         self._configs, self._info = cached, info
 
     def _make_configs(self, info: BatchInfo) -> dict[str, tuple[ShrinkConfig, ExpandConfig, torch.Tensor]]:

@@ -56,39 +56,51 @@ class LlamaModel:
         self, fb: ForwardBatch, kv: KVCache, lora: LoraBackend | None, layer_waits: list[list] | None = None
     ) -> torch.Tensor:
         """Returns logits [B, V] (float32) of each sequence's last new token. `layer_waits[i]`: CUDA
-        events the compute stream waits on before layer i (that layer's adapter weights being copied)."""
-        cfg = self.cfg
-        h = self.w.embed[fb.input_ids]  # [T, H]
-        cos = self.cos[fb.positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[fb.positions].unsqueeze(1)
+        events the compute stream waits on before layer i (that layer's adapter weights being copied).
+        The pieces below are what piecewise CUDA graphs capture, attention running between them."""
+        h, cos, sin = self.embed(fb.input_ids, fb.positions)
         stream = torch.cuda.current_stream(h.device) if layer_waits else None
-        for i, lw in enumerate(self.w.layers):
+        for i in range(len(self.w.layers)):
             if stream is not None:
                 for event in layer_waits[i]:
                     stream.wait_event(event)
-            h = h + self._attention(
-                i, lw, rms_norm(h, lw.input_norm, cfg.rms_norm_eps), fb, kv, lora, cos, sin
-            )
-            h = h + self._mlp(i, lw, rms_norm(h, lw.post_norm, cfg.rms_norm_eps), lora)
-        last = rms_norm(h[fb.logits_indices], self.w.norm, cfg.rms_norm_eps)  # [B, H]
-        return F.linear(last, self.w.lm_head).float()
+            q = self.pre_attention(i, h, fb.kv_rows, kv, lora, cos, sin)
+            attn = self.attend(q, kv, i, fb, self.scale, self.cfg.sliding_window)  # [T, H * D]
+            h = self.post_attention(i, h, attn, lora)
+        return self.logits(h, fb.logits_indices)
 
-    def _lora(self, lora: LoraBackend | None, x, out, layer: int, group: str) -> None:
-        if lora is not None:
-            lora.apply(x, out, layer, self.lora_layout.group(group))
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Hidden states [T, H] and the rotary cos/sin [T, 1, D] of the tokens' positions."""
+        h = self.w.embed[input_ids]  # [T, H]
+        return h, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    def _attention(self, i, lw: LayerWeights, x, fb, kv, lora, cos, sin) -> torch.Tensor:
-        cfg = self.cfg
+    def pre_attention(self, i: int, h, kv_rows, kv: KVCache, lora, cos, sin) -> torch.Tensor:
+        """Layer i up to attention: norm, QKV (+ LoRA), rotary, the K/V write. Returns q [T, heads, D]."""
+        cfg, lw = self.cfg, self.w.layers[i]
+        x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
         qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, q + 2 kv]
         self._lora(lora, x, qkv, i, "qkv")
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = rotate(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)  # [T, H, D]
         k = rotate(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, KVH, D]
-        kv.write(i, fb.kv_rows, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim))
-        attn = self.attend(q, kv, i, fb, self.scale, cfg.sliding_window)  # [T, H * D]
+        kv.write(i, kv_rows, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim))
+        return q
+
+    def post_attention(self, i: int, h, attn, lora) -> torch.Tensor:
+        """Layer i after attention: O (+ LoRA) and the residual, then the MLP block. Returns h [T, H]."""
+        lw = self.w.layers[i]
         o = F.linear(attn, lw.o, lw.o_bias)  # [T, H]
         self._lora(lora, attn, o, i, "o")
-        return o
+        h = h + o
+        return h + self._mlp(i, lw, rms_norm(h, lw.post_norm, self.cfg.rms_norm_eps), lora)
+
+    def logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        last = rms_norm(h[logits_indices], self.w.norm, self.cfg.rms_norm_eps)  # [B, H]
+        return F.linear(last, self.w.lm_head).float()  # [B, V]
+
+    def _lora(self, lora: LoraBackend | None, x, out, layer: int, group: str) -> None:
+        if lora is not None:
+            lora.apply(x, out, layer, self.lora_layout.group(group))
 
     def _mlp(self, i, lw: LayerWeights, x, lora) -> torch.Tensor:
         gate_up = F.linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2I]

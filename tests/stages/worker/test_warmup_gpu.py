@@ -1,6 +1,8 @@
-"""On a GPU: after the warm-up (and the decode graphs' capture), no serving step compiles a Triton kernel.
-A compile hook records every compile while random mixed batches run: prefills and decodes, base-only and
-adapters of every rank class, sizes from one token to the step limit, graphed and eager decodes.
+"""On a GPU: after the warm-up (and the capture of the decode and step graphs), no serving step compiles a
+Triton kernel. A compile hook records every compile while random mixed batches run: prefills and decodes,
+base-only and adapters of every rank class, sizes from one token to the step limit, each batch once on
+its graphs (decode graphs, step graphs per token bucket) and once eagerly (as a step with in-flight
+adapter copies runs).
 Runs only where CUDA is available (the GPU machine)."""
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ def _batches(rng: random.Random, slots: int):
     yield [(1, 0, 0)]
     yield [(MAX_TOKENS, 0, slots - 1)]
     yield [(1, 100 + i, i % slots) for i in range(32)]  # a graphed decode batch with adapters
-    yield [(1, 700 + i, i % slots - 1) for i in range(33)]  # one past the graphs: eager
+    yield [(1, 700 + i, i % slots - 1) for i in range(33)]  # one past the decode graphs: step graphs
+    yield [(120, 0, 1), *((1, 50 + i, i % slots - 1) for i in range(8))]  # exactly the 128-token bucket
+    yield [(121, 0, 2), *((1, 50 + i, i % slots - 1) for i in range(8))]  # one past it: bucket 256
+    yield [(MAX_TOKENS - 40, 0, 0), *((1, 90 + i, i % slots - 1) for i in range(40))]  # the largest
     for _ in range(80):
         seqs, budget = [], rng.randint(1, MAX_TOKENS)
         while budget > 0 and len(seqs) < 64:
@@ -40,10 +45,12 @@ def test_no_kernel_compiles_after_warm_up(tiny_llama, tmp_path):
     cfg = RunnerConfig(
         model_dir=str(tiny_llama), device="cuda", dtype="bfloat16", max_lora_rank=64, lora_backend="triton",
         page_size=PAGE, num_pages=4096, max_tokens_per_step=MAX_TOKENS, max_model_len=2048,
-        cuda_graph_max_batch=32, max_running_requests=64, warmup=True, lora_gpu_memory_gb=0.05,
+        cuda_graph_max_batch=32, cuda_graph_max_tokens=MAX_TOKENS, max_running_requests=64, warmup=True,
+        lora_gpu_memory_gb=0.05,
     )  # fmt: skip
     runner = ModelRunner(cfg)
     assert runner.warmup.lora > 0 and runner.warmup.attention > 0
+    assert runner.step_graphs is not None and runner.step_graphs.num_graphs > 0
     paths = make_adapters(tiny_llama, tmp_path, n=4, ranks=(8, 24, 40, 64), seed=5)  # every rank class
     row = 0
     for slot, path in enumerate(paths):
@@ -62,7 +69,8 @@ def test_no_kernel_compiles_after_warm_up(tiny_llama, tmp_path):
                     next_page = 0  # the cache's contents do not matter here, only the kernels run
                 seqs.append(SeqInput([7] * n, ctx, list(range(next_page, next_page + pages)), slot))
                 next_page += pages
-            runner.execute(seqs)
+            runner.execute(seqs)  # on the graphs where they serve the batch
+            runner.execute(seqs, [[] for _ in range(runner.model_cfg.num_layers)])  # eagerly
         torch.cuda.synchronize()
     finally:
         triton.knobs.runtime.jit_cache_hook = None
