@@ -1,11 +1,11 @@
 """Disk→host leg of adapter loads: the loader's path (header plan, then per segment parallel reads and
 parallel pack tasks into a block of the shared-memory host pool, on a thread pool, as the adapter-loader
-runs it, then the effective-delta check) against a plain read of the same file into a reused buffer, per adapter rank, for one load at a time and for N
-loads at once (aggregate). Page cache warm (each file read once first); `--cold` also drops each file's
-pages before every timed read (posix_fadvise, no root needed; tmpfs keeps its pages). Medians of
-`--reps`. Rates in GB/s (1e9 B/s) of packed bytes (the block: what the issue's targets count) and of
-file bytes. Reads the model's config.json only (or `--preset`); adapters are generated. One table; JSON
-with `--out`.
+runs it, then the effective-delta check) against a plain read of the same file into a reused buffer, per
+adapter rank, for one load at a time and for N loads at once (aggregate). Page cache warm (each file read
+once first); `--cold` also drops each file's pages before every timed read (posix_fadvise, no root
+needed; tmpfs keeps its pages). Medians of `--reps`. Rates in GB/s (1e9 B/s) of packed bytes (the block:
+what the issue's targets count) and of file bytes. Reads the model's config.json only (or `--preset`);
+adapters are generated. One table; JSON with `--out`.
     python -m tools.bench_loader [--model DIR | --preset 1b] [--ranks 8,16,32,64] [--out FILE]"""
 
 from __future__ import annotations

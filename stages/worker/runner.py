@@ -57,6 +57,12 @@ class ModelRunner:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.model_cfg = ModelConfig.from_dir(cfg.model_dir)
+        if cfg.max_model_len is not None and cfg.max_model_len > self.model_cfg.max_position_embeddings:
+            # the rotary tables hold max_position_embeddings positions; past them a gather reads out of bounds
+            raise ValueError(
+                f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings "
+                f"{self.model_cfg.max_position_embeddings}"
+            )
         self.dtype = parse_dtype(cfg.dtype, self.model_cfg.dtype)
         self.attention_backend = resolve_backend(cfg.attention_backend, self.device)
         self._init_model()

@@ -1,6 +1,6 @@
-"""The warm-up's launches (on the CPU under the Triton interpreter; on the GPU where there is one): they go through the serving code (the LoRA
-backend's `apply`, the model's attention entry point) with empty device metadata, so they run and leave
-the KV cache, the adapter slots and the prepared batch as they were."""
+"""The warm-up's launches (CPU: under the Triton interpreter; GPU: where there is one): they go through
+the serving code (the LoRA backend's `apply`, the model's attention entry point) with empty device
+metadata, so they run and leave the KV cache, the adapter slots and the prepared batch as they were."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from runtime.synthetic.adapters import make_adapters
+from runtime.synthetic.model import make_model
 from stages.loader.adapter_reader import read_adapter
 from stages.worker.runner import ModelRunner, RunnerConfig, SeqInput
 
@@ -39,11 +40,20 @@ def _batches(rng: random.Random, slots: int):
         yield seqs
 
 
-def test_no_kernel_compiles_after_warm_up(tiny_llama, tmp_path):
+@pytest.fixture(scope="module")
+def long_llama(tmp_path_factory):
+    """The tiny model with room for 2,048 positions (the batches below reach contexts of ~2,000)."""
+    return make_model(
+        tmp_path_factory.mktemp("models") / "llama2k", arch="llama", preset="tiny", seed=1,
+        overrides={"max_position_embeddings": 2048},
+    )  # fmt: skip
+
+
+def test_no_kernel_compiles_after_warm_up(long_llama, tmp_path):
     import triton
 
     cfg = RunnerConfig(
-        model_dir=str(tiny_llama), device="cuda", dtype="bfloat16", max_lora_rank=64, lora_backend="triton",
+        model_dir=str(long_llama), device="cuda", dtype="bfloat16", max_lora_rank=64, lora_backend="triton",
         page_size=PAGE, num_pages=4096, max_tokens_per_step=MAX_TOKENS, max_model_len=2048,
         cuda_graph_max_batch=32, cuda_graph_max_tokens=MAX_TOKENS, max_running_requests=64, warmup=True,
         lora_gpu_memory_gb=0.05,
@@ -51,7 +61,7 @@ def test_no_kernel_compiles_after_warm_up(tiny_llama, tmp_path):
     runner = ModelRunner(cfg)
     assert runner.warmup.lora > 0 and runner.warmup.attention > 0
     assert runner.step_graphs is not None and runner.step_graphs.num_graphs > 0
-    paths = make_adapters(tiny_llama, tmp_path, n=4, ranks=(8, 24, 40, 64), seed=5)  # every rank class
+    paths = make_adapters(long_llama, tmp_path, n=4, ranks=(8, 24, 40, 64), seed=5)  # every rank class
     row = 0
     for slot, path in enumerate(paths):
         packed = read_adapter(path.name, path, runner.model_cfg, runner.lora_layout, runner.dtype)
