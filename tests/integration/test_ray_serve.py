@@ -45,12 +45,12 @@ def adapters(tiny_llama, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama, adapters) -> dict[tuple[int, str], list[int]]:
-    """Greedy tokens of every (prompt, adapter) from PEFT, teacher-forced one step at a time."""
+def reference(tiny_llama, adapters) -> dict[tuple[int, str | None], list[int]]:
+    """Greedy tokens of every (prompt, adapter or None: the base model) from PEFT, one step at a time."""
     ref = PeftReference(tiny_llama, adapters)
     out = {}
     for i, prompt in enumerate(PROMPTS):
-        for name in adapters:
+        for name in [*adapters, None]:
             ids = list(prompt)
             for _ in range(MAX_TOKENS):
                 ids.append(int(ref.logits(ids, name)[-1].argmax()))
@@ -213,9 +213,14 @@ def test_killing_one_server_loses_no_request_that_had_not_started_streaming(
 
     async def after():
         oa = client(cluster)
-        outs = await asyncio.gather(*(complete(oa, 1, name) for name in names))
+        outs = await asyncio.gather(*(complete(oa, 1, name) for name in [*names, "tiny", "tiny:lora3"]))
+        listed = [m.id for m in (await oa.models.list()).data]
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            await complete(oa, 1, "no-such-adapter")
         await oa.close()
-        return outs
+        return outs, listed
 
-    for name, (ids, _, _) in zip(names, asyncio.run(after()), strict=True):
-        assert ids == reference[1, name]
+    outs, listed = asyncio.run(after())
+    for name, (ids, _, _) in zip([*names, None, "lora3"], outs, strict=True):
+        assert ids == reference[1, name], name
+    assert listed == ["tiny", *names]
