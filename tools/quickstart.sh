@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up a virtual environment (CPU build of torch where there is no NVIDIA GPU) and then either runs
-# the demo or installs the test extras and runs the test suite.   usage: bash tools/quickstart.sh demo|test
+# the demo or installs the test and ray extras and runs the test suite.   usage: bash tools/quickstart.sh demo|test
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-demo}
@@ -26,7 +26,7 @@ case "$what" in
     exec "$venv/bin/lorapipe" demo
     ;;
   test)
-    pip -e ".[test]"
+    pip -e ".[test,ray]"  # the ray extra: tests/integration/test_ray_serve.py runs a local Ray cluster
     "$venv/bin/ruff" check .
     "$venv/bin/ruff" format --check .
     set +e

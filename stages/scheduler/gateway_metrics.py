@@ -12,9 +12,18 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from runtime.base.metrics import StageMetrics
 from stages.scheduler.planner import Planner
 
+WAITING_REQUESTS = "lorapipe_waiting_requests"  # declared in metrics.py; named here with the rest
+RUNNING_REQUESTS = "lorapipe_running_requests"
 KV_USAGE = "lorapipe_kv_cache_usage"
 LORA_INFO = "lorapipe_lora_requests_info"
 LORA_RESIDENT = "lorapipe_lora_resident_info"
+# What the endpoint picker reads, by its own names (deploy/k8s/ and docs/deploy.md use these)
+EPP_METRICS = {
+    "queuedRequestsSpec": WAITING_REQUESTS,
+    "runningRequestsSpec": RUNNING_REQUESTS,
+    "kvUsageSpec": KV_USAGE,
+    "loraSpec": LORA_INFO,
+}
 
 
 def _names(adapters: Iterable[str | None]) -> str:
@@ -69,8 +78,8 @@ def add_gateway_metrics(
     early_adapters: Callable[[], list[str | None]],
     max_lora: Callable[[], int],
 ) -> None:
-    """Register the gateway series on the scheduler's registry (waiting and running request gauges are
-    `lorapipe_waiting_requests` / `lorapipe_running_requests`, declared in metrics.py)."""
+    """Register the gateway series on the scheduler's registry (the waiting and running request gauges,
+    WAITING_REQUESTS and RUNNING_REQUESTS, are declared in metrics.py)."""
 
     def usage() -> float:
         p = planner()

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from proto.plan import BatchPlan
 from runtime.base.metrics import StageMetrics
+from stages.scheduler.gateway_metrics import RUNNING_REQUESTS, WAITING_REQUESTS
 from stages.scheduler.planner import Planner
 
 TIERS = ("gpu", "loading", "host", "disk")  # where an adapter is, fastest first
@@ -36,10 +37,10 @@ class SchedulerMetrics:
         early_requests: Callable[[], int],
         tier_counts: Callable[[], dict[str, int]],
     ) -> None:
-        m.gauge("lorapipe_waiting_requests", "Requests waiting for admission").set_function(
+        m.gauge(WAITING_REQUESTS, "Requests waiting for admission").set_function(
             lambda: len(planner().waiting) if planner() else early_requests()
         )
-        m.gauge("lorapipe_running_requests", "Requests in the running batch").set_function(
+        m.gauge(RUNNING_REQUESTS, "Requests in the running batch").set_function(
             lambda: len(planner().running) if planner() else 0
         )
         m.gauge("lorapipe_kv_pages_used", "KV pages allocated").set_function(

@@ -1,0 +1,34 @@
+"""The Ray Serve application: the replica deployment (one lorapipe server each, its GPU and CPUs, health
+checks, Ray's router bounded by max_ongoing_requests) bound under the OpenAI ingress."""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve import Application
+
+from runtime.ray_serve.config import ClusterConfig
+from runtime.ray_serve.ingress import OpenAIIngress
+from runtime.ray_serve.replica import LorapipeReplica
+
+INGRESS_REPLICAS = 1  # a thin pass-through; raise it when one process cannot parse the request rate
+
+
+def build_app(cfg: ClusterConfig) -> Application:
+    replica = serve.deployment(
+        LorapipeReplica,
+        name="LorapipeReplica",
+        num_replicas=cfg.num_replicas,
+        ray_actor_options={"num_gpus": cfg.gpus_per_replica, "num_cpus": cfg.cpus_per_replica},
+        max_ongoing_requests=cfg.max_ongoing_requests,
+        health_check_period_s=cfg.health_check_period_s,
+        health_check_timeout_s=cfg.health_check_timeout_s,
+        graceful_shutdown_timeout_s=cfg.health_check_timeout_s + 20.0,
+    )
+    ingress = serve.deployment(
+        OpenAIIngress,
+        name="OpenAIIngress",
+        num_replicas=INGRESS_REPLICAS,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=cfg.max_ongoing_requests * cfg.num_replicas,
+    )
+    return ingress.bind(replica.bind(cfg), cfg)
