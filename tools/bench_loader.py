@@ -76,7 +76,8 @@ class Loads:
                 prepare(plan, s, buf)
                 self._all([(read_part, plan, s, i, buf) for i in range(len(seg.reads))])
                 self._all([(pack_part, plan, s, k, buf, block) for k in range(len(seg.packs))])
-            self._all([(check_packed_deltas, plan.name, self.layout, block, plan.ranks, plan.scalings)])
+            check = (check_packed_deltas, plan.name, self.layout, block, plan.ranks, plan.scalings, plan.peak)
+            self._all([check])
 
     def _all(self, calls: list[tuple]) -> None:
         for f in wait([self.executor.submit(*call) for call in calls]).done:

@@ -239,9 +239,8 @@ class LoaderActor(Actor[LoaderConfig]):
             try:
                 await self._write(plan, block.offset)
                 view = block_tensor(self.pool, block.offset, plan.rank, self.layout, self.dtype)
-                await loop.run_in_executor(
-                    self.executor, check_packed_deltas, job.name, self.layout, view, plan.ranks, plan.scalings
-                )
+                check = (job.name, self.layout, view, plan.ranks, plan.scalings, plan.peak)
+                await loop.run_in_executor(self.executor, check_packed_deltas, *check)
                 del view
             except BaseException as exc:
                 self.cache.drop(job.name)

@@ -98,10 +98,17 @@ class AdapterPlan:
     deadline: float  # time.monotonic() after which reads fail
     file_bytes: int
     closed: bool = field(default=False)
+    # the largest |value| each value check saw (appended by the writer's tasks; every value is checked)
+    peaks: list[float] = field(default_factory=list)
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return (self.num_layers, self.rank, self.row_elems)  # [num_layers, rank, row_elems]
+
+    @property
+    def peak(self) -> float | None:
+        """The largest |value| of the adapter's tensors, once every value has been written (else None)."""
+        return max(self.peaks) if self.peaks else None
 
     @property
     def nbytes(self) -> int:

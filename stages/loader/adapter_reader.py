@@ -38,7 +38,7 @@ def read_adapter(
     with plan_adapter(name, path, cfg, layout, dtype, limits) as plan:
         block = torch.empty(plan.shape, dtype=dtype, pin_memory=pin_memory)  # [num_layers, rank, row_elems]
         write_all(plan, block)
-    check_packed_deltas(name, layout, block, plan.ranks, plan.scalings)
+    check_packed_deltas(name, layout, block, plan.ranks, plan.scalings, plan.peak)
     return PackedAdapter(name=name, block=block, ranks=plan.ranks, scalings=plan.scalings)
 
 

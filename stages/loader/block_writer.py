@@ -1,10 +1,12 @@
 """Executes an `AdapterPlan` into a packed block. Per segment: parallel positioned reads into one reusable
-buffer (each read checks its own values in one pass when it can), then parallel pack tasks, each moving
+buffer (each read checks its own values in one pass when it can, noting their largest magnitude in the
+plan), then parallel pack tasks, each moving
 whole runs of tensors with one strided copy (B through a transposing one), converting to the block's
 dtype on the way. Torch copies and reads release the GIL; a task holds it only between them."""
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -74,8 +76,10 @@ def read_part(plan: AdapterPlan, s: int, i: int, buf: SegmentBuffer) -> None:
     if seg.dtype is not None:
         typed = buf.typed(FLOAT_DTYPES[seg.dtype])
         size = typed.element_size()
-        if not _within(typed[at // size : (at + end - start) // size], _limit(plan)):
+        peak = _peak(typed[at // size : (at + end - start) // size])
+        if not peak <= _limit(plan):  # NaN compares false
             _name_bad_values(plan, seg, buf, [p for p in seg.pieces if start <= p.entry.start < end])
+        plan.peaks.append(peak)
 
 
 def pack_part(plan: AdapterPlan, s: int, k: int, buf: SegmentBuffer, block: torch.Tensor) -> None:
@@ -95,8 +99,11 @@ def pack_part(plan: AdapterPlan, s: int, k: int, buf: SegmentBuffer, block: torc
         a, b = first.entry.shape
         offset = (_shift(seg) + first.entry.start) // size
         src = typed.as_strided((len(run.pieces), a, b), (run.step // size, b, 1), offset)  # [P, a, b]
-        if seg.dtype is None and not _within(src, _limit(plan)):
-            _name_bad_values(plan, seg, buf, list(run.pieces))
+        if seg.dtype is None:
+            peak = _peak(src)
+            if not peak <= _limit(plan):
+                _name_bad_values(plan, seg, buf, list(run.pieces))
+            plan.peaks.append(peak)
         _copy(plan, src, _dst(plan, block, first, len(run.pieces), run.layer_step), first.transpose)
 
 
@@ -131,11 +138,12 @@ def _copy(plan: AdapterPlan, src: torch.Tensor, dst: torch.Tensor, transpose: bo
         dst.copy_(tmp.copy_(src).transpose(1, 2))
 
 
-def _within(src: torch.Tensor, limit: float) -> bool:
-    """One pass, no temporaries: NaN propagates through min/max; beyond `limit` (inf included) would not
-    survive the conversion to the block's dtype."""
-    lo, hi = torch.aminmax(src)
-    return -limit <= lo.item() and hi.item() <= limit
+def _peak(src: torch.Tensor) -> float:
+    """The largest |value|, in one pass with no temporaries (NaN propagates through min/max). Beyond the
+    block dtype's largest value (inf included) it would not survive the conversion; below, the plan keeps
+    it for the effective-delta check's first, cheap bound."""
+    lo, hi = (x.item() for x in torch.aminmax(src))
+    return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
 
 
 def _name_bad_values(plan: AdapterPlan, seg: Segment, buf: SegmentBuffer, pieces: list[Piece]) -> None:
@@ -146,7 +154,9 @@ def _name_bad_values(plan: AdapterPlan, seg: Segment, buf: SegmentBuffer, pieces
 
 
 def _check_values(plan: AdapterPlan, piece: Piece, src: torch.Tensor, limit: float) -> None:
-    if _within(src, limit):
+    peak = _peak(src)
+    if peak <= limit:
+        plan.peaks.append(peak)
         return
     where = f"{piece.module} of layer {piece.layer}"
     if not bool(torch.isfinite(src).all()):

@@ -47,24 +47,44 @@ def column_sq_norms(block: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# A value rounded to the block's dtype grows by at most its unit roundoff (bfloat16: 2**-8); this covers it.
+_ROUNDING = 1 + 2**-7
+
+
 def check_packed_deltas(
-    name: str, layout: LoraLayout, block: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor
+    name: str,
+    layout: LoraLayout,
+    block: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    peak: float | None = None,
 ) -> None:
     """Refuse the adapter (AdapterError naming module and layer) if any module's effective delta may pass
-    `delta_limit`. `block` is [num_layers, rank, row_elems]; `ranks`/`scalings` [num_layers, slices]."""
-    starts, modules = _ranges(layout)
-    peaks = np.maximum.reduceat(column_sq_norms(block).numpy(), starts, axis=1)  # [layers, spans]
+    `delta_limit`. `block` is [num_layers, rank, row_elems]; `ranks`/`scalings` [num_layers, slices].
+    `peak`, the largest |value| of the adapter's tensors (the writer's value checks note it), gives a
+    first bound for free: |(B @ A)[i, j]| <= r * peak**2. Only modules it cannot accept (none, for any
+    trained adapter) pay for the norms."""
     rank_rows, scale_rows = ranks.tolist(), scalings.tolist()
+    peaks = None
     for layer in range(block.shape[0]):
-        for sid, a, b in modules:
+        for sid, module in enumerate(TARGET_MODULES):
             r = rank_rows[layer][sid]
             if r == 0:
                 continue
-            module = TARGET_MODULES[sid]
             scaling = float(scale_rows[layer][sid])
-            bound = scaling * math.sqrt(float(peaks[layer, a]) * float(peaks[layer, b]))
             g, i = layout.module_slot(module)
-            if math.isfinite(bound) and scaling > 0 and bound <= delta_limit(block.dtype, g.in_dim):
+            limit = delta_limit(block.dtype, g.in_dim)
+            if not (math.isfinite(scaling) and scaling > 0):
+                bound = math.nan
+            elif peak is not None and scaling * r * (peak * _ROUNDING) ** 2 <= limit:
+                continue
+            else:
+                if peaks is None:
+                    starts, modules = _ranges(layout)
+                    peaks = np.maximum.reduceat(column_sq_norms(block).numpy(), starts, axis=1)
+                _, a, b = modules[sid]
+                bound = scaling * math.sqrt(float(peaks[layer, a]) * float(peaks[layer, b]))
+            if math.isfinite(bound) and bound <= limit:
                 continue
             # Over the limit, a bad scaling, or squares past float32 (entries beyond ~1e19): the exact
             # per-module check decides and names the reason.

@@ -67,20 +67,24 @@ def test_column_norms_equal_float64():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("with_peak", [False, True], ids=["norms", "peak-first"])
 @pytest.mark.parametrize("seed", range(6))
-def test_refuses_exactly_the_modules_over_the_limit(seed):
+def test_refuses_exactly_the_modules_over_the_limit(seed, with_peak):
+    """With the adapter's largest |value| given, the cheap first bound accepts what it can and the norms
+    decide the rest: the outcome is the same as from the norms alone."""
     rank = [1, 5, 16, 24, 7, 11][seed]
     ranks = _ranks(seed, rank)
     gen = torch.Generator().manual_seed(100 + seed)
     # scalings spread so that some modules land on each side of the limit (bounds here are ~1e-1..1e1)
     scalings = 10 ** (torch.rand(LAYOUT.num_layers, NUM_SLICES, generator=gen) * 6)
     block = _block(rank, ranks, seed)
+    peak = float(block.double().abs().max()) if with_peak else None
     over = _over(block, ranks, scalings)
     if not over:
-        check_packed_deltas("x", LAYOUT, block, ranks, scalings)
+        check_packed_deltas("x", LAYOUT, block, ranks, scalings, peak)
         return
     with pytest.raises(AdapterError) as info:
-        check_packed_deltas("x", LAYOUT, block, ranks, scalings)
+        check_packed_deltas("x", LAYOUT, block, ranks, scalings, peak)
     assert f"{over[0]}:" in str(info.value), (over, str(info.value))
 
 
@@ -140,3 +144,24 @@ def test_bad_scalings_are_refused(bad):
     scalings[0, 0] = bad
     with pytest.raises(AdapterError, match="q_proj of layer 0"):
         check_packed_deltas("x", LAYOUT, block, ranks, scalings)
+
+
+def test_the_plan_notes_the_largest_value_of_the_file(tiny_llama, llama_adapters):
+    """The writer's value checks see every value: the plan's peak is the file's largest |value| (read
+    independently with the safetensors library), for float32 files packed into bfloat16 and float32."""
+    from safetensors.torch import load_file
+
+    from runtime.common.model_config import ModelConfig
+    from stages.loader.adapter_reader import plan_adapter
+    from stages.loader.block_writer import write_all
+
+    cfg = ModelConfig.from_dir(tiny_llama)
+    for name, path in llama_adapters.items():
+        want = max(
+            float(t.double().abs().max()) for t in load_file(path / "adapter_model.safetensors").values()
+        )
+        for dtype in (torch.bfloat16, torch.float32):
+            layout = LoraLayout.for_model(cfg, 16)
+            with plan_adapter(name, path, cfg, layout, dtype) as plan:
+                write_all(plan, torch.empty(plan.shape, dtype=dtype))
+            assert plan.peak == pytest.approx(want, rel=1e-6), (name, dtype)
