@@ -113,7 +113,7 @@ class LLM:
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                 f"{mcfg.max_position_embeddings}"
             )
-        self.runner = ModelRunner(runner_config(self.engine_args, mcfg))
+        self.runner = ModelRunner(runner_config(self.engine_args, mcfg), mcfg)  # config.json read once
         context = context_length(self.engine_args, mcfg)
         kv_tokens = self.runner.num_pages * page_size
         # a given max_model_len stands (the planner refuses one the KV cache cannot hold); the derived

@@ -53,10 +53,11 @@ class RunnerConfig:
 
 
 class ModelRunner:
-    def __init__(self, cfg: RunnerConfig):
+    def __init__(self, cfg: RunnerConfig, model_cfg: ModelConfig | None = None):
+        """`model_cfg`: the model's config.json as the caller already parsed it (else read here)."""
         self.cfg = cfg
         self.device = torch.device(cfg.device)
-        self.model_cfg = ModelConfig.from_dir(cfg.model_dir)
+        self.model_cfg = model_cfg if model_cfg is not None else ModelConfig.from_dir(cfg.model_dir)
         if cfg.max_model_len is not None and cfg.max_model_len > self.model_cfg.max_position_embeddings:
             # the rotary tables hold max_position_embeddings positions; past them a gather reads out of bounds
             raise ValueError(
