@@ -5,16 +5,23 @@ call takes and gives back the GIL, and with many threads each hand-over costs mo
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from stages.loader.adapter_plan import Piece, ReadLimits, Run, Segment
-from stages.loader.safetensors_reader import ITEM_SIZES
+from stages.loader.safetensors_format import ITEM_SIZES
+
+_ENTRY, _START, _END = attrgetter("entry"), attrgetter("start"), attrgetter("end")
 
 
 def make_segments(pieces: list[Piece], limits: ReadLimits) -> list[Segment]:
     """Pieces in file order, cut at layer boundaries into segments of at most `segment_bytes` (a layer
     larger than that is cut between tensors). The header check guarantees the tensors tile the data
     section, so a segment is one byte range."""
+    ordered = sorted(pieces, key=lambda p: p.entry.start)
+    if ordered and ordered[-1].entry.end - ordered[0].entry.start <= limits.segment_bytes:
+        return [_segment(ordered, limits)]  # what the loop below gives when all fits in one segment
     spans: list[list[Piece]] = []
-    for group in _layer_groups(sorted(pieces, key=lambda p: p.entry.start)):
+    for group in _layer_groups(ordered):
         if spans and group[-1].entry.end - spans[-1][0].entry.start <= limits.segment_bytes:
             spans[-1] += group
             continue
@@ -63,39 +70,55 @@ def _reads(span: list[Piece], read_bytes: int) -> tuple[tuple[int, int], ...]:
 
 def _deal(runs: list[Run], tasks: int) -> tuple[tuple[Run, ...], ...]:
     """Runs dealt to at most `tasks` tasks, largest first to the least loaded (balanced bytes)."""
-    loads: list[tuple[int, list[Run]]] = [(0, []) for _ in range(max(1, min(tasks, len(runs))))]
-    for run in sorted(runs, key=lambda r: -sum(p.entry.nbytes for p in r.pieces)):
-        i = min(range(len(loads)), key=lambda k: loads[k][0])
-        loads[i] = (loads[i][0] + sum(p.entry.nbytes for p in run.pieces), loads[i][1] + [run])
-    return tuple(tuple(group) for _, group in loads if group)
+    sizes = [sum(map(_END, entries)) - sum(map(_START, entries)) for entries in _entries(runs)]
+    loads = [0] * max(1, min(tasks, len(runs)))
+    groups: list[list[Run]] = [[] for _ in loads]
+    for i in sorted(range(len(runs)), key=sizes.__getitem__, reverse=True):  # stable, as sorting by -size
+        k = loads.index(min(loads))  # the first least loaded
+        loads[k] += sizes[i]
+        groups[k].append(runs[i])
+    return tuple(tuple(group) for group in groups if group)
+
+
+def _entries(runs: list[Run]) -> list[list]:
+    return [list(map(_ENTRY, r.pieces)) for r in runs]
 
 
 def _runs(span: list[Piece]) -> list[Run]:
     """The span's pieces grouped into runs: one kind, a constant file step, a constant positive layer step."""
     kinds: dict[tuple, list[Piece]] = {}
     for p in span:
-        kinds.setdefault((p.module, p.transpose, p.entry.dtype, p.entry.shape), []).append(p)
+        e = p.entry
+        key = (p.module, p.transpose, e.dtype, e.shape)
+        same = kinds.get(key)
+        if same is None:
+            kinds[key] = [p]
+        else:
+            same.append(p)
     runs: list[Run] = []
     for same in kinds.values():
+        item = ITEM_SIZES[same[0].entry.dtype]  # one dtype per kind
         run: list[Piece] = []
+        step = layer_step = 0  # of the run, once it has two pieces
         for p in same:
-            if p.entry.start % ITEM_SIZES[p.entry.dtype]:
+            start = p.entry.start
+            if start % item:
                 runs.append(Run((p,), 0, 0, aligned=False))
                 continue
-            if run and not _extends(run, p):
-                runs.append(_run(run))
-                run = []
+            if run:
+                last = run[-1]
+                if len(run) == 1:  # a second piece: any later layer sets the steps
+                    step, layer_step = start - last.entry.start, p.layer - last.layer
+                    extends = layer_step > 0
+                else:
+                    extends = start - last.entry.start == step and p.layer - last.layer == layer_step
+                if not extends:
+                    runs.append(_run(run))
+                    run = []
             run.append(p)
         if run:
             runs.append(_run(run))
     return runs
-
-
-def _extends(run: list[Piece], p: Piece) -> bool:
-    if len(run) == 1:
-        return p.layer > run[0].layer
-    step, layer_step = run[1].entry.start - run[0].entry.start, run[1].layer - run[0].layer
-    return p.entry.start - run[-1].entry.start == step and p.layer - run[-1].layer == layer_step
 
 
 def _run(pieces: list[Piece]) -> Run:
