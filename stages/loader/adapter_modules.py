@@ -41,7 +41,7 @@ def _dims(h: int, i: int, q: int, kv: int) -> dict[str, tuple[int, int]]:
     }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one object per distinct input (cached): compared and hashed by identity
 class Expected:
     """The targeted modules, sorted by (layer, module), and what a valid file holds for each: lora_A
     [r, in] under `a_keys[i]` and lora_B [out, r] under `b_keys[i]`, exactly these keys (`keys`)."""

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import re
-from functools import lru_cache
 from operator import attrgetter
 from pathlib import Path
 
 import torch
 
-from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
+from runtime.common.lora_layout import TARGET_MODULES, LoraLayout
 from runtime.common.model_config import ModelConfig
 from runtime.common.packed import PackedAdapter
 from stages.loader.adapter_config import AdapterConfig, AdapterError, read_adapter_config
@@ -21,9 +20,10 @@ from stages.loader.adapter_modules import Expected, expected
 from stages.loader.adapter_modules import module_dims as _module_dims
 from stages.loader.adapter_modules import module_path as _path
 from stages.loader.adapter_modules import tensor_key as _key
-from stages.loader.adapter_plan import AdapterPlan, Piece, ReadLimits, deadline_after, make_gaps
+from stages.loader.adapter_plan import AdapterPlan, ReadLimits, deadline_after, make_gaps
 from stages.loader.block_writer import write_all
 from stages.loader.delta_bound import check_packed_deltas
+from stages.loader.placement import place_expected, place_pairs
 from stages.loader.safetensors_reader import FLOAT_DTYPES, FormatError, TensorEntry, open_regular, read_header
 from stages.loader.segments import make_segments
 
@@ -70,24 +70,14 @@ def plan_adapter(
     fd, size, entries = _open_tensors(name, adapter_dir, limits, deadline)
     try:
         exp = expected(cfg, acfg)
-        pairs = _fast_pairs(entries, exp)
-        if pairs is None:
-            pairs = _group_pairs(name, entries, cfg, acfg)  # the reference checks: they word the refusal
-        rank = max(a.shape[0] for a, _ in pairs.values())
+        found = _fast_pairs(entries, exp)
+        if found is not None:
+            placed = place_expected(*found, exp, layout)
+        else:  # the reference checks, which word any refusal
+            placed = place_pairs(_group_pairs(name, entries, cfg, acfg), exp, layout)
+        rank = placed.rank
         if rank > layout.max_rank:
             raise AdapterError(name, f"rank {rank} exceeds max_lora_rank {layout.max_rank}")
-        ranks = [[0] * NUM_SLICES for _ in range(layout.num_layers)]
-        scalings = [[0.0] * NUM_SLICES for _ in range(layout.num_layers)]
-        pieces = []
-        slots = _slots(layout)
-        for (layer, module), (a, b) in pairs.items():
-            sid, a_col, in_dim, b_col, out_dim = slots[module]
-            r = a.shape[0]
-            ranks[layer][sid] = r
-            scalings[layer][sid] = exp.rank_scaling[layer, module][1]  # pairs are the targeted modules
-            pieces.append(Piece(a, layer, module, a_col, in_dim, r, False))
-            pieces.append(Piece(b, layer, module, b_col, out_dim, r, True))
-        rank_table = torch.tensor(ranks, dtype=torch.int32)  # [num_layers, NUM_SLICES]
         return AdapterPlan(
             name=name,
             fd=fd,
@@ -95,10 +85,10 @@ def plan_adapter(
             rank=rank,
             num_layers=layout.num_layers,
             row_elems=layout.row_elems,
-            ranks=rank_table,
-            scalings=torch.tensor(scalings, dtype=torch.float32),  # [num_layers, NUM_SLICES]
-            segments=make_segments(pieces, limits),
-            gaps=make_gaps(layout, rank, ranks),
+            ranks=torch.tensor(placed.ranks, dtype=torch.int32),  # [num_layers, NUM_SLICES]
+            scalings=torch.tensor(placed.scalings, dtype=torch.float32),  # [num_layers, NUM_SLICES]
+            segments=make_segments(placed.pieces, limits),
+            gaps=make_gaps(layout, rank, placed.ranks),
             deadline=deadline,
             file_bytes=size,
         )
@@ -125,23 +115,13 @@ def _open_tensors(name: str, adapter_dir: Path, limits: ReadLimits, deadline: fl
         raise AdapterError(name, f"unreadable {_TENSORS} ({e})") from None
 
 
-@lru_cache(maxsize=64)
-def _slots(layout: LoraLayout) -> dict[str, tuple[int, int, int, int, int]]:
-    """{module: (slice id, A's column, in_dim, B's column, out dim)} in a rank row of `layout`."""
-    out = {}
-    for module in TARGET_MODULES:
-        g, s = layout.module_slot(module)
-        a_col, b_col = g.a_offset + s * g.in_stride, g.b_offset + g.out_offsets[s]
-        out[module] = (TARGET_MODULES.index(module), a_col, g.in_dim, b_col, g.out_dims[s])
-    return out
-
-
 _DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
 
 
-def _fast_pairs(entries: dict[str, TensorEntry], exp: Expected) -> dict | None:
-    """`_group_pairs`'s answer for a file that holds exactly the expected tensors, float and of the
-    expected shapes, found by whole-set comparisons; None for any other file (`_group_pairs` decides)."""
+def _fast_pairs(entries: dict[str, TensorEntry], exp: Expected) -> tuple[list, list] | None:
+    """For a file holding exactly the expected tensors, float and of the expected shapes (found by
+    whole-set comparisons): the A and B entries in `exp.modules` order, which is `_group_pairs`'s answer
+    (`test_pairs_fast`). None for any other file: `_group_pairs` decides."""
     if not exp.keys or entries.keys() != exp.keys:  # no tensors at all: `_group_pairs` words it
         return None
     a = list(map(entries.__getitem__, exp.a_keys))
@@ -150,7 +130,7 @@ def _fast_pairs(entries: dict[str, TensorEntry], exp: Expected) -> dict | None:
         return None
     if tuple(map(_SHAPE, a)) != exp.a_shapes or tuple(map(_SHAPE, b)) != exp.b_shapes:
         return None
-    return dict(zip(exp.modules, zip(a, b, strict=True), strict=True))
+    return a, b
 
 
 def _group_pairs(name, entries: dict[str, TensorEntry], cfg: ModelConfig, acfg: AdapterConfig) -> dict:

@@ -1,8 +1,9 @@
 """The whole-set fast path of the tensor checks (`_fast_pairs`, against the cached `expected` table)
 never decides differently from the reference checks (`_group_pairs`): for every config and tensor set
 it either declines (the reference then accepts or words the refusal) or returns exactly the reference's
-pairs, in order. It takes every file holding exactly the targeted tensors; the cached table answers as
-the config itself does, per distinct config (pattern order included)."""
+pairs, in order, placed as the reference pairs are. It takes every file holding exactly the targeted
+tensors; the cached table answers as the config itself does, per distinct config (pattern order
+included)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from runtime.common.lora_layout import TARGET_MODULES
+from runtime.common.lora_layout import TARGET_MODULES, LoraLayout
 from runtime.common.model_config import ModelConfig
 from stages.loader.adapter_config import AdapterError, read_adapter_config
 from stages.loader.adapter_modules import expected, module_dims, module_path, tensor_key
 from stages.loader.adapter_reader import _fast_pairs, _group_pairs
+from stages.loader.placement import place_expected, place_pairs
 from stages.loader.safetensors_format import TensorEntry
 
 CONFIGS = {
@@ -64,7 +66,10 @@ def valid(cfg: ModelConfig, acfg) -> dict[str, TensorEntry]:
 
 def agree(cfg: ModelConfig, acfg, entries: dict[str, TensorEntry]):
     """(fast answer, reference pairs or its AdapterError), after checking they agree."""
-    fast = _fast_pairs(entries, expected(cfg, acfg))
+    exp = expected(cfg, acfg)
+    fast = _fast_pairs(entries, exp)
+    if fast is not None:
+        fast = dict(zip(exp.modules, zip(*fast, strict=True), strict=True))
     try:
         ref = _group_pairs("x", entries, cfg, acfg)
     except AdapterError as e:
@@ -108,6 +113,9 @@ def test_fast_pairs_take_valid_files_and_never_disagree(cfg, tmp_path, name):
     good = valid(cfg, acfg)
     fast, ref = agree(cfg, acfg, good)
     assert fast is not None, ref
+    exp, layout = expected(cfg, acfg), LoraLayout.for_model(cfg, 8)
+    a, b = _fast_pairs(good, exp)
+    assert place_expected(a, b, exp, layout) == place_pairs(ref, exp, layout)
     rng = random.Random(name)
     for _ in range(20):
         for what, entries in mutations(cfg, good, rng):
