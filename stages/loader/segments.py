@@ -10,7 +10,20 @@ from operator import attrgetter
 from stages.loader.adapter_plan import Piece, ReadLimits, Run, Segment
 from stages.loader.safetensors_format import ITEM_SIZES
 
-_ENTRY, _START, _END = attrgetter("entry"), attrgetter("start"), attrgetter("end")
+_ENTRY, _LAYER, _MODULE, _TRANSPOSE = (
+    attrgetter("entry"),
+    attrgetter("layer"),
+    attrgetter("module"),
+    attrgetter("transpose"),
+)
+_START, _END, _DTYPE, _SHAPE = (
+    attrgetter("start"),
+    attrgetter("end"),
+    attrgetter("dtype"),
+    attrgetter("shape"),
+)
+_ALIGNED = attrgetter("aligned")
+_new = tuple.__new__  # Run(...) without its Python-level __new__
 
 
 def make_segments(pieces: list[Piece], limits: ReadLimits) -> list[Segment]:
@@ -44,33 +57,41 @@ def _layer_groups(ordered: list[Piece]) -> list[list[Piece]]:
 
 
 def _segment(span: list[Piece], limits: ReadLimits) -> Segment:
-    runs = _runs(span)
-    dtypes = {p.entry.dtype for p in span}
-    single = len(dtypes) == 1 and all(r.aligned for r in runs)
+    entries = list(map(_ENTRY, span))
+    starts, ends, dtypes = list(map(_START, entries)), list(map(_END, entries)), list(map(_DTYPE, entries))
+    runs = _runs(span, starts, dtypes, list(map(_SHAPE, entries)))
+    sizes = [sum(map(ends.__getitem__, run)) - sum(map(starts.__getitem__, run)) for run, _ in runs]
+    runs = [r for _, r in runs]
+    kinds = set(dtypes)
+    single = len(kinds) == 1 and all(map(_ALIGNED, runs))
     return Segment(
-        start=span[0].entry.start,
-        end=span[-1].entry.end,
+        start=starts[0],
+        end=ends[-1],
         pieces=tuple(span),
-        reads=_reads(span, limits.read_bytes),
-        packs=_deal(runs, limits.pack_tasks),
-        dtype=dtypes.pop() if single else None,
+        reads=_reads(starts, ends, limits.read_bytes),
+        packs=_deal(runs, sizes, limits.pack_tasks),
+        dtype=kinds.pop() if single else None,
     )
 
 
-def _reads(span: list[Piece], read_bytes: int) -> tuple[tuple[int, int], ...]:
-    """Byte ranges of whole tensors, each at most `read_bytes` (or one tensor)."""
-    out: list[list[int]] = []
-    for p in span:
-        if out and p.entry.end - out[-1][0] <= read_bytes:
-            out[-1][1] = p.entry.end
-        else:
-            out.append([p.entry.start, p.entry.end])
-    return tuple((a, b) for a, b in out)
+def _reads(starts: list[int], ends: list[int], read_bytes: int) -> tuple[tuple[int, int], ...]:
+    """Byte ranges of whole tensors (given by their `starts` and `ends`), each at most `read_bytes` (or
+    one tensor)."""
+    out: list[tuple[int, int]] = []
+    first, last = None, 0  # the open range
+    for start, end in zip(starts, ends, strict=True):
+        if first is None or end - first > read_bytes:
+            if first is not None:
+                out.append((first, last))
+            first = start
+        last = end
+    if first is not None:
+        out.append((first, last))
+    return tuple(out)
 
 
-def _deal(runs: list[Run], tasks: int) -> tuple[tuple[Run, ...], ...]:
-    """Runs dealt to at most `tasks` tasks, largest first to the least loaded (balanced bytes)."""
-    sizes = [sum(map(_END, entries)) - sum(map(_START, entries)) for entries in _entries(runs)]
+def _deal(runs: list[Run], sizes: list[int], tasks: int) -> tuple[tuple[Run, ...], ...]:
+    """Runs (of `sizes` bytes) dealt to at most `tasks` tasks, largest first to the least loaded."""
     loads = [0] * max(1, min(tasks, len(runs)))
     groups: list[list[Run]] = [[] for _ in loads]
     for i in sorted(range(len(runs)), key=sizes.__getitem__, reverse=True):  # stable, as sorting by -size
@@ -80,49 +101,44 @@ def _deal(runs: list[Run], tasks: int) -> tuple[tuple[Run, ...], ...]:
     return tuple(tuple(group) for group in groups if group)
 
 
-def _entries(runs: list[Run]) -> list[list]:
-    return [list(map(_ENTRY, r.pieces)) for r in runs]
-
-
-def _runs(span: list[Piece]) -> list[Run]:
-    """The span's pieces grouped into runs: one kind, a constant file step, a constant positive layer step."""
-    kinds: dict[tuple, list[Piece]] = {}
-    for p in span:
-        e = p.entry
-        key = (p.module, p.transpose, e.dtype, e.shape)
-        same = kinds.get(key)
+def _runs(span: list[Piece], starts: list[int], dtypes: list[str], shapes: list[tuple]) -> list:
+    """The span's pieces grouped into runs: one kind, a constant file step, a constant positive layer step.
+    `starts`, `dtypes`, `shapes`: of the pieces' entries. Each run with the positions of its pieces."""
+    layers = list(map(_LAYER, span))
+    kinds: dict[tuple, list[int]] = {}
+    for i, kind in enumerate(zip(map(_MODULE, span), map(_TRANSPOSE, span), dtypes, shapes, strict=True)):
+        same = kinds.get(kind)
         if same is None:
-            kinds[key] = [p]
+            kinds[kind] = [i]
         else:
-            same.append(p)
-    runs: list[Run] = []
+            same.append(i)
+    runs: list = []
     for same in kinds.values():
-        item = ITEM_SIZES[same[0].entry.dtype]  # one dtype per kind
-        run: list[Piece] = []
+        item = ITEM_SIZES[dtypes[same[0]]]  # one dtype per kind
+        run: list[int] = []
         step = layer_step = 0  # of the run, once it has two pieces
-        for p in same:
-            start = p.entry.start
+        for i in same:
+            start = starts[i]
             if start % item:
-                runs.append(Run((p,), 0, 0, aligned=False))
+                runs.append(([i], _new(Run, ((span[i],), 0, 0, False))))
                 continue
             if run:
                 last = run[-1]
                 if len(run) == 1:  # a second piece: any later layer sets the steps
-                    step, layer_step = start - last.entry.start, p.layer - last.layer
+                    step, layer_step = start - starts[last], layers[i] - layers[last]
                     extends = layer_step > 0
                 else:
-                    extends = start - last.entry.start == step and p.layer - last.layer == layer_step
+                    extends = start - starts[last] == step and layers[i] - layers[last] == layer_step
                 if not extends:
-                    runs.append(_run(run))
+                    runs.append(_run(span, run, step, layer_step))
                     run = []
-            run.append(p)
+            run.append(i)
         if run:
-            runs.append(_run(run))
+            runs.append(_run(span, run, step, layer_step))
     return runs
 
 
-def _run(pieces: list[Piece]) -> Run:
-    if len(pieces) == 1:
-        return Run((pieces[0],), 0, 0, aligned=True)
-    step = pieces[1].entry.start - pieces[0].entry.start
-    return Run(tuple(pieces), step, pieces[1].layer - pieces[0].layer, aligned=True)
+def _run(span: list[Piece], run: list[int], step: int, layer_step: int) -> tuple[list[int], Run]:
+    if len(run) == 1:
+        return run, _new(Run, ((span[run[0]],), 0, 0, True))
+    return run, _new(Run, (tuple(map(span.__getitem__, run)), step, layer_step, True))
