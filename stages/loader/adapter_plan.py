@@ -41,8 +41,7 @@ class Piece(NamedTuple):  # a tuple: hundreds are made per adapter, under the GI
     transpose: bool  # lora_B
 
 
-@dataclass(frozen=True)
-class Run:
+class Run(NamedTuple):  # a tuple: tens are made per adapter, under the GIL
     """Tensors of one kind (module, A or B, dtype, shape) evenly spaced both in the file (`step` bytes)
     and in the block's layers (`layer_step`): moved by one strided copy. `aligned`: every tensor starts
     at a multiple of its item size (the format does not promise it; unaligned ones go one by one)."""

@@ -6,22 +6,28 @@ from __future__ import annotations
 
 import os
 import re
+from operator import attrgetter
 from pathlib import Path
 
 import torch
 
-from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
+from runtime.common.lora_layout import TARGET_MODULES, LoraLayout
 from runtime.common.model_config import ModelConfig
 from runtime.common.packed import PackedAdapter
 from stages.loader.adapter_config import AdapterConfig, AdapterError, read_adapter_config
-from stages.loader.adapter_plan import AdapterPlan, Piece, ReadLimits, deadline_after, make_gaps
+from stages.loader.adapter_modules import PARENT as _PARENT
+from stages.loader.adapter_modules import Expected, expected
+from stages.loader.adapter_modules import module_dims as _module_dims
+from stages.loader.adapter_modules import module_path as _path
+from stages.loader.adapter_modules import tensor_key as _key
+from stages.loader.adapter_plan import AdapterPlan, ReadLimits, deadline_after, make_gaps
 from stages.loader.block_writer import write_all
 from stages.loader.delta_bound import check_packed_deltas
+from stages.loader.placement import place_expected, place_pairs
 from stages.loader.safetensors_reader import FLOAT_DTYPES, FormatError, TensorEntry, open_regular, read_header
 from stages.loader.segments import make_segments
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-_PARENT = {m: ("mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn") for m in TARGET_MODULES}
 _TENSORS = "adapter_model.safetensors"
 
 
@@ -63,22 +69,15 @@ def plan_adapter(
     deadline = deadline_after(limits)
     fd, size, entries = _open_tensors(name, adapter_dir, limits, deadline)
     try:
-        pairs = _group_pairs(name, entries, cfg, acfg)
-        rank = max(a.shape[0] for a, _ in pairs.values())
+        exp = expected(cfg, acfg)
+        found = _fast_pairs(entries, exp)
+        if found is not None:
+            placed = place_expected(*found, exp, layout)
+        else:  # the reference checks, which word any refusal
+            placed = place_pairs(_group_pairs(name, entries, cfg, acfg), exp, layout)
+        rank = placed.rank
         if rank > layout.max_rank:
             raise AdapterError(name, f"rank {rank} exceeds max_lora_rank {layout.max_rank}")
-        ranks = [[0] * NUM_SLICES for _ in range(layout.num_layers)]
-        scalings = [[0.0] * NUM_SLICES for _ in range(layout.num_layers)]
-        pieces = []
-        for (layer, module), (a, b) in pairs.items():
-            g, s = layout.module_slot(module)
-            r = a.shape[0]
-            sid = TARGET_MODULES.index(module)
-            ranks[layer][sid] = r
-            scalings[layer][sid] = acfg.rank_and_scaling(_path(layer, module))[1]
-            pieces.append(Piece(a, layer, module, g.a_offset + s * g.in_stride, g.in_dim, r, False))
-            pieces.append(Piece(b, layer, module, g.b_offset + g.out_offsets[s], g.out_dims[s], r, True))
-        rank_table = torch.tensor(ranks, dtype=torch.int32)  # [num_layers, NUM_SLICES]
         return AdapterPlan(
             name=name,
             fd=fd,
@@ -86,10 +85,10 @@ def plan_adapter(
             rank=rank,
             num_layers=layout.num_layers,
             row_elems=layout.row_elems,
-            ranks=rank_table,
-            scalings=torch.tensor(scalings, dtype=torch.float32),  # [num_layers, NUM_SLICES]
-            segments=make_segments(pieces, limits),
-            gaps=make_gaps(layout, rank, ranks),
+            ranks=torch.tensor(placed.ranks, dtype=torch.int32),  # [num_layers, NUM_SLICES]
+            scalings=torch.tensor(placed.scalings, dtype=torch.float32),  # [num_layers, NUM_SLICES]
+            segments=make_segments(placed.pieces, limits),
+            gaps=make_gaps(layout, rank, placed.ranks),
             deadline=deadline,
             file_bytes=size,
         )
@@ -116,8 +115,27 @@ def _open_tensors(name: str, adapter_dir: Path, limits: ReadLimits, deadline: fl
         raise AdapterError(name, f"unreadable {_TENSORS} ({e})") from None
 
 
+_DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
+
+
+def _fast_pairs(entries: dict[str, TensorEntry], exp: Expected) -> tuple[list, list] | None:
+    """For a file holding exactly the expected tensors, float and of the expected shapes (found by
+    whole-set comparisons): the A and B entries in `exp.modules` order, which is `_group_pairs`'s answer
+    (`test_pairs_fast`). None for any other file: `_group_pairs` decides."""
+    if not exp.keys or entries.keys() != exp.keys:  # no tensors at all: `_group_pairs` words it
+        return None
+    a = list(map(entries.__getitem__, exp.a_keys))
+    b = list(map(entries.__getitem__, exp.b_keys))
+    if not {*map(_DTYPE, a), *map(_DTYPE, b)} <= FLOAT_DTYPES.keys():
+        return None
+    if tuple(map(_SHAPE, a)) != exp.a_shapes or tuple(map(_SHAPE, b)) != exp.b_shapes:
+        return None
+    return a, b
+
+
 def _group_pairs(name, entries: dict[str, TensorEntry], cfg: ModelConfig, acfg: AdapterConfig) -> dict:
-    """{(layer, module): (A [r, in], B [out, r])} header entries, after checking names, pairs and shapes."""
+    """{(layer, module): (A [r, in], B [out, r])} header entries, after checking names, pairs and shapes,
+    in (layer, module) order. The reference path: every check in turn, the first failing one worded."""
     found: dict[tuple[int, str], dict[str, TensorEntry]] = {}
     for key, t in entries.items():
         m = _KEY.match(key)
@@ -188,25 +206,3 @@ def _explain_key(key: str) -> str:
     if ".bias" in key:
         return f"LoRA bias tensors are not supported (tensor {key})"
     return f"unexpected tensor {key}"
-
-
-def _path(layer: int, module: str) -> str:
-    """The module's dotted path inside the *ForCausalLM, as PEFT matches target and pattern keys."""
-    return f"model.layers.{layer}.{_PARENT[module]}.{module}"
-
-
-def _key(layer: int, module: str, ab: str) -> str:
-    return f"base_model.model.{_path(layer, module)}.lora_{ab}.weight"
-
-
-def _module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    return {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, i),
-        "up_proj": (h, i),
-        "down_proj": (i, h),
-    }

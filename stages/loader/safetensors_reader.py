@@ -10,39 +10,19 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from stages.loader.files import FileRefused, open_regular_fd
+from stages.loader.header_fast import fast_entries
+from stages.loader.safetensors_format import ITEM_SIZES, SUBBYTE, TensorEntry
 
 MAX_HEADER_BYTES = 100 << 20  # the safetensors project's own bound; adapter headers are a few hundred KB
-# Every dtype name of the format, with its item size; only the float ones map to a torch dtype we accept.
-ITEM_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "F4": 1, "F6_E2M3": 1,
-    "F6_E3M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "C64": 8,
-    "F64": 8, "I64": 8, "U64": 8,
-}  # fmt: skip
 FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
-_SUBBYTE = {"F4": 0.5, "F6_E2M3": 0.75, "F6_E3M2": 0.75}  # packed formats: bytes per element
 
 
 class FormatError(ValueError):
     """The file is not one we read: missing, not regular, too large, or inconsistent (the message says)."""
-
-
-class TensorEntry(NamedTuple):  # a tuple: hundreds are made per adapter, under the GIL
-    """One tensor of the header: `start`/`end` are absolute byte offsets in the file."""
-
-    name: str
-    dtype: str  # the format's name, e.g. "BF16"
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
 
 
 def open_regular(path: Path, max_bytes: int) -> tuple[int, int]:
@@ -76,7 +56,8 @@ def read_exact(fd: int, out: memoryview, offset: int, deadline: float) -> None:
 
 def read_header(fd: int, size: int, deadline: float) -> dict[str, TensorEntry]:
     """The tensors of the file, each checked: a known dtype, a shape of non-negative ints, a byte range
-    inside the data section whose length matches dtype and shape; ranges neither overlap nor leave holes."""
+    inside the data section whose length matches dtype and shape; ranges neither overlap nor leave holes.
+    A well-formed header takes `header_fast`; any other the reference path below, which words refusals."""
     if sys.byteorder != "little":
         raise FormatError("safetensors data is little-endian; this host is not")
     if size < 8:
@@ -88,6 +69,13 @@ def read_header(fd: int, size: int, deadline: float) -> dict[str, TensorEntry]:
         raise FormatError(f"header length {n} does not fit the {size}-byte file")
     raw = bytearray(n)
     read_exact(fd, memoryview(raw), 8, deadline)
+    entries = fast_entries(raw, 8 + n, size)
+    return entries if entries is not None else _checked_entries(raw, n, size)
+
+
+def _checked_entries(raw: bytearray, n: int, size: int) -> dict[str, TensorEntry]:
+    """The reference path: stdlib JSON, then each entry and the coverage checked in turn, each refusal
+    worded for the file's author."""
     try:
         text = raw.decode("utf-8")
         if not text.startswith("{"):
@@ -126,7 +114,7 @@ def _entry(name: str, info: object, data_start: int, data_len: int) -> TensorEnt
     begin, end = offsets
     if not 0 <= begin <= end <= data_len:
         raise FormatError(f"tensor {name}: data_offsets {offsets} outside the {data_len}-byte data section")
-    want = math.prod(shape) * _SUBBYTE.get(dtype, ITEM_SIZES[dtype])
+    want = math.prod(shape) * SUBBYTE.get(dtype, ITEM_SIZES[dtype])
     if end - begin != want:
         raise FormatError(f"tensor {name}: {end - begin} bytes for shape {shape} of {dtype} (not {want})")
     return TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
