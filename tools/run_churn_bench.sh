@@ -8,7 +8,8 @@
 # Distinct adapter files: REAL per rank (default 16); adapter i is a directory symlink to real file set
 # i mod (4 x REAL), so the server loads, validates and packs every adapter as its own, from the page cache.
 #   usage: bash tools/run_churn_bench.sh OUT_DIR      knobs: PARTS ("s1 s2"), NUM_PROMPTS, S1_ADAPTERS,
-#   S2_ADAPTERS, REAL, PRESET, DEVICE, DTYPE, POOL_GB, S1_CACHE_GB, S2_CACHE_GB, SERVER_FLAGS, PYTHON
+#   S2_ADAPTERS, REAL, PRESET, DEVICE, DTYPE, POOL_GB, S1_CACHE_GB, S2_CACHE_GB, SERVER_FLAGS, PYTHON,
+#   S1_CAP_RUNNING (also run the 8-adapter requests with --max-running-requests this: the pool's ceiling)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:?usage: bash tools/run_churn_bench.sh OUT_DIR}")
@@ -74,6 +75,18 @@ case " $parts " in *" s1 "*)
   bench "$out/s1_many.jsonl" s1_many_3
   bench "$out/s1_few.jsonl" s1_few_4
   stop_server
+  if [ -n "${S1_CAP_RUNNING:-}" ]; then
+    # the 8-adapter requests with the running batch capped near what the pool's adapters allow: the
+    # ceiling a pool of POOL_GB puts on the 2,000-adapter run
+    # shellcheck disable=SC2086
+    common_capped=$(echo " $common " | sed -E 's/ --max-running-requests [0-9]+ / /')
+    common="$common_capped --max-running-requests $S1_CAP_RUNNING" start_server s1cap "$scratch/s1" 8 \
+      --max-lora-rank 16 --lora-gpu-memory-gb "$pool_gb" --cpu-lora-cache-gb "$cache1"
+    "$py" -m tools.bench_serving --endpoint "tcp://127.0.0.1:$port" --num-prompts 256 --input-len 256 \
+      --output-len 128 --num-adapters 8 --seed 99 --quiet
+    bench "$out/s1_few.jsonl" s1_few_capped
+    stop_server
+  fi
   ;;
 esac
 

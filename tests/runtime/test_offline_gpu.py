@@ -98,13 +98,15 @@ def _fp32_engine(model, adapters, graphs: int) -> LLM:
         lora_gpu_memory_gb=pool_gb(model, 20),  # 26 rows of adapters through 20: loads between
         max_loras_per_batch=2,  # graphed steps
         cuda_graph_max_batch=graphs,
-        cuda_graph_max_tokens=graphs,  # steps with prefill tokens: graphed up to 64 tokens, or eager
+        # steps with prefill tokens stay eager: every one here carries adapter copies (which always run
+        # eagerly); tests/stages/worker/test_step_graphs_gpu.py replays those steps' graphs
+        cuda_graph_max_tokens=0,
     )
 
 
 def test_cuda_graph_decode_equals_eager(tiny_llama, llama_adapters, recorded_logits):
-    """Decode steps and steps with prefill tokens replayed as CUDA graphs (padded buckets, adapter mixes
-    changing step to step) give the eager engine's float32 logits and greedy tokens."""
+    """Decode steps replayed as CUDA graphs (padded buckets, adapter mixes changing step to step) give the
+    eager engine's float32 logits and greedy tokens."""
     names = list(llama_adapters)
     mix = [names[i % len(names)] if i % 3 != 2 else None for i in range(len(PROMPTS))]
     sampling = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -116,7 +118,7 @@ def test_cuda_graph_decode_equals_eager(tiny_llama, llama_adapters, recorded_log
         g, steps = llm.runner.graphs, llm.runner.step_graphs
         if graphs:
             assert g is not None and g.replays > 0, "no decode step replayed a graph"
-            assert steps is not None and steps.replays > 0, "no step with prefill tokens replayed a graph"
+            assert steps is None, "steps with prefill tokens were graphed though not asked for"
         else:
             assert g is None and steps is None
         runs[graphs] = ([o.token_ids for o in outs], {k: list(v) for k, v in recorded_logits.items()})

@@ -18,6 +18,10 @@ MAX_LEN = 96
 # float32 logits: the interpreter's dots are exact float32; on a GPU, Triton's float32 dots use TF32 (10-bit
 # mantissa) in the LoRA kernels, so the adapter's share of the output carries ~1e-3 relative error there.
 TOL = 2e-3 if torch.cuda.is_available() else 1e-4
+# The step rewrites its own rows' K/V (the reference wrote them first): equal up to the same TF32 error on
+# a GPU (K/V entries are O(1); measured differences up to 3e-4), exactly equal on the CPU. A write to any
+# other row would change it by O(1).
+KV_ATOL = 1e-3 if torch.cuda.is_available() else 1e-6
 
 
 def test_buckets_cover_every_size_once():
@@ -94,7 +98,7 @@ def test_padded_decode_equals_plain_path(engine, slots):
     for new, old in ((runner.kv.k, kv_k), (runner.kv.v, kv_v)):
         new, old = new.clone(), old.clone()
         new[:, scratch], old[:, scratch] = 0, 0
-        torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(new, old, rtol=TOL, atol=KV_ATOL)
     padded = graphs.bucket(len(seqs))
     if padded > len(seqs):
         assert runner.kv.k[:, scratch].abs().sum() > 0, "padding tokens wrote nowhere visible"

@@ -24,6 +24,10 @@ MAX_SEQS = 12
 # (10-bit mantissa) on the graphed path, while the reference's torch LoRA runs in full float32, so the
 # logits agree only to about 1e-3 there.
 TOL = 2e-3 if torch.cuda.is_available() else 1e-4
+# The step rewrites its own rows' K/V (the reference wrote them first): equal up to the same TF32 error on
+# a GPU (K/V entries are O(1); measured differences up to 3e-4), exactly equal on the CPU. A write to any
+# other row would change it by O(1).
+KV_ATOL = 1e-3 if torch.cuda.is_available() else 1e-6
 
 
 def test_token_buckets():
@@ -115,7 +119,7 @@ def test_padded_step_equals_plain_path(engine, mode, name):
     for new, old in ((runner.kv.k, kv_k), (runner.kv.v, kv_v)):
         new, old = new.clone(), old.clone()
         new[:, scratch], old[:, scratch] = 0, 0
-        torch.testing.assert_close(new, old, rtol=TOL, atol=1e-5)
+        torch.testing.assert_close(new, old, rtol=TOL, atol=KV_ATOL)
     if padded > total:
         assert runner.kv.k[:, scratch].abs().sum() > 0, "padding tokens wrote nowhere visible"
 
