@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -19,19 +20,37 @@ from runtime.common.lora_layout import TARGET_MODULES, LoraLayout
 from stages.loader.adapter_config import check_delta_magnitude, delta_limit
 
 
+class _Module(NamedTuple):
+    """One target module's place in a rank row: its A columns and B rows, and their reduceat segments."""
+
+    sid: int  # slice id (index into TARGET_MODULES, and into a plan's ranks/scalings rows)
+    name: str
+    in_dim: int
+    a: slice  # A [r, in_dim] at these columns of a rank row
+    b: slice  # B^T [r, out_dim] at these columns
+    seg_a: int  # index of A's segment among the reduceat starts
+    seg_b: int
+
+
 @lru_cache(maxsize=8)
-def _ranges(layout: LoraLayout) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
-    """`np.maximum.reduceat` starts over a rank row (every A and B range's start and end), and per target
-    module (its slice id, the index of its A range's segment, of its B range's). The ranges are disjoint,
-    so the segment from a range's start to the next boundary is exactly that range."""
-    spans = []
+def _layout_table(layout: LoraLayout) -> tuple[np.ndarray, tuple[_Module, ...]]:
+    """`np.maximum.reduceat` starts over a rank row (every A and B range's start and end) and every
+    target module's place. The ranges are disjoint, so the segment from a range's start to the next
+    boundary is exactly that range."""
+    places = []
     for module in TARGET_MODULES:
         g, i = layout.module_slot(module)
         a0, b0 = g.a_offset + i * g.in_stride, g.b_offset + g.out_offsets[i]
-        spans.append(((a0, a0 + g.in_dim), (b0, b0 + g.out_dims[i])))
-    bounds = sorted({x for pair in spans for span in pair for x in span if x < layout.row_elems})
+        places.append((module, g.in_dim, slice(a0, a0 + g.in_dim), slice(b0, b0 + g.out_dims[i])))
+    bounds = sorted(
+        {x for *_, a, b in places for x in (a.start, a.stop, b.start, b.stop) if x < layout.row_elems}
+    )
     at = {x: n for n, x in enumerate(bounds)}
-    return np.asarray(bounds, dtype=np.int64), [(sid, at[a[0]], at[b[0]]) for sid, (a, b) in enumerate(spans)]
+    modules = tuple(
+        _Module(sid, name, in_dim, a, b, at[a.start], at[b.start])
+        for sid, (name, in_dim, a, b) in enumerate(places)
+    )
+    return np.asarray(bounds, dtype=np.int64), modules
 
 
 def column_sq_norms(block: torch.Tensor) -> torch.Tensor:
@@ -64,36 +83,33 @@ def check_packed_deltas(
     `peak`, the largest |value| of the adapter's tensors (the writer's value checks note it), gives a
     first bound for free: |(B @ A)[i, j]| <= r * peak**2. Only modules it cannot accept (none, for any
     trained adapter) pay for the norms."""
+    starts, modules = _layout_table(layout)
+    limits = [delta_limit(block.dtype, m.in_dim) for m in modules]
     rank_rows, scale_rows = ranks.tolist(), scalings.tolist()
-    peaks = None
+    sq_max = None  # [layers, segments]: the largest squared norm per A / B range, taken on first need
     for layer in range(block.shape[0]):
-        for sid, module in enumerate(TARGET_MODULES):
-            r = rank_rows[layer][sid]
+        for m in modules:
+            r = rank_rows[layer][m.sid]
             if r == 0:
                 continue
-            scaling = float(scale_rows[layer][sid])
-            g, i = layout.module_slot(module)
-            limit = delta_limit(block.dtype, g.in_dim)
+            scaling, limit = float(scale_rows[layer][m.sid]), limits[m.sid]
             if not (math.isfinite(scaling) and scaling > 0):
                 bound = math.nan
             elif peak is not None and scaling * r * (peak * _ROUNDING) ** 2 <= limit:
                 continue
             else:
-                if peaks is None:
-                    starts, modules = _ranges(layout)
-                    peaks = np.maximum.reduceat(column_sq_norms(block).numpy(), starts, axis=1)
-                _, a, b = modules[sid]
-                bound = scaling * math.sqrt(float(peaks[layer, a]) * float(peaks[layer, b]))
+                if sq_max is None:
+                    sq_max = np.maximum.reduceat(column_sq_norms(block).numpy(), starts, axis=1)
+                bound = scaling * math.sqrt(float(sq_max[layer, m.seg_a]) * float(sq_max[layer, m.seg_b]))
             if math.isfinite(bound) and bound <= limit:
                 continue
             # Over the limit, a bad scaling, or squares past float32 (entries beyond ~1e19): the exact
             # per-module check decides and names the reason.
-            a0, b0 = g.a_offset + i * g.in_stride, g.b_offset + g.out_offsets[i]
             check_delta_magnitude(
                 name,
-                f"{module} of layer {layer}",
-                block[layer, :r, a0 : a0 + g.in_dim],
-                block[layer, :r, b0 : b0 + g.out_dims[i]].t(),
+                f"{m.name} of layer {layer}",
+                block[layer, :r, m.a],
+                block[layer, :r, m.b].t(),
                 scaling,
                 block.dtype,
             )
