@@ -108,12 +108,8 @@ class LLM:
             warmup=warmup,
         )
         mcfg = ModelConfig.from_dir(model)
-        if max_model_len is not None and max_model_len > mcfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"{mcfg.max_position_embeddings}"
-            )
-        self.runner = ModelRunner(runner_config(self.engine_args, mcfg), mcfg)  # config.json read once
+        # config.json read once; the runner refuses a max_model_len past the model's positions
+        self.runner = ModelRunner(runner_config(self.engine_args, mcfg), mcfg)
         context = context_length(self.engine_args, mcfg)
         kv_tokens = self.runner.num_pages * page_size
         # a given max_model_len stands (the planner refuses one the KV cache cannot hold); the derived

@@ -16,3 +16,11 @@ def test_max_model_len_beyond_the_models_positions_is_refused(tiny_llama):
         ModelRunner(RunnerConfig(model_dir=str(tiny_llama), dtype="float32", max_model_len=positions + 1))
     runner = ModelRunner(RunnerConfig(model_dir=str(tiny_llama), dtype="float32", max_model_len=positions))
     assert runner.max_context <= positions
+
+
+def test_the_offline_engine_refuses_it_too(tiny_llama):
+    from runtime.offline import LLM
+
+    positions = json.loads((tiny_llama / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(ValueError, match=f"max_model_len {positions + 1} exceeds .* {positions}"):
+        LLM(str(tiny_llama), device="cpu", dtype="float32", max_model_len=positions + 1)
