@@ -78,7 +78,6 @@ case " $parts " in *" s1 "*)
   if [ -n "${S1_CAP_RUNNING:-}" ]; then
     # the 8-adapter requests with the running batch capped near what the pool's adapters allow: the
     # ceiling a pool of POOL_GB puts on the 2,000-adapter run
-    # shellcheck disable=SC2086
     common_capped=$(echo " $common " | sed -E 's/ --max-running-requests [0-9]+ / /')
     common="$common_capped --max-running-requests $S1_CAP_RUNNING" start_server s1cap "$scratch/s1" 8 \
       --max-lora-rank 16 --lora-gpu-memory-gb "$pool_gb" --cpu-lora-cache-gb "$cache1"
