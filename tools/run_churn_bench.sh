@@ -9,7 +9,9 @@
 # i mod (4 x REAL), so the server loads, validates and packs every adapter as its own, from the page cache.
 #   usage: bash tools/run_churn_bench.sh OUT_DIR      knobs: PARTS ("s1 s2"), NUM_PROMPTS, S1_ADAPTERS,
 #   S2_ADAPTERS, REAL, PRESET, DEVICE, DTYPE, POOL_GB, S1_CACHE_GB, S2_CACHE_GB, SERVER_FLAGS, PYTHON,
-#   S1_CAP_RUNNING (also run the 8-adapter requests with --max-running-requests this: the pool's ceiling)
+#   S1_CAP_RUNNING (also run the 8-adapter requests with --max-running-requests this: the pool's ceiling),
+#   S2_PASSES (default "base mix mix base"), S2_RATE_RUN (1: the 60% run; 0: skip it), METRICS_INTERVAL
+#   (seconds between /metrics scrapes kept as each run's timeline; 0: none)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:?usage: bash tools/run_churn_bench.sh OUT_DIR}")
@@ -56,7 +58,7 @@ bench() {  # $1 workload, $2 label, rest: extra args
   local w=$1 label=$2
   shift 2
   "$py" -m tools.bench_serving --endpoint "tcp://127.0.0.1:$port" --metrics-url "http://127.0.0.1:$((port + 1))/metrics" \
-    --metrics-interval 0 --workload "$w" --label "$label" --out "$out/$label.json" "$@" | tail -24
+    --metrics-interval "${METRICS_INTERVAL:-0}" --workload "$w" --label "$label" --out "$out/$label.json" "$@" | tail -24
 }
 
 case " $parts " in *" s1 "*)
@@ -100,14 +102,17 @@ case " $parts " in *" s2 "*)
   start_server s2 "$scratch/s2" "$n2" --max-lora-rank 64 --lora-gpu-memory-gb "$pool_gb" --cpu-lora-cache-gb "$cache2"
   "$py" -m tools.bench_serving --endpoint "tcp://127.0.0.1:$port" --num-prompts 256 --input-len 32:1024 \
     --output-len 16:256 --num-adapters 8 --seed 99 --quiet  # warm-up
-  bench "$out/s2_base.jsonl" s2_base_1
-  bench "$out/s2_mix.jsonl" s2_mix_2
-  bench "$out/s2_mix.jsonl" s2_mix_3
-  bench "$out/s2_base.jsonl" s2_base_4
-  rate=$("$py" -c "import json,sys; s=[json.load(open(f))['summary'] for f in sys.argv[1:]]
-print(round(0.6 * sorted(x['request_throughput'] for x in s)[len(s) // 2], 2))" "$out/s2_mix_2.json" "$out/s2_mix_3.json")
-  "$py" -m tools.workload --out "$out/s2_mix_rate.jsonl" "${g[@]}" --request-rate "$rate"
-  bench "$out/s2_mix_rate.jsonl" s2_mix_at_60pct
+  k=0
+  for pass in ${S2_PASSES:-base mix mix base}; do
+    k=$((k + 1))
+    bench "$out/s2_$pass.jsonl" "s2_${pass}_$k"
+  done
+  if [ "${S2_RATE_RUN:-1}" = 1 ]; then
+    rate=$("$py" -c "import json,sys; s=[json.load(open(f))['summary'] for f in sys.argv[1:]]
+print(round(0.6 * sorted(x['request_throughput'] for x in s)[len(s) // 2], 2))" "$out"/s2_mix_[0-9]*.json)
+    "$py" -m tools.workload --out "$out/s2_mix_rate.jsonl" "${g[@]}" --request-rate "$rate"
+    bench "$out/s2_mix_rate.jsonl" s2_mix_at_60pct
+  fi
   stop_server
   ;;
 esac
@@ -128,7 +133,8 @@ for n, s in runs.items():
           f"{s.get('adapter_wait_p99_s')} | {s.get('adapter_loads')} | {s.get('gpu_slot_hit_rate')} |")
 res = {}
 many, few = ("s1_many_2", "s1_many_3"), ("s1_few_1", "s1_few_4")
-mix, base = ("s2_mix_2", "s2_mix_3"), ("s2_base_1", "s2_base_4")
+mix = [n for n in runs if n.startswith("s2_mix_") and n[7:].isdigit()]
+base = [n for n in runs if n.startswith("s2_base_")]
 if med(many, "output_throughput") and med(few, "output_throughput"):
     res["s1_ratio"] = med(many, "output_throughput") / med(few, "output_throughput")
 if med(mix, "output_throughput") and med(base, "output_throughput"):

@@ -79,6 +79,8 @@ class SchedulerActor(Actor[SchedulerConfig]):
             planner=lambda: self.planner,
             early_requests=lambda: len(self.early),
             tier_counts=lambda: self.ops.tier_counts(self.planner),
+            waiting_tiers=lambda: self.ops.waiting_tiers(self.planner),
+            hold_counts=lambda: self.ops.hold_counts(),
         )
         self.lifecycle = AdapterLifecycle(
             self.adapters,

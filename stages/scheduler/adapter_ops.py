@@ -13,7 +13,7 @@ from proto.pipeline import AdapterUpdate, LoadAdapterOp, OpDone, OpFailed, Unloa
 from runtime.base.actor import Mailbox
 from stages.scheduler.adapter_lifecycle import AdapterLifecycle
 from stages.scheduler.adapters import AdapterRegistry, AdapterState
-from stages.scheduler.metrics import TIERS
+from stages.scheduler.metrics import TIERS, WAITING_TIERS
 from stages.scheduler.planner import Planner
 
 Fail = Callable[[str, str, str], Awaitable[None]]
@@ -109,6 +109,34 @@ class AdapterOps:
             else:
                 counts["host" if e.staged is not None else "disk"] += 1
         return counts
+
+    def waiting_tiers(self, planner: Planner | None) -> dict[str, int]:
+        """Waiting requests by where their adapter is: in the pool (settled or being copied), its block
+        held in the host cache, asked of the loader, or neither yet (`disk`); `base`: no adapter."""
+        counts = dict.fromkeys(WAITING_TIERS, 0)
+        for r in planner.waiting if planner else ():
+            res = planner.pool.get(r.adapter) if r.adapter is not None else None
+            e = self.adapters.get(r.adapter) if r.adapter is not None else None
+            if r.adapter is None:
+                tier = "base"
+            elif res is not None:
+                tier = "loading" if res.loading else "gpu"
+            elif e is not None and e.ready:
+                tier = "host"
+            else:
+                tier = "asked" if e is not None and e.staging else "disk"
+            counts[tier] += 1
+        return counts
+
+    def hold_counts(self) -> dict[str, int]:
+        """Host blocks the scheduler holds with no pool load issued (`waiting`), holds in all, StageAdapters
+        outstanding, and adapters refused for host room until a hold is released."""
+        return {
+            "waiting": self.adapters.held_waiting(),
+            "held": sum(e.held for e in self.adapters.entries.values()),
+            "asked": sum(e.staging for e in self.adapters.entries.values()),
+            "refused": self.adapters.refused(),
+        }
 
     def listing(self, planner: Planner | None) -> list[ListedAdapter]:
         out = []

@@ -132,6 +132,10 @@ class AdapterRegistry:
         """Host-cache blocks held or asked for: must stay below the host cache's capacity."""
         return sum(1 for e in self.entries.values() if e.held or e.staging)
 
+    def refused(self) -> int:
+        """Adapters the loader refused for lack of host room, not asked for again until a release."""
+        return len(self._blocked)
+
     def on_retry_later(self, name: str) -> None:
         e = self.entries.get(name)
         if e is not None:

@@ -12,6 +12,8 @@ from stages.scheduler.gateway_metrics import RUNNING_REQUESTS, WAITING_REQUESTS
 from stages.scheduler.planner import Planner
 
 TIERS = ("gpu", "loading", "host", "disk")  # where an adapter is, fastest first
+WAITING_TIERS = ("base", "gpu", "loading", "host", "asked", "disk")  # where a waiting request's adapter is
+HOLD_STATES = ("waiting", "held", "asked", "refused")
 # 1 ms .. 64 s, four buckets per doubling: fine enough to read a P99 off the histogram within ~19%
 WAIT_BUCKETS = [1e-3 * 2 ** (i / 4) for i in range(65)]
 QUANTILES = (0.5, 0.9, 0.99)
@@ -28,7 +30,7 @@ def quantile(values: list[float], q: float) -> float:
 
 class SchedulerMetrics:
     """Gauges read through `planner` (None until the worker has started), `early_requests` (requests
-    held before that) and `tier_counts`, all called only at scrape time."""
+    held before that), `tier_counts`, `waiting_tiers` and `hold_counts`, all called only at scrape time."""
 
     def __init__(
         self,
@@ -36,6 +38,8 @@ class SchedulerMetrics:
         planner: Callable[[], Planner | None],
         early_requests: Callable[[], int],
         tier_counts: Callable[[], dict[str, int]],
+        waiting_tiers: Callable[[], dict[str, int]],
+        hold_counts: Callable[[], dict[str, int]],
     ) -> None:
         m.gauge(WAITING_REQUESTS, "Requests waiting for admission").set_function(
             lambda: len(planner().waiting) if planner() else early_requests()
@@ -65,6 +69,21 @@ class SchedulerMetrics:
         tiers = m.gauge("lorapipe_adapters_by_tier", "Registered adapters by where they are", ["tier"])
         for tier in TIERS:
             tiers.labels(tier=tier).set_function(lambda tier=tier: tier_counts()[tier])
+        by_tier = m.gauge(
+            "lorapipe_waiting_requests_by_tier",
+            "Waiting requests by where their adapter is (asked: a StageAdapter is outstanding)",
+            ["tier"],
+        )
+        for tier in WAITING_TIERS:
+            by_tier.labels(tier=tier).set_function(lambda tier=tier: waiting_tiers()[tier])
+        holds = m.gauge(
+            "lorapipe_host_holds",
+            "Host blocks held for the GPU pool (waiting: no pool load issued yet), StageAdapters "
+            "outstanding, adapters refused for host room",
+            ["state"],
+        )
+        for state in HOLD_STATES:
+            holds.labels(state=state).set_function(lambda state=state: hold_counts()[state])
         self.host_lookups = m.counter(
             "lorapipe_host_lookups",
             "Adapters needed in the GPU pool: block already in the host cache (hit) or read from disk (miss)",

@@ -13,7 +13,7 @@ import yaml
 from runtime.base.metrics import StageMetrics
 from runtime.serve_args import add_serve_arguments, from_namespace
 from stages.scheduler.gateway_metrics import EPP_METRICS, LORA_INFO, add_gateway_metrics
-from stages.scheduler.metrics import SchedulerMetrics
+from stages.scheduler.metrics import HOLD_STATES, TIERS, WAITING_TIERS, SchedulerMetrics
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 ENGINE_LABEL = "inference.networking.k8s.io/engine-type"
@@ -64,7 +64,14 @@ def test_every_object_the_guide_names_is_there(objs):
 
 def test_the_epp_reads_the_series_the_scheduler_registers(objs):
     m = StageMetrics("scheduler")
-    SchedulerMetrics(m, lambda: None, lambda: 0, lambda: dict.fromkeys(("gpu", "loading", "host", "disk"), 0))
+    SchedulerMetrics(
+        m,
+        lambda: None,
+        lambda: 0,
+        lambda: dict.fromkeys(TIERS, 0),
+        lambda: dict.fromkeys(WAITING_TIERS, 0),
+        lambda: dict.fromkeys(HOLD_STATES, 0),
+    )
     add_gateway_metrics(m, lambda: None, lambda: ["a"], lambda: 4)
     registered = {metric.name for metric in m.registry.collect()}
     assert set(EPP_METRICS.values()) <= registered

@@ -31,7 +31,9 @@ class Harness:
         self.failed: list[tuple[str, str]] = []
         self.planner: Planner | None = None
         self.adapters = AdapterRegistry(adapters or {})
-        series = SchedulerMetrics(StageMetrics("scheduler"), lambda: self.planner, lambda: 0, lambda: {})
+        series = SchedulerMetrics(
+            StageMetrics("scheduler"), lambda: self.planner, lambda: 0, lambda: {}, lambda: {}, lambda: {}
+        )
         self.life = AdapterLifecycle(self.adapters, self.to_loader, self._fail, series, 8, 2)
         self.ops = AdapterOps(self.adapters, self.life, self.to_tokenizer, self._fail)
         if with_planner:
@@ -105,11 +107,18 @@ def test_pool_load_holds_the_block_until_the_copy_is_reported_done():
         await h.life.on_loader_started()
         h.planner.add("x", [1, 2, 3], "a", SamplingParams(max_tokens=4))
         h.planner.add("y", [1, 2], "a", SamplingParams(max_tokens=4))
+        h.planner.add("z", [1], None, SamplingParams(max_tokens=4))
+        tiers = h.ops.waiting_tiers(h.planner)
+        assert (tiers["disk"], tiers["base"], sum(tiers.values())) == (2, 1, 3)
         await h.life.stage_upcoming(h.planner)
         await h.life.stage_upcoming(h.planner)
         assert h.sent(h.to_loader) == [StageAdapter(name="a", path="/a")]  # one hold for both requests
+        assert h.ops.waiting_tiers(h.planner)["asked"] == 2
+        assert h.ops.hold_counts() == {"waiting": 1, "held": 0, "asked": 1, "refused": 0}
         await h.staged(_staged("a", offset=128))
         assert h.sent(h.to_loader) == []  # the waiting requests need the block
+        assert h.ops.waiting_tiers(h.planner)["host"] == 2
+        assert h.ops.hold_counts() == {"waiting": 1, "held": 1, "asked": 0, "refused": 0}
         plan = h.planner.schedule()
         [load] = [h.life.issue_load(lo) for lo in plan.slot_loads]
         assert (load.slot, load.adapter, load.shm_name, load.offset) == (0, "a", "pool", 128)
