@@ -67,6 +67,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--slots", type=int, default=32, help="adapters resident in the GPU pool")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the pool's largest rank")
+    p.add_argument("--lora-gpu-memory-gb", type=float, default=None, help="the pool's size (default 10%%)")
+    p.add_argument(
+        "--mix-prefill", type=int, default=0, metavar="N",
+        help="add N prefill tokens to each decode step, in chunks of 256, each chunk its own adapter",
+    )  # fmt: skip
     p.add_argument(
         "--prefill", action="store_true", help="each sequence computes its whole ctx (a prefill step)"
     )
@@ -77,10 +83,17 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.prefill and a.batch * a.ctx > 2048:
         p.error("--prefill: batch * ctx must be at most 2048 (the runner's max_tokens_per_step)")
+    if a.prefill and a.mix_prefill:
+        p.error("--prefill and --mix-prefill exclude each other")
+    chunks = [min(256, a.mix_prefill - i) for i in range(0, a.mix_prefill, 256)]
+    step_tokens = a.batch * a.ctx if a.prefill else a.batch + a.mix_prefill
+    pages_per = max(a.ctx, 256 if chunks else 0) // 16 + 2
     cfg = RunnerConfig(model_dir=a.model, device="cuda", dtype="bfloat16",
-                       max_lora_rank=16, num_pages=a.batch * (a.ctx // 16 + 2) + 16,
-                       max_model_len=a.ctx + 32, cuda_graph_max_batch=a.batch,
-                       cuda_graph_max_tokens=a.batch * a.ctx if a.prefill else 0)  # fmt: skip
+                       max_lora_rank=a.max_lora_rank, lora_gpu_memory_gb=a.lora_gpu_memory_gb,
+                       num_pages=(a.batch + len(chunks)) * pages_per + 16, max_model_len=pages_per * 16,
+                       max_tokens_per_step=max(2048, step_tokens), max_running_requests=a.batch + len(chunks),
+                       cuda_graph_max_batch=a.batch,
+                       cuda_graph_max_tokens=step_tokens if a.prefill or a.mix_prefill else 0)  # fmt: skip
     runner = ModelRunner(cfg)
     dirs = sorted(d for d in Path(a.adapter_dir).iterdir() if d.is_dir())[: a.slots]
     row = 0
@@ -88,7 +101,6 @@ def main(argv: list[str] | None = None) -> None:
         packed = read_adapter(d.name, d, runner.model_cfg, runner.lora_layout, runner.dtype, pin_memory=True)
         runner.load_adapter(slot, packed, [(row, packed.rank)])  # side by side in the pool
         row += packed.rank
-    pages_per = a.ctx // 16 + 2
     results = {}
     graphs, steps = runner.graphs, runner.step_graphs
     for label, slot_of, graphed in (
@@ -104,10 +116,17 @@ def main(argv: list[str] | None = None) -> None:
             SeqInput([7] * new, a.ctx + 1 - new, list(range(i * pages_per, (i + 1) * pages_per)), slot_of(i))
             for i in range(a.batch)
         ]
+        seqs += [  # prefill chunks from the start of their sequences
+            SeqInput([7] * n, 0, list(range((a.batch + j) * pages_per, (a.batch + j + 1) * pages_per)),
+                     slot_of(a.batch + j))
+            for j, n in enumerate(chunks)
+        ]  # fmt: skip
+        seqs.sort(key=lambda s: s.slot)  # each adapter's tokens contiguous
         _step_times(runner, seqs, 3)  # warm-up: Triton compiles, allocator settles
         wall, gpu = _step_times(runner, seqs, a.steps)
         results[label] = {"wall_ms": wall, "gpu_ms": gpu}
         what = f"prefills of {a.ctx}" if a.prefill else f"decodes at ctx {a.ctx}"
+        what += f" + {a.mix_prefill} prefill tokens" if a.mix_prefill else ""
         print(f"\n=== {label}: {a.batch} {what}: host wall {wall:.2f} ms, GPU {gpu:.2f} ms")
         if graphed:
             continue

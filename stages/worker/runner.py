@@ -52,6 +52,14 @@ class RunnerConfig:
     warmup: bool = False
 
 
+def graph_pool_bytes(pool: tuple[int, int]) -> int:
+    """Bytes of the allocator's segments that belong to the graph memory pool `pool`. (A difference of
+    memory_reserved around the capture undercounts it: each capture first empties the allocator's cache,
+    which gives back as much as small graphs take.)"""
+    want = tuple(pool)
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == want)
+
+
 class ModelRunner:
     def __init__(self, cfg: RunnerConfig, model_cfg: ModelConfig | None = None):
         """`model_cfg`: the model's config.json as the caller already parsed it (else read here)."""
@@ -169,14 +177,14 @@ class ModelRunner:
         it took is kept for the log."""
         if self.graphs is None and self.step_graphs is None:
             return
-        before = torch.cuda.memory_reserved(self.device)
         with torch.inference_mode():
             if self.step_graphs is not None:
                 self.step_graphs.capture_all()
             if self.graphs is not None:
                 self.graphs.capture_all()
         torch.cuda.synchronize(self.device)
-        self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - before
+        pool = self.graphs.pool if self.graphs is not None else self.step_graphs.pool
+        self.graph_memory_bytes = graph_pool_bytes(pool)
 
     @property
     def graph_tokens(self) -> int:

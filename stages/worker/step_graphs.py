@@ -133,23 +133,35 @@ class StepGraphs:
 
     def capture_all(self) -> int:
         """Capture every bucket's graphs ahead of serving, largest first (later captures reuse the pool's
-        memory): in full mode for each key split count a context up to the page table's reach can
-        choose. Returns graphs captured."""
+        memory). Returns graphs captured."""
         before = self.num_graphs
+        for padded, splits, has_lora in self.graph_keys():
+            if self.piecewise:
+                if (padded, has_lora) not in self.pieces:
+                    self._capture_pieces(self._stage_padding(padded, has_lora), has_lora)
+            elif (padded, splits, has_lora) not in self.full:
+                self._stage_padding(padded, has_lora)
+                self._capture_full((padded, splits, has_lora))
+        return self.num_graphs - before
+
+    def graph_keys(self) -> list[tuple[int, int, bool]]:
+        """(bucket, key splits, adapters present) of every graph a step can need, largest bucket first:
+        in full mode each split count a context up to the page table's reach can choose (piecewise
+        graphs hold no attention: splits 0)."""
         kvh = self.model.cfg.num_kv_heads
-        keys = [self.max_keys] + [1 << k for k in range(9, self.max_keys.bit_length())]
+        # choose_splits doubles the splits at each doubling of the keys from 2 x 256 on; below that
+        # (1 key: a step of short contexts) it never splits
+        keys = [1, self.max_keys] + [1 << k for k in range(9, self.max_keys.bit_length())]
+        out = []
         for padded in reversed(self.buckets):
             for has_lora in (False, True) if self.lora is not None else (False,):
                 if self.piecewise:
-                    if (padded, has_lora) not in self.pieces:
-                        self._capture_pieces(self._stage_padding(padded, has_lora), has_lora)
+                    out.append((padded, 0, has_lora))
                     continue
                 cap = self.inputs.block_capacity(padded)
-                for splits in sorted({choose_splits(cap, kvh, n, self.device) for n in keys}):
-                    if (padded, splits, has_lora) not in self.full:
-                        self._stage_padding(padded, has_lora)
-                        self._capture_full((padded, splits, has_lora))
-        return self.num_graphs - before
+                splits = {choose_splits(cap, kvh, n, self.device) for n in keys}
+                out.extend((padded, s, has_lora) for s in sorted(splits))
+        return out
 
     def _stage_padding(self, padded: int, has_lora: bool) -> StagedStep:
         """An all-padding step (it touches only the scratch page), for capture."""

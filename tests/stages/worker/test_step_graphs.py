@@ -191,3 +191,36 @@ def test_unsupported_batches_fall_back(engine):
             assert _rel_err(got, want) < TOL
     finally:
         runner.step_graphs = None
+
+
+@pytest.mark.parametrize("sms", [4, 132])  # the CPU's stand-in count and an H100's
+def test_every_step_finds_a_graph_captured_at_start(engine, monkeypatch, sms):
+    """The key of every full-graph step (bucket, key splits, adapters present) is among the keys captured
+    before serving: a step outside them would capture, and compile kernels, while serving. Contexts
+    from 1 key to the page table's reach, so every split count the heuristic picks shows up."""
+    import random
+
+    from kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: sms)
+    runner = engine[0]
+    graphs = StepGraphs(
+        runner.model, runner.kv, runner.lora, max_tokens=MAX_TOKENS, max_seqs=MAX_SEQS,
+        max_model_len=400 * PAGE, piecewise=False, capture=False,
+    )  # fmt: skip
+    keys, seen = set(graphs.graph_keys()), set()
+    rng = random.Random(sms)
+    for _ in range(400):
+        seqs, budget = [], rng.randint(1, MAX_TOKENS)
+        while budget > 0 and len(seqs) < MAX_SEQS:
+            n = rng.randint(1, budget)
+            ctx = rng.choice([0, rng.randint(0, 40), rng.randint(0, graphs.max_keys - n)])
+            pages = list(range(-(-(ctx + n) // PAGE)))
+            seqs.append(SeqInput([7] * n, ctx, pages, rng.randint(-1, 3)))
+            budget -= n
+        seqs.sort(key=lambda s: s.slot)
+        padded = graphs.bucket(sum(len(s.token_ids) for s in seqs))
+        key = (padded, graphs._splits(graphs.inputs.stage(seqs, padded)), any(s.slot >= 0 for s in seqs))
+        assert key in keys, f"a step needs graph {key}, not captured at start-up"
+        seen.add(key[1])
+    assert len(seen) > 1 or sms == 4  # the H100's count makes long contexts split
