@@ -60,6 +60,14 @@ def graph_pool_bytes(pool: tuple[int, int]) -> int:
     return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == want)
 
 
+def whole_copy_waits(layer_waits: list[list] | None) -> list | None:
+    """The events of `layer_waits` when all of them are due before layer 0 (copies without per-layer
+    events): the stream can wait on them before the step, graphed or not. None otherwise."""
+    if layer_waits is None or not layer_waits[0] or any(layer_waits[1:]):
+        return None  # nothing to wait for (an empty list forces the eager path), or per-layer waits
+    return layer_waits[0]
+
+
 class ModelRunner:
     def __init__(self, cfg: RunnerConfig, model_cfg: ModelConfig | None = None):
         """`model_cfg`: the model's config.json as the caller already parsed it (else read here)."""
@@ -231,9 +239,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput], layer_waits: list[list] | None = None) -> torch.Tensor:
         """Logits [len(seqs), V] float32, row i for seqs[i]. `layer_waits[i]`: events the compute stream
-        waits on before layer i (slot copies still in flight); such a step runs eagerly."""
+        waits on before layer i (slot copies still in flight). Whole-copy waits (all before layer 0) are
+        made on the stream, and the step may replay a graph; per-layer waits make the step run eagerly."""
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)  # each adapter's tokens contiguous
         ordered = [seqs[i] for i in order]
+        before = whole_copy_waits(layer_waits)
+        if before is not None:
+            stream = torch.cuda.current_stream(self.device)
+            for event in before:
+                stream.wait_event(event)  # a replayed graph starts after them, in stream order
+            layer_waits = None
         if layer_waits is None and self.graphs is not None and self.graphs.supports(ordered):
             logits = self.graphs.run(ordered)  # [B, V] in `order`
         elif layer_waits is None and self.step_graphs is not None and self.step_graphs.supports(ordered):

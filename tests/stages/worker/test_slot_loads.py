@@ -11,7 +11,7 @@ from proto.base import TokenIds
 from proto.plan import BatchPlan, NewRequestData, SlotLoad
 from proto.sampling import SamplingParams
 from stages.worker.executor import StepExecutor
-from stages.worker.runner import ModelRunner, RunnerConfig
+from stages.worker.runner import ModelRunner, RunnerConfig, whole_copy_waits
 from stages.worker.slot_loads import LoadHandle, PendingLoads
 
 pytestmark = pytest.mark.timeout(60)
@@ -162,3 +162,12 @@ def test_layer_waits_skip_done_and_waited_copies():
     waits = pending.layer_waits({0, 1, 2, 7}, num_layers=2)
     assert waits == [[layered.layer_events[0], whole.event], [layered.layer_events[1]]]
     assert pending.layer_waits({0, 1}, num_layers=2) is None  # each copy is waited on once
+
+
+def test_only_whole_copy_waits_let_a_step_replay_a_graph():
+    """Copies without per-layer events are waited on before the step (which may then replay a graph);
+    a step with any per-layer wait runs eagerly, and one with no wait at all is left as it is."""
+    whole, layered = FakeEvent(), [FakeEvent(), FakeEvent()]
+    assert whole_copy_waits([[whole], []]) == [whole]
+    assert whole_copy_waits([[whole, layered[0]], [layered[1]]]) is None
+    assert whole_copy_waits([[], []]) is None and whole_copy_waits(None) is None

@@ -8,6 +8,8 @@ Runs only where CUDA is available (the GPU machine)."""
 from __future__ import annotations
 
 import random
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,7 +70,13 @@ def test_no_kernel_compiles_after_warm_up(long_llama, tmp_path):
         runner.load_adapter(slot, packed, [(row, packed.rank)])
         row += packed.rank
     compiled: list[str] = []
-    triton.knobs.runtime.jit_cache_hook = lambda **kw: compiled.append(kw["repr"])  # None: compile on
+
+    def hook(**kw) -> None:  # returns None: the compile goes on; recorded with the path that launched it
+        ours = [f for f in traceback.extract_stack() if "/stages/" in f.filename or "/kernels/" in f.filename]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(ours[-6:]))
+        compiled.append(f"{kw['repr']}\n    launched by {where}\n    key {str(kw.get('key'))[:600]}")
+
+    triton.knobs.runtime.jit_cache_hook = hook
     try:
         rng, next_page = random.Random(0), 0
         for batch in _batches(rng, slots=4):
