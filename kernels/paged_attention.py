@@ -221,6 +221,16 @@ def choose_splits(
     return splits
 
 
+def split_key_counts(max_keys: int, min_split_keys: int = 256) -> list[int]:
+    """Key counts up to `max_keys` that reach every answer `choose_splits` can give (it doubles the
+    splits at each doubling of the keys from 2 x min_split_keys on, and never splits below that)."""
+    out, k = {1, max_keys}, 2 * min_split_keys
+    while k < max_keys:
+        out.add(k)
+        k *= 2
+    return sorted(out)
+
+
 def plan_attention(
     q_starts: Sequence[int],
     q_lens: Sequence[int],

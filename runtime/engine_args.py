@@ -71,16 +71,16 @@ def graph_batch(e: EngineArgs) -> int:
     return min(e.cuda_graph_max_batch, e.max_running_requests)
 
 
-# Off by default until the GPU tests pass on the H100: there (2026-11-23) the warm-up missed two attention
-# variants these steps launch, and the piecewise mode's graph memory went unaccounted. Opt in with
-# --cuda-graph-max-tokens N (2048 keeps the largest bucket's pool and capture small).
-DEFAULT_GRAPH_TOKENS = 0
+# Steps of up to this many tokens replay graphs by default: mixed decode + prefill-chunk steps, where the
+# eager forward is host-bound (with adapters most of all); larger steps amortize their launches. The
+# largest bucket sets the graph pool's size and the capture time (both logged at start-up).
+DEFAULT_GRAPH_TOKENS = 2048
 
 
 def graph_tokens(e: EngineArgs) -> int:
     """Largest step with prefill tokens replayed as a CUDA graph (never more than one step computes)."""
     if e.cuda_graph_max_tokens is None:
-        return min(e.max_tokens_per_step, DEFAULT_GRAPH_TOKENS)  # 0: steps with prefill tokens run eagerly
+        return min(e.max_tokens_per_step, DEFAULT_GRAPH_TOKENS)
     return min(e.cuda_graph_max_tokens, e.max_tokens_per_step)
 
 

@@ -211,7 +211,7 @@ def _batching_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         default=None,
         help="steps with prefill tokens, up to N tokens, replay CUDA graphs captured at start-up per "
         "token-count bucket (padded to the next bucket; full graphs with the Triton attention, piecewise "
-        "around attention otherwise); opt-in while its GPU checks are open (default: 0, always eager)",
+        "around attention otherwise; default: min(2048, --max-tokens-per-step); 0: always eager)",
     )
 
 

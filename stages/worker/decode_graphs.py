@@ -19,7 +19,14 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kernels.paged_attention import META_COLS, AttentionPlan, choose_splits, decode_block_m, plan_blocks
+from kernels.paged_attention import (
+    META_COLS,
+    AttentionPlan,
+    choose_splits,
+    decode_block_m,
+    plan_blocks,
+    split_key_counts,
+)
 from stages.worker.lora.backend import LoraBackend, slot_segments
 from stages.worker.model.forward_batch import ForwardBatch
 from stages.worker.model.kv_cache import KVCache
@@ -133,20 +140,30 @@ class DecodeGraphs:
         return self.out[: len(seqs)]
 
     def capture_all(self) -> int:
-        """Capture every bucket's graphs ahead of serving (largest first, so the pool's memory is reused),
-        for each key split count a context up to max_model_len can choose. Returns graphs captured."""
+        """Capture every bucket's graphs ahead of serving (largest first, so the pool's memory is reused).
+        Returns graphs captured."""
         before = len(self.graphs)
+        for padded, s, lora in self.graph_keys():
+            if (padded, s, lora) not in self.graphs:
+                self._stage([], padded, splits=s, with_lora=lora)  # all padding: touches only scratch
+                self._capture((padded, s, lora))
+        return len(self.graphs) - before
+
+    def graph_keys(self) -> list[tuple[int, int, bool]]:
+        """(bucket, key splits, adapters present) of every graph a batch can need, largest bucket first:
+        each split count a context up to max_model_len can choose."""
         max_keys = self.max_pages * self.kv.page_size
+        out = []
         for padded in reversed(self.buckets):
             blocks = padded * self.blocks_per_seq
-            keys = [max_keys] + [1 << k for k in range(9, max_keys.bit_length())]
-            splits = {choose_splits(blocks, self.num_kv_heads, n, self.device) for n in keys}
+            splits = {
+                choose_splits(blocks, self.num_kv_heads, n, self.device) for n in split_key_counts(max_keys)
+            }
             for s in sorted(splits):
-                for lora in (False, True) if self.lora is not None else (False,):
-                    if (padded, s, lora) not in self.graphs:
-                        self._stage([], padded, splits=s, with_lora=lora)  # all padding: touches only scratch
-                        self._capture((padded, s, lora))
-        return len(self.graphs) - before
+                out.extend(
+                    (padded, s, lora) for lora in ((False, True) if self.lora is not None else (False,))
+                )
+        return out
 
     def _stage(
         self, seqs: Sequence[DecodeSeq], padded: int, splits: int | None = None, with_lora: bool | None = None

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.batch_info import choose_block_m
-from kernels.paged_attention import AttentionPlan, choose_splits
+from kernels.paged_attention import AttentionPlan, choose_splits, split_key_counts
 from stages.worker.decode_graphs import DecodeSeq
 from stages.worker.lora.backend import LoraBackend, slot_segments
 from stages.worker.model.forward_batch import ForwardBatch
@@ -149,9 +149,7 @@ class StepGraphs:
         in full mode each split count a context up to the page table's reach can choose (piecewise
         graphs hold no attention: splits 0)."""
         kvh = self.model.cfg.num_kv_heads
-        # choose_splits doubles the splits at each doubling of the keys from 2 x 256 on; below that
-        # (1 key: a step of short contexts) it never splits
-        keys = [1, self.max_keys] + [1 << k for k in range(9, self.max_keys.bit_length())]
+        keys = split_key_counts(self.max_keys)
         out = []
         for padded in reversed(self.buckets):
             for has_lora in (False, True) if self.lora is not None else (False,):

@@ -10,9 +10,11 @@ import torch
 import kernels.paged_attention as kernel_module
 from kernels.paged_attention import (
     AttentionConfig,
+    choose_splits,
     paged_attention,
     paged_attention_ref,
     plan_attention,
+    split_key_counts,
 )
 from stages.worker.model import attention
 from stages.worker.model.forward_batch import ForwardBatch, SeqExtent
@@ -137,6 +139,20 @@ def test_plan_heuristics(monkeypatch):
         plan_attention([0], [5], [4], num_heads=4, num_kv_heads=2, device="cpu")
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         plan_attention([0], [1], [4], num_heads=6, num_kv_heads=4, device="cpu")
+
+
+@pytest.mark.parametrize("max_keys", [96, 512, 513, 2048, 2049, 32768])
+def test_split_key_counts_reach_every_split_choice(monkeypatch, max_keys):
+    """Graphs are captured for the splits of these key counts only: every context length up to max_keys,
+    at any block count, must choose one of them."""
+    monkeypatch.setattr(kernel_module, "_num_sms", lambda device: 132)  # H100
+    samples = split_key_counts(max_keys)
+    assert min(samples) >= 1 and max(samples) == max_keys
+    for blocks in (1, 3, 8, 20, 33, 64, 300):
+        for kvh in (1, 8):
+            reached = {choose_splits(blocks, kvh, n, "cpu") for n in samples}
+            for n in range(1, max_keys + 1, max(1, max_keys // 4000)):
+                assert choose_splits(blocks, kvh, n, "cpu") in reached, (blocks, kvh, n)
 
 
 def test_wrapper_rejects_bad_inputs(device):

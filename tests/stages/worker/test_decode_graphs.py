@@ -147,3 +147,31 @@ def test_unsupported_batches_fall_back(engine):
     no_lora = DecodeGraphs(graphs.model, graphs.kv, None, max_batch=4, max_model_len=MAX_LEN, capture=False)
     assert not no_lora.supports([SeqInput([1], 3, [0], 0)])
     assert no_lora.supports([SeqInput([1], 3, [0], -1)])
+
+
+@pytest.mark.parametrize("sms", [4, 132])  # the CPU's stand-in count and an H100's
+def test_every_batch_finds_a_graph_captured_at_start(engine, monkeypatch, sms):
+    """The key of every decode batch (bucket, key splits, adapters present) is among the keys captured
+    before serving (a batch outside them would capture, and compile kernels, while serving): contexts
+    from 1 key to the page table's reach."""
+    import random
+
+    from kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: sms)
+    runner = engine[0]
+    graphs = DecodeGraphs(
+        runner.model, runner.kv, runner.lora, max_batch=24, max_model_len=1600, capture=False
+    )
+    keys, seen = set(graphs.graph_keys()), set()
+    rng = random.Random(sms)
+    for _ in range(300):
+        seqs = []
+        for _ in range(rng.randint(1, 24)):
+            ctx = rng.choice([0, rng.randint(0, 40), rng.randint(0, 1599)])
+            seqs.append(SeqInput([7], ctx, list(range(ctx // PAGE + 1)), rng.randint(-1, 3)))
+        seqs.sort(key=lambda s: s.slot)
+        key = graphs._stage(seqs, graphs.bucket(len(seqs)))
+        assert key in keys, f"a batch needs graph {key}, not captured at start-up"
+        seen.add(key[1])
+    assert len(seen) > 1 or sms == 4  # the H100's count makes long contexts split
