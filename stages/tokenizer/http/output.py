@@ -96,18 +96,24 @@ def _ids(ids: list[int], wanted: bool) -> list[int] | msgspec.UnsetType:
 
 
 async def events(gen: Generation, fmt: Formatter) -> AsyncIterator[bytes]:
-    """The SSE body; an error after the response started is sent as an `error` event before [DONE]."""
+    """The SSE body; an error after the response started is sent as an `error` event before [DONE].
+    Events whose output is already queued go out in one write: a stream that fell behind (a busy loop,
+    a slow reader) catches up in fewer, larger sends instead of one per token."""
+    pending: list[bytes] = []
     try:
         with_ids = gen.prepared.token_ids
         async for c, text, ids in gen.events():
-            yield fmt.chunk(c, text, ids, with_ids)
+            pending.append(fmt.chunk(c, text, ids, with_ids))
+            if gen.queue.empty():
+                yield b"".join(pending)
+                pending.clear()
         if gen.prepared.include_usage:
-            yield fmt.usage_chunk(gen)
+            pending.append(fmt.usage_chunk(gen))
     except ApiError as exc:
-        yield b"data: " + exc.body() + b"\n\n"
+        pending.append(b"data: " + exc.body() + b"\n\n")
     finally:
         await gen.close()
-    yield DONE
+    yield b"".join(pending) + DONE
 
 
 class EventStream(Response):
