@@ -3,7 +3,8 @@
 # adapters. Saturating (every request at once) in A-B-B-A order (sdk, http, http, sdk), then low load (1 req/s)
 # the same way for median TTFT. Prints one table and the two targets (HTTP tok/s >= 0.95x SDK; median TTFT
 # overhead <= 2 ms); full results under OUT_DIR.
-#   usage: bash tools/run_http_bench.sh OUT_DIR     (knobs: the environment variables below)
+#   usage: bash tools/run_http_bench.sh OUT_DIR     (knobs: the environment variables below; CLIENT_PROCS:
+#   HTTP client processes, default 4)
 #   CPU smoke test: DEVICE=cpu PRESET=tiny DTYPE=float32 NUM_PROMPTS=16 LOW_PROMPTS=4 NUM_ADAPTERS=4 \
 #     OUTPUT_LEN=8 INPUT_LEN=16 SERVER_FLAGS="--max-loras-per-batch 4 --max-lora-rank 16 --num-pages 512" ...
 set -euo pipefail
@@ -53,7 +54,8 @@ done
 
 bench=("$py" -m tools.bench_serving --metrics-url "$metrics" --quiet)
 sdk=(--backend lorapipe --endpoint "$endpoint")
-http=(--backend openai --base-url "$base_url")
+# several client processes on the HTTP side: one Python process parsing SSE caps what it can measure
+http=(--backend openai --base-url "$base_url" --client-procs "${CLIENT_PROCS:-4}")
 # warm-up through both doors (first-use kernel compiles are not what is measured)
 "${bench[@]}" "${sdk[@]}" --num-prompts "$warm" "${gen[@]}" --request-rate inf --seed 999
 "${bench[@]}" "${http[@]}" --num-prompts "$warm" "${gen[@]}" --request-rate inf --seed 998

@@ -155,6 +155,18 @@ def test_openai_backend_runs_the_same_workload_over_http(server, tmp_path):
     check_server_counters(http)
     for a, b in zip(sdk["requests"], http["requests"], strict=True):
         assert a["token_ids"] == b["token_ids"]  # greedy: the same tokens through either front door
+    # the same workload from 3 client processes: every request once, in workload order, same tokens,
+    # its times on one clock (each starts after the earliest start and ends within the run)
+    multi = bench(
+        server, "--workload", str(saved), "--backend", "openai", "--base-url", server.base_url,
+        "--client-procs", "3",
+    )  # fmt: skip
+    check_report(multi, workload)
+    check_server_counters(multi)
+    duration = multi["summary"]["duration_s"]
+    for a, b in zip(sdk["requests"], multi["requests"], strict=True):
+        assert a["token_ids"] == b["token_ids"]
+        assert 0.0 <= b["start"] <= b["end"] <= duration + 1e-6
 
 
 @pytest.mark.timeout(120)
