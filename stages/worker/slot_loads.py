@@ -61,11 +61,12 @@ class PendingLoads:
     def layer_waits(self, slots: set[int], num_layers: int) -> list[list[Any]] | None:
         """Per-layer events a step must wait on before each layer, for the copies into `slots` that
         have them (the step's compute then overlaps the rest of those copies); None if there are none.
-        Copies without per-layer events get a whole wait, as in `wait_for`."""
+        Copies without per-layer events get a whole wait, as in `wait_for`. A copy that has already
+        completed (a prefetch issued steps ago) needs no wait: the step may then replay a graph."""
         waits: list[list[Any]] = [[] for _ in range(num_layers)]
         for slot in slots & self.by_slot.keys():
             h = self.by_slot[slot]
-            if h.event is None or h.waited:
+            if h.event is None or h.waited or h.event.query():
                 continue
             h.waited = True
             if h.layer_events is None or len(h.layer_events) != num_layers:

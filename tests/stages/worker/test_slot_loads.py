@@ -157,10 +157,13 @@ def test_layer_waits_skip_done_and_waited_copies():
     layered = LoadHandle(0, 1, event=FakeEvent(), layer_events=[FakeEvent(), FakeEvent()])
     whole = LoadHandle(1, 1, event=FakeEvent())
     done = LoadHandle(2, 1)  # a copy that completed synchronously
-    for h in (layered, whole, done):
+    finished = LoadHandle(3, 1, event=FakeEvent(), layer_events=[FakeEvent(), FakeEvent()])
+    finished.event.complete = True  # a prefetch whose copy has ended since
+    for h in (layered, whole, done, finished):
         pending.add(h)
-    waits = pending.layer_waits({0, 1, 2, 7}, num_layers=2)
+    waits = pending.layer_waits({0, 1, 2, 3, 7}, num_layers=2)
     assert waits == [[layered.layer_events[0], whole.event], [layered.layer_events[1]]]
+    assert not finished.waited  # it overlapped entirely: not counted as a wait
     assert pending.layer_waits({0, 1}, num_layers=2) is None  # each copy is waited on once
 
 
