@@ -11,6 +11,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from stages.scheduler.metrics import HOLD_STATES, WAITING_TIERS
+
 # report key -> (family, sample labels to match); values are summed over stages and other labels.
 COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
     "adapter_loads": ("lorapipe_adapter_loads", {"result": "staged"}),  # disk → host cache
@@ -28,6 +30,22 @@ COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
 }
 
 
+# timeline key -> (sample name, labels to match): gauges and histogram sums, summed like COUNTERS; they
+# show where the requests and adapters stand while a run goes on (not differenced over the run)
+GAUGES: dict[str, tuple[str, dict[str, str]]] = {
+    "waiting": ("lorapipe_waiting_requests", {}),
+    "running": ("lorapipe_running_requests", {}),
+    **{f"waiting_{tier}": ("lorapipe_waiting_requests_by_tier", {"tier": tier}) for tier in WAITING_TIERS},
+    **{f"holds_{st}": ("lorapipe_host_holds", {"state": st}) for st in HOLD_STATES},
+    "pool_adapters": ("lorapipe_lora_pool_adapters", {}),
+    "loader_loading": ("lorapipe_host_cache_adapters", {"state": "loading"}),
+    "load_seconds_sum": ("lorapipe_adapter_load_seconds_sum", {}),
+    "load_seconds_count": ("lorapipe_adapter_load_seconds_count", {}),
+    "step_seconds_sum": ("lorapipe_step_seconds_sum", {}),
+    "decode_graph_replays": ("lorapipe_decode_graph_replays", {}),
+    "step_graph_replays": ("lorapipe_step_graph_replays", {}),
+}
+
 # report key -> histogram family; scraped as {upper bound: cumulative count} (summed over stages)
 HISTOGRAMS: dict[str, str] = {
     "adapter_wait": "lorapipe_adapter_wait_seconds",  # arrival to admission of requests that waited
@@ -35,13 +53,16 @@ HISTOGRAMS: dict[str, str] = {
 
 
 def scrape(url: str, timeout: float = 10.0) -> dict[str, Any]:
-    """The COUNTERS and HISTOGRAMS now; None for a family the server does not expose."""
+    """The COUNTERS, GAUGES and HISTOGRAMS now; None for a series the server does not expose."""
     return parse(urllib.request.urlopen(url, timeout=timeout).read().decode())
 
 
 def parse(text: str) -> dict[str, Any]:
-    """COUNTERS and HISTOGRAMS out of a Prometheus text exposition."""
-    values: dict[str, Any] = dict.fromkeys([*COUNTERS, *HISTOGRAMS])
+    """COUNTERS, GAUGES and HISTOGRAMS out of a Prometheus text exposition."""
+    values: dict[str, Any] = dict.fromkeys([*COUNTERS, *GAUGES, *HISTOGRAMS])
+    samples = {}
+    for key, (name, _) in GAUGES.items():
+        samples.setdefault(name, []).append(key)
     wanted = {fam: [k for k, (f, _) in COUNTERS.items() if f == fam] for fam, _ in COUNTERS.values()}
     hists = {fam: key for key, fam in HISTOGRAMS.items()}
     for fam in text_string_to_metric_families(text):
@@ -52,6 +73,10 @@ def parse(text: str) -> dict[str, Any]:
                     le = float(smp.labels["le"])
                     buckets[le] = buckets.get(le, 0.0) + smp.value
             values[hists[fam.name]] = buckets
+        for smp in fam.samples:
+            for key in samples.get(smp.name, []):
+                if all(smp.labels.get(k) == v for k, v in GAUGES[key][1].items()):
+                    values[key] = (values[key] or 0.0) + smp.value
         for key in wanted.get(fam.name, []):
             labels = COUNTERS[key][1]
             values[key] = sum(

@@ -58,3 +58,21 @@ def test_missing_histogram_is_none():
     start = bench_metrics.parse("")
     assert start["adapter_wait"] is None
     assert bench_metrics.delta(start, start)["adapter_wait"] is None
+
+
+def test_timeline_gauges_come_from_a_real_scheduler_registry():
+    """The gauges kept for the timeline, read from the scheduler's own series (names and labels as the
+    scheduler registers them), summed per key; absent series stay None."""
+    from runtime.base.metrics import StageMetrics
+    from stages.scheduler.metrics import HOLD_STATES, TIERS, WAITING_TIERS, SchedulerMetrics
+
+    m = StageMetrics("scheduler")
+    waiting = dict.fromkeys(WAITING_TIERS, 0) | {"host": 3, "disk": 5}
+    holds = dict.fromkeys(HOLD_STATES, 0) | {"waiting": 2, "held": 4}
+    SchedulerMetrics(
+        m, lambda: None, lambda: 9, lambda: dict.fromkeys(TIERS, 0), lambda: waiting, lambda: holds
+    )
+    got = bench_metrics.parse(m.exposition())
+    assert (got["waiting"], got["running"], got["waiting_host"], got["waiting_disk"]) == (9, 0, 3, 5)
+    assert (got["holds_waiting"], got["holds_held"], got["holds_refused"]) == (2, 4, 0)
+    assert got["load_seconds_sum"] is None and got["step_graph_replays"] is None  # other stages' series
