@@ -224,11 +224,8 @@ def choose_splits(
 def split_key_counts(max_keys: int, min_split_keys: int = 256) -> list[int]:
     """Key counts up to `max_keys` that reach every answer `choose_splits` can give (it doubles the
     splits at each doubling of the keys from 2 x min_split_keys on, and never splits below that)."""
-    out, k = {1, max_keys}, 2 * min_split_keys
-    while k < max_keys:
-        out.add(k)
-        k *= 2
-    return sorted(out)
+    doublings = (2 * min_split_keys << i for i in range(max_keys.bit_length()))
+    return sorted({1, max_keys, *(k for k in doublings if k < max_keys)})
 
 
 def plan_attention(
