@@ -174,3 +174,16 @@ def test_no_import_cycles():
 def test_cycle_finder_sees_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+MAX_MODULE_LINES = 400  # small files with one clear job (docs/architecture.md)
+
+
+def test_no_module_of_the_runtime_is_over_the_line_limit():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for top in ("stages", "runtime", "kernels", "proto")
+        for p in (ROOT / top).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by job): {long}"
