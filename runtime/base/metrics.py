@@ -8,6 +8,7 @@ simply reports again, and no shared files or multiprocess mode are needed."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import (
@@ -19,7 +20,7 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 # `_created` series would come back from the parser as separate gauge families; nobody needs them.
@@ -96,8 +97,37 @@ class StageMetrics:
         self.queue_depth.labels(queue=name).set_function(depth)
         self.queue_capacity.labels(queue=name).set(capacity)
 
+    def gauge_map(
+        self, name: str, doc: str, label: str, keys: Sequence[str], values: Callable[[], Mapping[str, float]]
+    ) -> None:
+        """A gauge with one label beyond the stage, one series per key, all read from a single call of
+        `values` per scrape (a function per child would run it once per key)."""
+        self.registry.register(_GaugeMap(name, doc, ["stage", label], self.stage, tuple(keys), values))
+
     def exposition(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+@dataclass(frozen=True, eq=False)  # registered by identity
+class _GaugeMap:
+    """The collector behind `StageMetrics.gauge_map`."""
+
+    name: str
+    doc: str
+    labels: list[str]
+    stage: str
+    keys: tuple[str, ...]
+    values: Callable[[], Mapping[str, float]]
+
+    def describe(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(self.name, self.doc, labels=self.labels)
+
+    def collect(self) -> Iterable[Metric]:
+        now = self.values()
+        family = GaugeMetricFamily(self.name, self.doc, labels=self.labels)
+        for key in self.keys:
+            family.add_metric([self.stage, key], now[key])
+        yield family
 
 
 class AggregateCollector:

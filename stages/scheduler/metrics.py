@@ -66,24 +66,24 @@ class SchedulerMetrics:
             ["result"],
         )
         self.failed = m.counter("lorapipe_requests_failed", "Requests failed by the scheduler", ["kind"])
-        tiers = m.gauge("lorapipe_adapters_by_tier", "Registered adapters by where they are", ["tier"])
-        for tier in TIERS:
-            tiers.labels(tier=tier).set_function(lambda tier=tier: tier_counts()[tier])
-        by_tier = m.gauge(
+        m.gauge_map(
+            "lorapipe_adapters_by_tier", "Registered adapters by where they are", "tier", TIERS, tier_counts
+        )
+        m.gauge_map(
             "lorapipe_waiting_requests_by_tier",
             "Waiting requests by where their adapter is (asked: a StageAdapter is outstanding)",
-            ["tier"],
+            "tier",
+            WAITING_TIERS,
+            waiting_tiers,
         )
-        for tier in WAITING_TIERS:
-            by_tier.labels(tier=tier).set_function(lambda tier=tier: waiting_tiers()[tier])
-        holds = m.gauge(
+        m.gauge_map(
             "lorapipe_host_holds",
             "Host blocks held for the GPU pool (waiting: no pool load issued yet), StageAdapters "
             "outstanding, adapters refused for host room",
-            ["state"],
+            "state",
+            HOLD_STATES,
+            hold_counts,
         )
-        for state in HOLD_STATES:
-            holds.labels(state=state).set_function(lambda state=state: hold_counts()[state])
         self.host_lookups = m.counter(
             "lorapipe_host_lookups",
             "Adapters needed in the GPU pool: block already in the host cache (hit) or read from disk (miss)",

@@ -71,3 +71,20 @@ def test_launcher_serves_merged_metrics_over_http():
     finally:
         server.shutdown()
         thread.join(timeout=10)
+
+
+def test_gauge_map_reads_its_values_once_per_scrape():
+    m = StageMetrics("scheduler")
+    calls = []
+
+    def counts() -> dict[str, int]:
+        calls.append(1)
+        return {"gpu": 2, "host": 5, "disk": 0}
+
+    m.gauge_map("lorapipe_test_by_tier", "test", "tier", ("gpu", "host", "disk"), counts)
+    (fam,) = [f for f in text_string_to_metric_families(m.exposition()) if f.name == "lorapipe_test_by_tier"]
+    got = {(s.labels["stage"], s.labels["tier"]): s.value for s in fam.samples}
+    assert got == {("scheduler", "gpu"): 2, ("scheduler", "host"): 5, ("scheduler", "disk"): 0}
+    assert fam.type == "gauge" and len(calls) == 1
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        m.gauge_map("lorapipe_test_by_tier", "again", "tier", ("gpu",), counts)
