@@ -14,19 +14,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from tools.bench_report import RequestRecord
-from tools.workload import WorkloadRequest, dumps, read_workload
+from tools.workload import WorkloadRequest, dumps, loads
 
 
 def _child(share: bytes, kw: dict[str, Any], barrier: Any, conn: Any) -> None:
     """Runs in a client process: replays `share` (workload JSONL), sends back (t0, duration, records)."""
-    import tempfile
-
     from tools.bench_serving import drive
 
-    with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
-        f.write(share)
-        f.flush()
-        workload = read_workload(f.name)
+    workload = loads(share, "a client process's share")
     records, t0, duration = asyncio.run(drive(workload=workload, start_barrier=barrier, **kw))
     conn.send_bytes(json.dumps([t0, duration, [dataclasses.asdict(r) for r in records]]).encode())
     conn.close()

@@ -79,15 +79,21 @@ def write_workload(path: str | Path, requests: Sequence[WorkloadRequest]) -> Non
 
 
 def read_workload(path: str | Path) -> list[WorkloadRequest]:
+    return loads(Path(path).read_bytes(), str(path))
+
+
+def loads(data: bytes, source: str = "<workload>") -> list[WorkloadRequest]:
+    """The requests of workload JSONL `data` (what `dumps` writes), each checked; errors name
+    `source` and the line."""
     out = []
-    for n, line in enumerate(Path(path).read_bytes().splitlines(), 1):
+    for n, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
         try:
             req = _decoder.decode(line)
             req.check()
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
-            raise ValueError(f"{path}:{n}: {exc}") from None
+            raise ValueError(f"{source}:{n}: {exc}") from None
         out.append(req)
     return out
 
