@@ -152,17 +152,13 @@ class DecodeGraphs:
     def graph_keys(self) -> list[tuple[int, int, bool]]:
         """(bucket, key splits, adapters present) of every graph a batch can need, largest bucket first:
         each split count a context up to max_model_len can choose."""
-        max_keys = self.max_pages * self.kv.page_size
+        keys = split_key_counts(self.max_pages * self.kv.page_size)
+        loras = (False, True) if self.lora is not None else (False,)
         out = []
         for padded in reversed(self.buckets):
             blocks = padded * self.blocks_per_seq
-            splits = {
-                choose_splits(blocks, self.num_kv_heads, n, self.device) for n in split_key_counts(max_keys)
-            }
-            for s in sorted(splits):
-                out.extend(
-                    (padded, s, lora) for lora in ((False, True) if self.lora is not None else (False,))
-                )
+            splits = {choose_splits(blocks, self.num_kv_heads, n, self.device) for n in keys}
+            out.extend((padded, s, lora) for s in sorted(splits) for lora in loras)
         return out
 
     def _stage(
