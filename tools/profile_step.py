@@ -1,6 +1,8 @@
 """Profiles one decode step of the worker's model runner: host wall time vs GPU time per step, with
 and without adapters, eager and replayed as a CUDA graph, and the torch profiler's top operations of the
-eager steps. Prints one table; `--out` writes JSON.
+eager steps. Prints one table; `--out` writes JSON. `--distinct 1,2,4` measures the LoRA cases once per
+count of distinct adapters in the batch (sequence i uses adapter i % K) in one process, the base-only
+cases once, and writes one JSON per count (`--out` then names a pattern with `{k}`).
     python tools/profile_step.py --model DIR --adapter-dir DIR [--batch 64] [--ctx 256] [--steps 20]"""
 
 from __future__ import annotations
@@ -79,8 +81,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also run N steps of each eager case under cProfile: the host functions with the "
                    "most own time")  # fmt: skip
+    p.add_argument("--distinct", default=None, metavar="K1,K2,...",
+                   help="sweep: the LoRA cases for each count of distinct adapters (loads the largest count; "
+                   "overrides --slots); --out must contain {k}")  # fmt: skip
     p.add_argument("--out")
     a = p.parse_args(argv)
+    sweep = [int(k) for k in a.distinct.split(",")] if a.distinct else None
+    if sweep is not None:
+        if min(sweep) < 1:
+            p.error("--distinct: every count must be at least 1")
+        if a.out and "{k}" not in a.out:
+            p.error("--out must contain {k} with --distinct (one JSON per count)")
+        a.slots = max(sweep)
     if a.prefill and a.batch * a.ctx > 2048:
         p.error("--prefill: batch * ctx must be at most 2048 (the runner's max_tokens_per_step)")
     if a.prefill and a.mix_prefill:
@@ -101,14 +113,23 @@ def main(argv: list[str] | None = None) -> None:
         packed = read_adapter(d.name, d, runner.model_cfg, runner.lora_layout, runner.dtype, pin_memory=True)
         runner.load_adapter(slot, packed, [(row, packed.rank)])  # side by side in the pool
         row += packed.rank
+    graphs, steps = runner.graphs, runner.step_graphs
+    base = _cases(a, runner, chunks, pages_per, (("base-only", None, False), ("base-only graph", None, True)))
+    for k in sweep or [len(dirs)]:
+        k = min(k, len(dirs))
+        results = dict(base)
+        results.update(_cases(a, runner, chunks, pages_per, (("lora", k, False), ("lora graph", k, True))))
+        results = {n: results[n] for n in ("base-only", "lora", "base-only graph", "lora graph")}
+        _report(a, results, graphs, steps, k, sweep is not None)
+
+
+def _cases(a, runner: ModelRunner, chunks: list[int], pages_per: int, cases) -> dict[str, dict]:
+    """Measure each (label, distinct adapters or None for base-only, graphed) case: median wall and GPU ms,
+    and for eager cases the profiler's table (unless sweeping)."""
     results = {}
     graphs, steps = runner.graphs, runner.step_graphs
-    for label, slot_of, graphed in (
-        ("base-only", lambda i: -1, False),
-        ("lora", lambda i: i % len(dirs), False),
-        ("base-only graph", lambda i: -1, True),
-        ("lora graph", lambda i: i % len(dirs), True),
-    ):
+    for label, k, graphed in cases:
+        slot_of = (lambda i: -1) if k is None else (lambda i, k=k: i % k)
         runner.graphs = graphs if graphed else None  # decode steps
         runner.step_graphs = steps if graphed else None  # prefill steps
         new = a.ctx if a.prefill else 1
@@ -128,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         what = f"prefills of {a.ctx}" if a.prefill else f"decodes at ctx {a.ctx}"
         what += f" + {a.mix_prefill} prefill tokens" if a.mix_prefill else ""
         print(f"\n=== {label}: {a.batch} {what}: host wall {wall:.2f} ms, GPU {gpu:.2f} ms")
-        if graphed:
+        if graphed or a.distinct:
             continue
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -145,6 +166,13 @@ def main(argv: list[str] | None = None) -> None:
         results[label]["kernel_ms"] = kernel_ms
         print(f"GPU kernel time (profiler): {kernel_ms} ms")
         print(table)
+    runner.graphs, runner.step_graphs = graphs, steps
+    return results
+
+
+def _report(a, results: dict, graphs, steps, k: int, sweep: bool) -> None:
+    if sweep:
+        print(f"\n##### {k} distinct adapters in a batch of {a.batch}")
     if graphs is not None:
         n, secs = len(graphs.graphs), graphs.capture_seconds
         print(f"decode graphs captured: {n} in {secs:.2f} s; replays {graphs.replays}")
@@ -156,7 +184,9 @@ def main(argv: list[str] | None = None) -> None:
         kernels = f"{r['kernel_ms']:10.2f}" if r.get("kernel_ms") is not None else f"{'-':>10}"
         print(f"{label:<16} {r['wall_ms']:8.2f} {r['gpu_ms']:8.2f} {kernels}")
     if a.out:
-        Path(a.out).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+        args = {**vars(a), "slots": k}
+        out = Path(a.out.replace("{k}", str(k)))
+        out.write_text(json.dumps({"args": args, "results": results}, indent=1))
 
 
 if __name__ == "__main__":
