@@ -64,6 +64,7 @@ def stage_configs(
         ),
         "scheduler": SchedulerConfig(
             max_cpu_loras=args.max_cpu_loras,
+            host_cache_bytes=pool_bytes,
             max_model_len=context,
             policy=planner_policy(args),
             adapters=args.adapter_paths,

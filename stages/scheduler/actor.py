@@ -51,6 +51,7 @@ from stages.scheduler.config import SchedulerConfig
 from stages.scheduler.gateway_metrics import add_gateway_metrics
 from stages.scheduler.metrics import SchedulerMetrics
 from stages.scheduler.planner import Planner, PlannerConfig
+from stages.scheduler.warm_start import StartupWarmer
 
 # Host blocks held for adapters whose pool load is not issued yet, when --max-loras-per-batch does not
 # say how many one step can use: staging runs this far ahead of the waiting queue.
@@ -89,6 +90,9 @@ class SchedulerActor(Actor[SchedulerConfig]):
             self.series,
             max_held=config.max_cpu_loras,
             max_held_waiting=config.policy.max_loras_per_batch or STAGE_AHEAD,
+            warmer=StartupWarmer(
+                self.adapters, config.adapters, config.host_cache_bytes, config.max_cpu_loras
+            ),
         )
         self.ops = AdapterOps(self.adapters, self.lifecycle, self.to_tokenizer, self._fail)
         add_gateway_metrics(
@@ -148,6 +152,7 @@ class SchedulerActor(Actor[SchedulerConfig]):
                 await ops.on_adapter_staged(msg)
                 await life.on_adapter_staged(msg, planner)
             case AdapterFailed():
+                life.on_adapter_failed(msg)
                 await ops.on_adapter_failed(msg, planner)
             case Evicted():
                 life.on_evicted(msg)
@@ -227,12 +232,15 @@ class SchedulerActor(Actor[SchedulerConfig]):
     async def _kick(self) -> None:
         """Send plans until `max_plans_in_flight` are queued at the worker or nothing is left to run."""
         planner = self.planner
+        if planner is None:
+            await self.lifecycle.warm(None)  # the host pass runs while the worker starts
         while planner is not None and len(self.in_flight) < self.config.max_plans_in_flight:
             await self.lifecycle.stage_upcoming(planner)
             plan = self.series.schedule(planner)
-            if not (planner.running or plan.finished_request_ids or plan.slot_loads or self.pending_clears):
+            loads = [*plan.slot_loads, *await self.lifecycle.warm(planner)]
+            if not (planner.running or plan.finished_request_ids or loads or self.pending_clears):
                 return
-            loads = [self.lifecycle.issue_load(load) for load in plan.slot_loads]
+            loads = [self.lifecycle.issue_load(load) for load in loads]
             plan = msgspec.structs.replace(plan, slot_loads=loads, slot_clears=self.pending_clears)
             self.pending_clears = []
             self.in_flight[plan.step] = plan

@@ -5,17 +5,20 @@ worker has started)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from proto.loader import AdapterStaged, Evicted, ReleaseAdapter, StageAdapter
+from proto.loader import AdapterFailed, AdapterStaged, Evicted, ReleaseAdapter, StageAdapter
 from proto.plan import SlotLoad, StepResult
 from runtime.base.actor import Mailbox
 from runtime.common.host_pool import slot_load_for
 from stages.scheduler.adapters import AdapterRegistry
 from stages.scheduler.metrics import SchedulerMetrics
 from stages.scheduler.planner import Planner
+from stages.scheduler.warm_start import StartupWarmer
 
+log = logging.getLogger("scheduler")
 Fail = Callable[[str, str, str], Awaitable[None]]  # (request_id, kind, message): fail one request
 
 
@@ -28,9 +31,11 @@ class AdapterLifecycle:
         series: SchedulerMetrics,
         max_held: int | None,
         max_held_waiting: int,
+        warmer: StartupWarmer | None = None,
     ) -> None:
         """`max_held`: host blocks held or asked for at most (None: no cap, the host cache's bytes bound it);
-        `max_held_waiting`: of those, held for loads not issued yet (how far staging runs ahead)."""
+        `max_held_waiting`: of those, held for loads not issued yet (how far staging runs ahead);
+        `warmer`: stages the start-up adapters into the host cache and the pool before any request."""
         self.adapters = adapters
         self.to_loader = to_loader
         self.fail = fail
@@ -41,6 +46,7 @@ class AdapterLifecycle:
         self.loader_up = False
         self.restage: list[str] = []  # names a restarted loader must be asked for again
         self._host_looked: set[str] = set()  # adapters counted in host lookups since their last pool load
+        self.warmer = warmer
 
     def load_bytes(self, name: str) -> int:
         e = self.adapters.get(name)
@@ -80,6 +86,7 @@ class AdapterLifecycle:
 
     async def _maybe_release(self, name: str, planner: Planner | None) -> None:
         needed = planner is not None and name in planner.adapters_needed()
+        needed = needed or (self.warmer is not None and self.warmer.wants(name))
         if self.adapters.release(name, needed):
             await self.to_loader.put(ReleaseAdapter(name=name))
 
@@ -129,6 +136,8 @@ class AdapterLifecycle:
     async def on_loader_started(self) -> None:
         self.loader_up = True
         self.restage = self.adapters.on_loader_restart()
+        if self.warmer is not None and self.adapters.generation > 1:
+            self.warmer.stop()  # a restarted loader: its cache is empty, demand refills it
         await self._restage()
 
     async def _restage(self) -> None:
@@ -142,6 +151,8 @@ class AdapterLifecycle:
     async def on_adapter_staged(self, msg: AdapterStaged, planner: Planner | None) -> None:
         """Hold the block while a waiting request needs it loaded or a load op waits to validate;
         otherwise give it back at once."""
+        if self.warmer is not None:
+            self.warmer.on_staged(msg)
         e = self.adapters.on_staged(msg)
         if e is None:
             return await self.to_loader.put(ReleaseAdapter(name=msg.name))
@@ -150,3 +161,30 @@ class AdapterLifecycle:
 
     def on_evicted(self, msg: Evicted) -> None:
         self.adapters.on_evicted(msg.name)
+        if self.warmer is not None:
+            self.warmer.on_evicted(msg.name)
+
+    def on_adapter_failed(self, msg: AdapterFailed) -> None:
+        if self.warmer is not None:
+            self.warmer.on_failed(msg.name, msg.retryable)
+
+    # --- start-up warming ---------------------------------------------------------------------------
+    async def warm(self, planner: Planner | None) -> list[SlotLoad]:
+        """Ask the loader for the blocks the warmer wants staged or held, give back holds it no longer
+        wants, and return its pool loads for the next plan (not issued yet)."""
+        w = self.warmer
+        if w is None or not w.active or not self.loader_up or self._stale_copies():
+            return []
+        loads: list[SlotLoad] = []
+        hold, dropped = w.pool_step(planner, loads)
+        for name in [*w.to_stage(planner), *hold]:
+            await self.to_loader.put(StageAdapter(name=name, path=self.adapters.get(name).path))
+        for name in dropped:
+            await self._maybe_release(name, planner)
+        if not w.active:
+            mib = w.host_warmed_bytes / 2**20
+            log.info(
+                "start-up adapters warmed: %d staged into the host cache (%.1f MiB), %d copied into the "
+                "GPU adapter pool", w.host_warmed, mib, w.pool_warmed
+            )  # fmt: skip
+        return loads

@@ -13,6 +13,7 @@ from stages.scheduler.planner import PlannerPolicy
 class SchedulerConfig(StageConfig, frozen=True, kw_only=True):
     endpoints: Endpoints
     max_cpu_loras: int | None = None  # host-cache cap, if any: the scheduler never holds more blocks
+    host_cache_bytes: int = 0  # the host cache's capacity: start-up warming stops short of it (0: unknown)
     max_model_len: int
     # the planner's settings (runtime/engine_args.py derives them); the pool's size comes from the worker
     policy: PlannerPolicy = msgspec.field(default_factory=PlannerPolicy)

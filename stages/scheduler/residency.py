@@ -62,6 +62,14 @@ class Residency:
         """Make `adapter` resident (after `place` said LOAD with the same `nearer`); returns its id."""
         return self._load(adapter, self._exclude(adapter, nearer), self.overlapped(adapter), loads)
 
+    def warm(self, adapter: str, loads: list[SlotLoad]) -> bool:
+        """Start-up warming: load `adapter` into free rows and a free id, never evicting (False when it is
+        resident already or does not fit now). Marked loading until the worker reports the copy done."""
+        if self.table.get(adapter) is not None or self.table.victims(self.adapter_rows(adapter)) != []:
+            return False
+        self._load(adapter, (), True, loads)
+        return True
+
     def _load(self, adapter: str, exclude: Collection[str], overlapped: bool, loads: list[SlotLoad]) -> int:
         res, _ = self.table.assign(adapter, self.adapter_rows(adapter), loading=overlapped, exclude=exclude)
         loads.append(

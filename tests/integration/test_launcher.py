@@ -236,8 +236,9 @@ class Served:
     def __init__(self, model: Path, adapters: dict[str, Path], log: Path, *flags: str) -> None:
         self.endpoint = f"ipc://{log.parent}/client.sock"
         cmd = [sys.executable, "-m", "runtime.cli", "serve", "--model", str(model), "--device", "cpu"]
-        cmd += ["--endpoint", self.endpoint, "--metrics-port", "0", "--max-loras-per-batch", "2"]
-        cmd += ["--max-cpu-loras", "3", "--max-lora-rank", "16", "--num-pages", "128", *flags]
+        cmd += ["--endpoint", self.endpoint, "--metrics-port", "0", "--port", "0"]  # no HTTP front end
+        cmd += ["--max-loras-per-batch", "2", "--max-cpu-loras", "3", "--max-lora-rank", "16"]
+        cmd += ["--num-pages", "128", *flags]
         for name, path in adapters.items():
             cmd += ["--adapter", f"{name}={path}"]
         self.log = log

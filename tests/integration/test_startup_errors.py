@@ -38,7 +38,8 @@ def test_bad_adapters_stop_the_start_with_a_runtime_loads_message(tiny_llama, tm
     (good,) = make_adapters(tiny_llama, tmp_path / "good", n=1, ranks=(8,), seed=3)
     for adapter, flags in ((wrong_base, []), (too_big, ["--max-lora-rank", "16"])):
         want = _runtime_load_error(tiny_llama, adapter, 16)
-        argv = ["serve", "--model", str(tiny_llama), "--device", "cpu", "--metrics-port", "-1", *flags]
+        argv = ["serve", "--model", str(tiny_llama), "--device", "cpu", "--metrics-port", "-1", "--port", "0"]
+        argv += flags
         argv += ["--adapter", f"ok={good}", "--adapter", f"x={adapter}"]
         with pytest.raises(SystemExit) as exc:
             cli_main(argv)
@@ -51,7 +52,9 @@ def test_bad_adapters_stop_the_start_with_a_runtime_loads_message(tiny_llama, tm
 
 
 def _serve(model: Path, *flags: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "runtime.cli", "serve", "--model", str(model), "--device", "cpu", *flags]
+    """`lorapipe serve` with the HTTP front end off (the default port 8000 may be another program's)."""
+    cmd = [sys.executable, "-m", "runtime.cli", "serve", "--model", str(model), "--device", "cpu"]
+    cmd += ["--port", "0", *flags]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
