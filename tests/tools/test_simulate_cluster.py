@@ -62,10 +62,23 @@ def test_a_curve_without_a_citation_is_refused(tmp_path):
 
 
 def test_decode_curve_passes_through_the_measured_points(curves):
-    assert curves.decode_ms(64, 0) == 3.77 and curves.decode_ms(256, 32) == 6.57
-    assert curves.decode_ms(1, 0) == 3.77  # below the smallest measured batch: its time
-    assert curves.decode_ms(160, 16) == pytest.approx((3.77 + 5.01 + 5.46 + 6.57) / 4)
-    assert curves.decode_ms(256, 64) == pytest.approx(6.57 + (6.57 - 5.46))  # the last slope on
+    points = json.loads(DEFAULT_FILE.read_text())["decode_step_ms"]["points"]
+    at = {(p["batch"], p["distinct_adapters"]): p["ms"] for p in points}
+    for (b, k), ms in at.items():
+        assert curves.decode_ms(b, k) == pytest.approx(ms), (b, k)
+    batches = sorted({b for b, _ in at})
+    small, large = batches[0], batches[-1]
+    assert curves.decode_ms(1, 0) == pytest.approx(at[(small, 0)])  # below the smallest batch: its time
+    counts = sorted(k for b, k in at if b == large)
+    k0, k1 = counts[-3], counts[-2]
+    mid = (k0 + k1) // 2  # between two measured counts: on the line through them
+    want = at[(large, k0)] + (at[(large, k1)] - at[(large, k0)]) * (mid - k0) / (k1 - k0)
+    assert curves.decode_ms(large, mid) == pytest.approx(want)
+    assert curves.decode_ms(large, counts[-1] * 2) == pytest.approx(at[(large, counts[-1])])  # flat beyond
+    half = (small + large) // 2  # between batch sizes: linear in batch at the same count
+    frac = (half - small) / (large - small)
+    want = at[(small, 0)] + (at[(large, 0)] - at[(small, 0)]) * frac
+    assert curves.decode_ms(half, 0) == pytest.approx(want)
 
 
 def run(curves, policy, n, requests, n_adapters, drain=60.0, router=None, window=(0.0, 1e9)):
@@ -91,14 +104,19 @@ def test_every_request_completes_exactly_once(curves, policy):
 
 
 def test_one_replica_times_by_hand(curves):
-    size = 22.5e6
-    disk, h2d = size / 0.3e9, size / (54.1e9 * 0.80)
+    raw = json.loads(DEFAULT_FILE.read_text())  # the file's own numbers, worked through by hand
+    at = {(p["batch"], p["distinct_adapters"]): p["ms"] for p in raw["decode_step_ms"]["points"]}
+    prefill = raw["prefill_ms_per_2048_tokens"]
+    size = raw["adapter_bytes"]["mb_by_rank"]["16"] * 1e6
+    disk = size / (raw["disk_to_host"]["gb_s"] * 1e9)
+    h2d = size / (raw["host_to_gpu"]["peak_gb_s"] * 1e9 * raw["host_to_gpu"]["ratio"])
     reqs = [Request(0, 0.0, None, 2048, 1), Request(1, 10.0, 0, 2048, 3)]
     c = run(curves, "random", 1, reqs, 1)
     base, lora = reqs
-    assert base.first_token == pytest.approx((3.77 + 14.53) / 1000) and base.done == base.first_token
-    step = 3.77 + (5.01 - 3.77) / 32  # batch 1 (flat below 64), one distinct adapter
-    first = 10.0 + disk + h2d + (step + 27.96) / 1000
+    first = (at[(64, 0)] + prefill["base_only"]) / 1000  # batch 1 takes the batch-64 time
+    assert base.first_token == pytest.approx(first) and base.done == base.first_token
+    step = at[(64, 1)]  # batch 1 (flat below 64), one distinct adapter
+    first = 10.0 + disk + h2d + (step + prefill["with_adapters"]) / 1000
     assert lora.first_token == pytest.approx(first)
     assert lora.done == pytest.approx(first + 2 * step / 1000)
     stats = c.replicas[0].stats

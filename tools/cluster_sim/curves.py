@@ -65,8 +65,9 @@ class Curves:
             raise CurveError(f"{path}: missing {exc}") from None
 
     def decode_ms(self, batch: int, distinct: int) -> float:
-        """Step time of a decode batch: linear in distinct adapters between the measured counts (and
-        beyond, with the last slope), linear in batch between the measured sizes, flat outside."""
+        """Step time of a decode batch: linear in distinct adapters between the measured counts (flat
+        beyond the largest: measured, the curve levels off well before it), linear in batch between the
+        measured sizes, flat outside."""
         batches = sorted({b for b, _, _ in self.decode_points})
         b = min(max(batch, batches[0]), batches[-1])
         lo = max(x for x in batches if x <= b)
@@ -81,8 +82,7 @@ class Curves:
         for (k0, y0), (k1, y1) in zip(pts, pts[1:], strict=False):
             if distinct <= k1:
                 return _lerp(distinct, k0, k1, y0, y1)
-        (k0, y0), (k1, y1) = pts[-2], pts[-1]
-        return _lerp(distinct, k0, k1, y0, y1)
+        return pts[-1][1]
 
     def prefill_ms(self, tokens: int, with_adapters: bool) -> float:
         per = self.prefill_ms_per_token_lora if with_adapters else self.prefill_ms_per_token_base
