@@ -6,7 +6,8 @@
 # server logs into OUT_DIR. About 6 minutes on an H100 with the 1B-shaped model.
 #   usage: bash tools/run_graphs_bench.sh OUT_DIR
 # Knobs: NUM_PROMPTS (1000), WARMUP_PROMPTS (256), NUM_ADAPTERS (32), ORDER ("on off off on"), SERVER_FLAGS, ON_FLAGS (the graphs'
-# side: "" = the default --cuda-graph-max-tokens), PRESET (1b), DEVICE (cuda), DTYPE (bfloat16), PORT.
+# side: "" = the default --cuda-graph-max-tokens), OFF_FLAGS (the other side: default --cuda-graph-max-tokens 0;
+# any A/B of one flag works, with TITLE for the results' heading), PRESET (1b), DEVICE (cuda), DTYPE, PORT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:?usage: bash tools/run_graphs_bench.sh OUT_DIR}")
@@ -14,7 +15,8 @@ py=${PYTHON:-python}
 num=${NUM_PROMPTS:-1000} nad=${NUM_ADAPTERS:-32} order=${ORDER:-"on off off on"}
 device=${DEVICE:-cuda} preset=${PRESET:-1b} dtype=${DTYPE:-bfloat16}
 server_flags=${SERVER_FLAGS:-"--max-loras-per-batch 32 --max-cpu-loras 32 --max-lora-rank 16 --max-model-len 2048 --max-running-requests 256 --max-tokens-per-step 8192"}
-on_flags=${ON_FLAGS:-} off_flags="--cuda-graph-max-tokens 0"
+on_flags=${ON_FLAGS:-} off_flags=${OFF_FLAGS:-"--cuda-graph-max-tokens 0"}
+title=${TITLE:-"Step CUDA graphs on vs --cuda-graph-max-tokens 0"}
 port=${PORT:-29100}
 scratch=${SCRATCH:-$out/scratch}
 mkdir -p "$out" "$scratch"
@@ -61,7 +63,7 @@ with Client(sys.argv[1], timeout=2.0) as c: sys.exit(0 if c.health().ok else 1)"
 
 n=0
 for side in $order; do n=$((n + 1)); run_one "$side" "$n"; done
-"$py" - "$out" "$num requests, 256 in / 128 out, all at once; preset $preset, $dtype; runs in order: $order" <<'EOF'
+"$py" - "$out" "$num requests, 256 in / 128 out, all at once; preset $preset, $dtype; runs in order: $order; on: \"$on_flags\", off: \"$off_flags\"" "$title" <<'EOF'
 import json, re, statistics, sys
 from pathlib import Path
 
@@ -72,9 +74,9 @@ for f in sorted(out.glob("run_*.json")):
     run, workload = f.stem[4:].rsplit("_", 1)
     side = run.rstrip("0123456789")
     runs.setdefault((workload, side), []).append((run, s["output_throughput"], s["ttft"]["p50"], s["e2e"]["p50"]))
-lines = ["# Step CUDA graphs on vs --cuda-graph-max-tokens 0", "",
+lines = ["# " + sys.argv[3], "",
          sys.argv[2] + ".", "",
-         "| workload | graphs | runs: output tok/s | median tok/s | median TTFT P50 (s) | median E2E P50 (s) |",
+         "| workload | side | runs: output tok/s | median tok/s | median TTFT P50 (s) | median E2E P50 (s) |",
          "| --- | --- | --- | --- | --- | --- |"]
 med = {}
 for (workload, side), rows in sorted(runs.items()):
@@ -87,7 +89,7 @@ for workload in ("base", "adapters"):
     if (workload, "on") in med and (workload, "off") in med:
         lines.append(f"- {workload}: on/off = {med[workload, 'on'] / med[workload, 'off']:.3f}")
 if ("base", "on") in med and ("adapters", "on") in med:
-    lines.append(f"- graphs on: adapters/base = {med['adapters', 'on'] / med['base', 'on']:.3f}")
+    lines.append(f"- on: adapters/base = {med['adapters', 'on'] / med['base', 'on']:.3f}")
 lines += ["", "Server start-up and graph counters (last run of each side):", ""]
 for side in ("on", "off"):
     logs = sorted(out.glob(f"server_{side}*.log"))
