@@ -13,6 +13,16 @@ from runtime.ray_serve.replica import LorapipeReplica
 INGRESS_REPLICAS = 1  # a thin pass-through; raise it when one process cannot parse the request rate
 
 
+def router_env(cfg: ClusterConfig) -> dict[str, str]:
+    """Settings of Ray's router, which runs in the ingress's process (the caller of the replicas' handle):
+    the queue-length probe's first deadline, and its backoff's cap (never below the first)."""
+    first = cfg.router_probe_deadline_s
+    return {
+        "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": str(first),
+        "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": str(max(first * 4, 1.0)),
+    }
+
+
 def build_app(cfg: ClusterConfig) -> Application:
     replica = serve.deployment(
         LorapipeReplica,
@@ -28,7 +38,7 @@ def build_app(cfg: ClusterConfig) -> Application:
         OpenAIIngress,
         name="OpenAIIngress",
         num_replicas=INGRESS_REPLICAS,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": router_env(cfg)}},
         max_ongoing_requests=cfg.max_ongoing_requests * cfg.num_replicas,
     )
     return ingress.bind(replica.bind(cfg), cfg)

@@ -45,6 +45,11 @@ class ClusterConfig:
     health_check_period_s: float = 5.0
     health_check_timeout_s: float = 30.0
     retry_deadline_s: float = 120.0  # how long the ingress retries a request no replica could start
+    # How long Ray's router waits for a replica's queue length before it counts that replica out for one
+    # routing attempt (Ray's default: 0.1 s). A replica counted out this way loses its adapter's request to
+    # a replica without the adapter, which then loads it and evicts another: far dearer for LoRA serving
+    # than a late answer from a busy event loop.
+    router_probe_deadline_s: float = 1.0
     max_body_bytes: int = 16 * 2**20
     host: str = "127.0.0.1"
     port: int = 8000
@@ -77,6 +82,8 @@ class ClusterConfig:
             flag = arg.split("=", 1)[0]
             if flag in OWNED_SERVER_FLAGS:
                 raise ClusterConfigError(f"server flag {flag}: each replica sets it itself; remove it")
+        if not self.router_probe_deadline_s > 0:
+            raise ClusterConfigError(f"--router-probe-deadline {self.router_probe_deadline_s}: must be > 0")
         if not 0 < self.port <= 65535:
             raise ClusterConfigError(f"--port {self.port}: not a port")
 
@@ -101,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ongoing-requests", type=int, default=256, help="per replica")
     p.add_argument("--health-check-period", type=float, default=5.0, help="seconds")
     p.add_argument("--retry-deadline", type=float, default=120.0, help="seconds a request may be retried")
+    p.add_argument(
+        "--router-probe-deadline", type=float, default=1.0,
+        help="seconds Ray's router waits for a replica's queue length before it routes elsewhere "
+        "(Ray's own default 0.1 s sends requests away from their adapter's replica when it is busy)",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address of the HTTP ingress")
     p.add_argument("--port", type=int, default=8000, help="port of the HTTP ingress")
     p.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
@@ -131,6 +143,7 @@ def from_args(ns: argparse.Namespace) -> ClusterConfig:
         server_args=tuple(server_args),
         health_check_period_s=ns.health_check_period,
         retry_deadline_s=ns.retry_deadline,
+        router_probe_deadline_s=ns.router_probe_deadline,
         host=ns.host,
         port=ns.port,
     )

@@ -3,8 +3,13 @@ naming them, before any cluster is touched; adapter names resolve only to adapte
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
+from runtime.ray_serve.app import router_env
 from runtime.ray_serve.catalog import AdapterCatalog, CatalogError
 from runtime.ray_serve.config import ClusterConfig, ClusterConfigError, build_parser, from_args
 from runtime.ray_serve.ingress import adapter_of
@@ -75,6 +80,7 @@ def test_flags_become_the_config(root):
         (["--max-adapters-per-replica", "0"], "--max-adapters-per-replica 0"),
         (["--", "--port=9000"], "server flag --port: each replica sets it"),
         (["--", "--adapter", "x=/y"], "server flag --adapter"),
+        (["--router-probe-deadline", "0"], "--router-probe-deadline 0"),
     ],
 )
 def test_bad_flags_are_named(root, extra, want):
@@ -91,3 +97,15 @@ def test_model_field_names_the_adapter_as_on_one_server():
     assert adapter_of("base", "base") is None
     assert adapter_of("base:a0", "base") == "a0"
     assert adapter_of("a0", "base") == "a0"
+
+
+def test_the_router_settings_are_the_names_ray_reads(root):
+    """The ingress's runtime_env sets these for Ray's router: Ray must read them under these very names."""
+    env = router_env(parse(root, "--router-probe-deadline", "0.5"))
+    code = (
+        "from ray.serve._private import constants as c; print(c.RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S, "
+        "c.RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S)"
+    )
+    cmd = [sys.executable, "-c", code]
+    out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0.5", "2.0"]
