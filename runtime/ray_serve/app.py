@@ -15,11 +15,15 @@ INGRESS_REPLICAS = 1  # a thin pass-through; raise it when one process cannot pa
 
 def router_env(cfg: ClusterConfig) -> dict[str, str]:
     """Settings of Ray's router, which runs in the ingress's process (the caller of the replicas' handle):
-    the queue-length probe's first deadline, and its backoff's cap (never below the first)."""
+    the queue-length probe's first deadline and its backoff's cap (never below the first), and how long a
+    request keeps to the replicas holding its adapter before any replica may take it (Ray's default 1 to
+    2 s; a busy ingress loop can let that pass before the request is routed at all). A full replica still
+    refuses a request at once, and the next attempt spills it: overload spreads a hot adapter either way."""
     first = cfg.router_probe_deadline_s
     return {
         "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": str(first),
         "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": str(max(first * 4, 1.0)),
+        "RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S": str(max(first * 5, 1.0)),
     }
 
 

@@ -104,8 +104,9 @@ def test_the_router_settings_are_the_names_ray_reads(root):
     env = router_env(parse(root, "--router-probe-deadline", "0.5"))
     code = (
         "from ray.serve._private import constants as c; print(c.RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S, "
-        "c.RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S)"
+        "c.RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S, "
+        "c.RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S)"
     )
     cmd = [sys.executable, "-c", code]
     out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["0.5", "2.0"]
+    assert out.stdout.split() == ["0.5", "2.0", "2.5"]
