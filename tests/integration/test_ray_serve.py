@@ -1,5 +1,5 @@
 """lorapipe under a real Ray Serve on the CPU (issue 17): two replicas, each a real `lorapipe serve`
-process group, eight adapters multiplexed by name with room for four per replica, driven through the
+process group, eight adapters multiplexed by name with room for six per replica, driven through the
 OpenAI ingress by the official `openai` client. Greedy tokens must equal transformers + PEFT; adapters
 must stay with their replicas (a router without affinity would reload them on nearly every request);
 killing one replica's server mid-run must lose no request that had not started streaming, and Ray must
@@ -32,7 +32,7 @@ from tests.peft_reference import PeftReference
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[2]
-N_ADAPTERS, PER_REPLICA, N_REQUESTS, MAX_TOKENS = 8, 4, 200, 4
+N_ADAPTERS, PER_REPLICA, N_REQUESTS, MAX_TOKENS = 8, 6, 200, 4
 PROMPTS = [[5, 77, 140, 9, 23], [200, 3, 3, 18], [41, 42, 43, 44, 45, 46, 47], [250, 12]]
 SERVER_FLAGS = ("--max-lora-rank=8", "--max-loras-per-batch=4", "--num-pages=128", "--cpu-lora-cache-gb=0.01")
 
@@ -134,9 +134,13 @@ def test_greedy_outputs_match_peft_and_adapters_keep_to_their_replicas(reference
         loads[replica] = max(loads[replica], replica_loads)
     assert len(set(homes.values())) == 2, f"the first uses all went to one replica: {homes}"
     assert all(len(r) <= 2 for r in served_by.values()), served_by
-    # Four adapters fit per replica. With affinity each adapter is loaded about once; without it, every
-    # request landing on the replica that does not hold its adapter would load it (about half of 200).
-    assert sum(loads.values()) <= N_ADAPTERS + 6, f"adapter loads per replica {dict(loads)}"
+    # Six adapters fit per replica, eight in all: Ray homes each adapter where the fewest are loaded, as
+    # far as the router knows yet (replicas report their adapters asynchronously, so the homes may come
+    # out 5/3 or 6/2 under load; with room for exactly 4 + 4 any such split made every later request for
+    # the fifth adapter evict another, and the loads cascaded). With affinity each adapter is loaded
+    # about once; without it each replica would cycle all eight through its six places.
+    split = sorted(list(homes.values()).count(r) for r in set(homes.values()))
+    assert sum(loads.values()) <= N_ADAPTERS + 6, f"adapter loads per replica {dict(loads)}, homes {split}"
 
 
 def server_pids(model: Path) -> list[int]:
