@@ -13,8 +13,8 @@ INT32_MAX = 2**31 - 1
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """temperature 0 (or below GREEDY_TEMPERATURE) means greedy; top_k 0 and top_p 1 disable those
-    filters; seed None draws from the engine's generator, an int makes the request's samples
-    reproducible on their own."""
+    filters; an int seed makes the request's samples reproducible on their own; with None they come
+    from a generator seeded by the engine's seed and the request id (independent of batch-mates too)."""
 
     max_tokens: int = 16
     temperature: float = 0.0

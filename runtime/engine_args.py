@@ -38,6 +38,8 @@ class EngineArgs:
     # steps with prefill tokens up to N tokens replay CUDA graphs; None: min(max_tokens_per_step, 2048)
     cuda_graph_max_tokens: int | None = None
     seed: int = 0
+    # launch step N+1 before reading step N's tokens (off: the serial path, kept for comparison)
+    overlap_schedule: bool = True
     warmup: bool = True  # compile every reachable kernel variant before ready (CUDA; nothing on CPU)
 
     def resolved_device(self) -> str:
@@ -82,6 +84,13 @@ def graph_tokens(e: EngineArgs) -> int:
     if e.cuda_graph_max_tokens is None:
         return min(e.max_tokens_per_step, DEFAULT_GRAPH_TOKENS)
     return min(e.cuda_graph_max_tokens, e.max_tokens_per_step)
+
+
+def plans_in_flight(e: EngineArgs) -> int:
+    """Plans the scheduler keeps at the worker: with overlapped scheduling one more than the two steps
+    on the device, so that a plan is already queued when a step's result is read and the GPU never
+    waits for the scheduler's round trip."""
+    return 3 if e.overlap_schedule else 2
 
 
 def serving_dtype(e: EngineArgs, model_cfg: ModelConfig) -> str:

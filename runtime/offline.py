@@ -1,18 +1,20 @@
 """The offline engine: `LLM(...).generate(prompts, adapters=..., sampling=...)` runs the scheduler's
-planner and the worker's executor in one process, step by step (schedule → execute → update)."""
+planner and the worker's executor in one process, step by step (schedule → launch → finish → update),
+overlapped by default: step N+1 is launched before step N is finished (`overlap_schedule`)."""
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from proto.plan import SlotLoad
+from proto.pipeline import TokenBatch
+from proto.plan import SlotLoad, StepResult
 from proto.sampling import SamplingParams
 from runtime.common.model_config import ModelConfig
 from runtime.common.names import check_adapter_name
@@ -64,6 +66,7 @@ class LLM:
         overlap_min_mb: float = 64.0,
         warmup: bool = False,
         compile_cache_dir: str | None = None,
+        overlap_schedule: bool = True,
     ):
         """`overlap_loading` and `prefetch_depth` drive the same planner logic as `lorapipe serve`;
         here copies are synchronous, and a load is reported ready in the result of its step.
@@ -76,7 +79,9 @@ class LLM:
         tokens up to this many tokens replay CUDA graphs per token bucket (default
         min(max_tokens_per_step, 2048); 0: always eager). `warmup`: compile every kernel variant the
         engine can reach now, as `lorapipe serve` does, instead of on first use (CUDA only);
-        `compile_cache_dir` sets TRITON_CACHE_DIR for this process (before the first compile)."""
+        `compile_cache_dir` sets TRITON_CACHE_DIR for this process (before the first compile).
+        `overlap_schedule`: plan and launch step N+1 before step N's tokens are read, as the server's
+        worker does (`--no-overlap-schedule` there); off: schedule → execute → update, one at a time."""
         if compile_cache_dir is not None:
             os.environ["TRITON_CACHE_DIR"] = str(compile_cache_dir)
         self.engine_args = EngineArgs(
@@ -105,6 +110,7 @@ class LLM:
             cuda_graph_max_batch=cuda_graph_max_batch,
             cuda_graph_max_tokens=cuda_graph_max_tokens,
             seed=seed,
+            overlap_schedule=overlap_schedule,
             warmup=warmup,
         )
         mcfg = ModelConfig.from_dir(model)
@@ -185,9 +191,7 @@ class LLM:
         outputs: dict[str, list[int]] = {rid: [] for rid in rids}
         reasons: dict[str, str] = {}
         errors: dict[str, str] = {}
-        while planner.has_work:
-            result, tokens = executor.execute(planner.schedule())
-            planner.update(result)
+        for result, tokens in self._steps(planner, executor):
             for err in result.errors:
                 reasons[err.request_id], errors[err.request_id] = "error", err.message
             for item in tokens.items:
@@ -199,6 +203,22 @@ class LLM:
             RequestOutput(self._decode(outputs[rid]), outputs[rid], reasons[rid], ids, name, errors.get(rid))
             for rid, ids, name in zip(rids, prompt_ids, names, strict=True)
         ]
+
+    def _steps(self, planner: Planner, executor: StepExecutor) -> Iterator[tuple[StepResult, TokenBatch]]:
+        """Each step's outcome, after the planner has taken it. Overlapped: step N+1 is planned (before
+        the planner hears of step N, as a server's scheduler with plans in flight does) and launched
+        before step N is finished, so the device has the next step queued while the host reads tokens."""
+        overlap = self.engine_args.overlap_schedule
+        prev = None
+        while planner.has_work or prev is not None:
+            step = executor.launch(planner.schedule()) if planner.has_work else None
+            if not overlap:
+                prev, step = step, None
+            if prev is not None:
+                result, tokens = executor.finish(prev)
+                planner.update(result)
+                yield result, tokens
+            prev = step
 
     def _load_slot(self, load: SlotLoad) -> None:
         self.runner.load_adapter(

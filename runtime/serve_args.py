@@ -213,6 +213,13 @@ def _batching_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         "token-count bucket (padded to the next bucket; full graphs with the Triton attention, piecewise "
         "around attention otherwise; default: min(2048, --max-tokens-per-step); 0: always eager)",
     )
+    g.add_argument(
+        "--overlap-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=d.overlap_schedule,
+        help="launch the next step before reading the tokens of the one on the GPU, with one more plan "
+        "queued at the worker (off: the serial path, each step's tokens read before the next launch)",
+    )
 
 
 def _loading_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:

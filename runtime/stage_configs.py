@@ -12,7 +12,13 @@ import msgspec
 
 from runtime import http_args
 from runtime.base.endpoints import Endpoints
-from runtime.engine_args import context_length, planner_policy, runner_config, serving_dtype
+from runtime.engine_args import (
+    context_length,
+    planner_policy,
+    plans_in_flight,
+    runner_config,
+    serving_dtype,
+)
 from runtime.host_cache_size import loader_threads
 from runtime.serve_args import ServeArgs
 from runtime.serve_security import real_path, resolved_api_key, trusted_adapter_paths
@@ -68,6 +74,7 @@ def stage_configs(
             max_model_len=context,
             policy=planner_policy(args),
             adapters=args.adapter_paths,
+            max_plans_in_flight=plans_in_flight(args),
             **common,
         ),
         "worker": WorkerConfig(
@@ -75,6 +82,7 @@ def stage_configs(
             max_model_len=context,
             seed=args.seed,
             overlap_loading=args.overlap_loading,
+            overlap_schedule=args.overlap_schedule,
             **pool,
             **common,
         ),

@@ -79,19 +79,34 @@ def qwen2_adapters(tiny_qwen2, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture
 def recorded_logits(monkeypatch) -> dict[str, list[torch.Tensor]]:
-    """Float32 CPU logits of every row the engine samples, per request id, in step order (recorded at
-    the sampler, so tests compare exactly what the engine decided on)."""
+    return record_logits(monkeypatch)
+
+
+def record_logits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[torch.Tensor]]:
+    """Float32 CPU logits of every row the engine samples and keeps, per request id, in step order
+    (recorded at the sampler, so tests compare exactly what the engine decided on; a row that an
+    overlapped step computed for a request an earlier step had ended is dropped, as the engine drops it)."""
+    from stages.worker.executor import StepExecutor
     from stages.worker.sampler import Sampler
 
     seen: dict[str, list[torch.Tensor]] = {}
-    original = Sampler.sample
+    issue, finish = Sampler.issue, StepExecutor.finish
 
-    def sample(self, logits, request_ids, params):
-        for row, rid in zip(logits, request_ids, strict=True):
-            seen.setdefault(rid, []).append(row.detach().float().cpu().clone())
-        return original(self, logits, request_ids, params)
+    def record_issue(self, logits, request_ids, params):
+        sampled = issue(self, logits, request_ids, params)
+        sampled.recorded = [row.detach().float().cpu().clone() for row in logits]
+        return sampled
 
-    monkeypatch.setattr(Sampler, "sample", sample)
+    def record_finish(self, step):
+        outcome = finish(self, step)
+        rows = step.sampled.recorded if step.sampled is not None else []
+        for (req, _), row in zip(step.rows, rows, strict=True):
+            if not req.dropped_from(step.launch):
+                seen.setdefault(req.request_id, []).append(row)
+        return outcome
+
+    monkeypatch.setattr(Sampler, "issue", record_issue)
+    monkeypatch.setattr(StepExecutor, "finish", record_finish)
     return seen
 
 

@@ -18,4 +18,6 @@ class SchedulerConfig(StageConfig, frozen=True, kw_only=True):
     # the planner's settings (runtime/engine_args.py derives them); the pool's size comes from the worker
     policy: PlannerPolicy = msgspec.field(default_factory=PlannerPolicy)
     adapters: dict[str, str] = {}  # name → path, registered at start (--adapter NAME=PATH)
-    max_plans_in_flight: int = 2  # plan step N+1 while step N runs; never let the worker wait on us
+    # plan ahead so the worker never waits on us: 3 when it overlaps steps (two on the device, one queued;
+    # runtime/engine_args.plans_in_flight), 2 on its serial path
+    max_plans_in_flight: int = 3

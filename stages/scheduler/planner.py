@@ -390,7 +390,8 @@ class Planner:
         return req.request_id
 
     def _finish(self, req: PlannedRequest) -> None:
-        self.running.remove(req)
+        """Its end came back; a plan made before it may have preempted it (already without pages or slot)."""
+        (self.running if req in self.running else self.waiting).remove(req)
         self.pages.free(req.pages)
         req.pages = []
         if req.slot >= 0:

@@ -1,6 +1,7 @@
 """The gpu-worker stage actor. Sockets: PULL bound for batch plans; PUSHes to the scheduler (step
-results, WorkerStarted) and the tokenizer (token batches). The step itself is synchronous and runs in
-one worker thread, so plans keep arriving (and queue in the bounded `plans` mailbox) while it computes.
+results, WorkerStarted) and the tokenizer (token batches). Steps run in one worker thread, so plans keep
+arriving (and queue in the bounded `plans` mailbox) while it computes; the step loop (`step_loop.py`)
+launches the next queued plan before it reads the previous step's tokens (`--overlap-schedule`).
 Slot copies run on a load stream; a copy no step has needed yet is reported with `SlotsReady` when idle."""
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import torch
 
 from proto.pipeline import WorkerToTokenizer
 from proto.plan import (
-    BatchPlan,
     SchedulerToWorker,
     SlotLoad,
     SlotsReady,
@@ -35,6 +35,7 @@ from stages.worker.executor import StepExecutor
 from stages.worker.lora.pool import row_bytes, runs_of
 from stages.worker.runner import ModelRunner
 from stages.worker.slot_loads import LoadHandle
+from stages.worker.step_loop import StepLoop, StepOutcome
 
 
 class WorkerActor(Actor[WorkerConfig]):
@@ -43,7 +44,7 @@ class WorkerActor(Actor[WorkerConfig]):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
-        self.stepping = False
+        self.steps: StepLoop | None = None
         self.copy_seconds = 0.0  # host-to-device copy time, all loads
         self.overlapped_seconds = 0.0  # of which no step's compute waited for
         # made by setup(), on the event loop: weights load there in the step thread, after start-up
@@ -61,7 +62,7 @@ class WorkerActor(Actor[WorkerConfig]):
         m = self.metrics
         self.m_step = m.histogram(
             "lorapipe_step_seconds",
-            "Forward + sampling time of one step",
+            "Launch to results of one step: forward and sampling (overlapped: beside the next launch)",
             (),
             [2**i / 1e4 for i in range(14)],
         )
@@ -141,7 +142,10 @@ class WorkerActor(Actor[WorkerConfig]):
         )
         scheduler = self.socket(PushSocket(ep.worker_to_scheduler, WorkerToScheduler, bind=False))
         tokenizer = self.socket(PushSocket(ep.worker_to_tokenizer, WorkerToTokenizer, bind=False))
-        self.add_handler("plans", plans, self.on_batch_plan)
+        self.steps = StepLoop(
+            self.executor, self.thread, plans, self._send_step, cfg.overlap_schedule, self.log
+        )
+        self.add_loop("steps", self.steps.run)
         self.add_sender("scheduler", self.to_scheduler, scheduler.send)
         self.add_sender("tokenizer", self.to_tokenizer, tokenizer.send)
         self.add_loop("slot_poll", self._poll_idle_loads)
@@ -157,24 +161,12 @@ class WorkerActor(Actor[WorkerConfig]):
         )
         await self.to_scheduler.put(started)
 
-    async def on_batch_plan(self, plan: BatchPlan) -> None:
-        loop = asyncio.get_running_loop()
-        start = time.perf_counter()
-        self.stepping = True
-        try:
-            result, tokens = await loop.run_in_executor(self.thread, self.executor.execute, plan)
-        except Exception as e:  # the forward failed: fail this step's requests, keep serving
-            self.log.exception("step %d failed", plan.step)
-            result, tokens = (
-                self.executor.fail_step(plan, f"worker step failed: {type(e).__name__}: {e}"),
-                None,
-            )
-        finally:
-            self.stepping = False
-        took = time.perf_counter() - start
-        if result.num_tokens:
-            self.m_step.observe(took)
-            self.m_batch.observe(sum(1 for r in self.executor.requests.values() if r.active) or 1)
+    async def _send_step(self, outcome: StepOutcome) -> None:
+        """One step's tokens, then its result (the step loop sends them in plan order)."""
+        result, tokens, step = outcome.result, outcome.tokens, outcome.step
+        if result.num_tokens and step is not None:
+            self.m_step.observe(time.perf_counter() - step.started)  # launch to results, overlap included
+            self.m_batch.observe(len(step.scheduled) or 1)
             self.m_tokens.inc(result.num_tokens)
         if tokens is not None and tokens.items:
             await self.to_tokenizer.put(tokens)
@@ -186,12 +178,15 @@ class WorkerActor(Actor[WorkerConfig]):
         while True:
             # Wake often only while idle: a running step polls its own loads when it ends, and every
             # wake-up here takes the GIL from the step thread.
-            pending = self.executor is not None and bool(self.executor.pending) and not self.stepping
+            pending = self.executor is not None and bool(self.executor.pending) and not self._stepping()
             await asyncio.sleep(0.0005 if pending else 0.005)
-            if pending and not self.stepping:
+            if pending and not self._stepping():
                 ready = await loop.run_in_executor(self.thread, self.executor.poll_loads)
                 if ready:
                     await self.to_scheduler.put(SlotsReady(slots_ready=ready))
+
+    def _stepping(self) -> bool:
+        return self.steps is not None and self.steps.busy
 
     def _load_slot(self, load: SlotLoad) -> LoadHandle:
         """Issue a staged block's copy into its pool rows. On CUDA it runs on the load stream after every
@@ -238,3 +233,5 @@ class WorkerActor(Actor[WorkerConfig]):
             unregister_pinned(self.host_pool)
         close_pool(self.host_pool)
         self.thread.shutdown(wait=True)
+        if self.steps is not None:
+            self.steps.close()

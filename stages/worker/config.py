@@ -15,3 +15,4 @@ class WorkerConfig(StageConfig, frozen=True, kw_only=True):
     host_pool_bytes: int
     seed: int = 0
     overlap_loading: bool = True  # a slot copy stalls only the steps that use the slot
+    overlap_schedule: bool = True  # launch the next queued plan before reading a step's tokens

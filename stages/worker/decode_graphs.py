@@ -31,6 +31,7 @@ from stages.worker.lora.backend import LoraBackend, slot_segments
 from stages.worker.model.forward_batch import ForwardBatch
 from stages.worker.model.kv_cache import KVCache
 from stages.worker.model.llama import LlamaModel
+from stages.worker.seq_input import fill_pending
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -124,11 +125,12 @@ class DecodeGraphs:
         return True
 
     @torch.inference_mode()
-    def run(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
+    def run(self, seqs: Sequence[DecodeSeq], pending: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(seqs), V] float32 (a view of a buffer the next run overwrites). Sequences sharing
-        an adapter slot must be adjacent."""
+        an adapter slot must be adjacent. `pending`: what placeholder ids stand for (fill_pending)."""
         padded = self.bucket(len(seqs))
         key = self._stage(seqs, padded)
+        fill_pending(self.ids[:padded], pending)
         if not self.capture:
             self._forward(key)
         else:

@@ -4,34 +4,31 @@ A running request with no entry in a plan decodes one token. With overlapped loa
 waited on only by a step that uses the slot, layer by layer (layer i waits for layer i's part of the
 copy, so a load hides behind the compute of the very step that needs it), and reported ready once its
 event has completed. Synchronous loading (the baseline) makes the step that carries a load wait for all
-of it before the forward, and reports it ready with that step's result."""
+of it before the forward, and reports it ready with that step's result.
+
+A step is `launch`ed (plan applied, inputs built, forward and sampling issued, the tokens' copy to the
+host in flight) and later `finish`ed (tokens read, stop decisions, results). Between the two the next
+plan may be launched (overlapped scheduling): a token still on the device is a placeholder in its
+request's list, resolved on the device when the next step reads it; a request that the earlier step
+ended has its row of the later step dropped at finish, so results equal the serial `execute`'s."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from proto.pipeline import TokenBatch, TokenDelta
 from proto.plan import BatchPlan, FinishedRequest, RequestError, SlotError, SlotLoad, StepResult
-from proto.sampling import SamplingParams
 from stages.worker.runner import ModelRunner, SeqInput
 from stages.worker.sampler import Sampler
+from stages.worker.seq_input import has_placeholders
 from stages.worker.slot_loads import LoadHandle, PendingLoads
+from stages.worker.step_state import InFlightStep, WorkerRequest
 
-
-@dataclass
-class WorkerRequest:
-    request_id: str
-    token_ids: list[int]  # prompt then outputs
-    prompt_len: int
-    sampling: SamplingParams
-    slot: int
-    pages: list[int]
-    num_computed: int = 0
-    active: bool = True  # False while preempted or once finished (until the plan says to forget it)
+__all__ = ["InFlightStep", "StepExecutor", "WorkerRequest"]
 
 
 class StepExecutor:
@@ -48,126 +45,179 @@ class StepExecutor:
         self.runner = runner
         self.overlap_loading = overlap_loading
         self.pending = PendingLoads(on_load_done)
-        self._waited: list[LoadHandle] = []  # synchronous loads of the current step
+        self._waited: list[LoadHandle] = []  # synchronous loads of the step being launched
         self.sampler = Sampler(runner.device, seed)
         self.eos_ids = frozenset(runner.model_cfg.eos_token_ids)
         self.max_model_len = max_model_len
         self._load_adapter = load_adapter
         self.requests: dict[str, WorkerRequest] = {}
         self.retried_steps = 0  # steps whose forward failed and ran again adapter by adapter
+        self.dropped_rows = 0  # rows computed for requests that a step launched before had ended
+        self._launches = itertools.count(1)
+        self._last_launch = 0
+        self._unfinished: list[InFlightStep] = []  # launched, not finished: at most one when launching
         # Host seconds per phase of the steps that computed: plan applied, forward issued, tokens
-        # sampled (waits for the GPU), results built. A per-stage metric, and where a profile starts.
+        # sampled (issue + waiting for the GPU's tokens), results built. A per-stage metric, and where
+        # a profile starts. With overlapped scheduling the wait is shorter: the next launch ran first.
         self.phase_seconds = dict.fromkeys(("plan", "forward", "sample", "results"), 0.0)
 
     def execute(self, plan: BatchPlan) -> tuple[StepResult, TokenBatch]:
-        t_start = time.perf_counter()
-        slots_ready, slot_errors = self._apply_slots(plan)
-        errors: list[RequestError] = []
-        scheduled = self._apply_plan(plan, {e.slot for e in slot_errors}, errors)
-        if not scheduled:
-            self._settle_waited()
-            slots_ready += self.pending.poll()
-            return (
-                StepResult(step=plan.step, slots_ready=slots_ready, slot_errors=slot_errors, errors=errors),
-                TokenBatch(step=plan.step, items=[]),
-            )
+        """The serial path: launch the step and finish it at once."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: BatchPlan) -> InFlightStep:
+        """Apply the plan, build the inputs, issue the forward and the sampling; returns the step in
+        flight. At most one earlier step may still be unfinished: its placeholder tokens are the only
+        ones the inputs can hold, and they are read from its device tokens."""
+        if len(self._unfinished) > 1:
+            raise RuntimeError("a step is launched while two earlier ones are unfinished")
+        before = self._unfinished[-1].sampled if self._unfinished else None
+        self._last_launch = next(self._launches)
+        step = InFlightStep(plan, self._last_launch)
+        step.slots_ready, step.slot_errors = self._apply_slots(plan)
+        step.waited, self._waited = self._waited, []
+        step.scheduled = self._apply_plan(plan, {e.slot for e in step.slot_errors}, step)
+        self._unfinished.append(step)
+        if not step.scheduled:
+            return step
         t_plan = time.perf_counter()
-        used = {req.slot for req, _ in scheduled if req.slot >= 0}
-        # Copies into the slots this step uses: layer i waits only for layer i's part of the copy.
-        layer_waits = self.pending.layer_waits(used, self.runner.model_cfg.num_layers) if used else None
         seqs = [
             SeqInput(
                 req.token_ids[req.num_computed : req.num_computed + n], req.num_computed, req.pages, req.slot
             )
-            for req, n in scheduled
+            for req, n in step.scheduled
         ]
-        try:
-            logits = self.runner.execute(seqs, layer_waits)  # [B, V]
-        except Exception as exc:
-            if len({req.slot for req, _ in scheduled}) < 2 and len(scheduled) < 2:
-                raise  # nothing to tell apart: the caller fails this step's requests
-            scheduled, seqs, logits = self._execute_apart(scheduled, seqs, layer_waits, exc, errors)
+        pending = before.tokens if before is not None else None
+        if pending is None and has_placeholders(seqs):
+            raise RuntimeError("a placeholder token without the step that samples it")
+        logits = self._forward(step, seqs, pending)  # [B, V]
         t_forward = time.perf_counter()
-        for req, n in scheduled:
+        for req, n in step.scheduled:
             req.num_computed += n
-        rows = [i for i, (req, _) in enumerate(scheduled) if req.num_computed == len(req.token_ids)]
-        reqs = [scheduled[i][0] for i in rows]
-        tokens, bad = self.sampler.sample(
-            logits[rows], [r.request_id for r in reqs], [r.sampling for r in reqs]
-        )
-        t_sample = time.perf_counter()
+        rows = [i for i, (req, _) in enumerate(step.scheduled) if req.num_computed == len(req.token_ids)]
+        if rows:
+            reqs = [step.scheduled[i][0] for i in rows]
+            if len(rows) < len(step.scheduled):
+                logits = _take_rows(logits, rows)
+            step.sampled = self.sampler.issue(
+                logits, [r.request_id for r in reqs], [r.sampling for r in reqs]
+            )
+            for row, req in enumerate(reqs):
+                step.rows.append((req, len(req.token_ids)))
+                req.token_ids.append(-1 - row)
+        ph = self.phase_seconds
+        ph["plan"] += t_plan - step.started
+        ph["forward"] += t_forward - t_plan
+        ph["sample"] += time.perf_counter() - t_forward
+        return step
+
+    def finish(self, step: InFlightStep) -> tuple[StepResult, TokenBatch]:
+        """Read the step's tokens (waits for them), decide who stops, build its result and tokens.
+        Steps finish in launch order."""
+        if not self._unfinished or self._unfinished[0] is not step:
+            raise RuntimeError("steps finish in the order they were launched")
+        t_start = time.perf_counter()
+        tokens, bad = step.sampled.result() if step.sampled is not None else ([], {})
+        self._unfinished.pop(0)
+        t_read = time.perf_counter()
+        errors = step.errors
+        # rows of requests an earlier step's result ended (known only after this step was launched)
+        num_tokens = sum(n for req, n in step.scheduled if not req.dropped_from(step.launch))
         finished, items = [], []
-        for row, (req, tok) in enumerate(zip(reqs, tokens, strict=True)):
+        for row, ((req, at), tok) in enumerate(zip(step.rows, tokens, strict=True)):
+            if req.dropped_from(step.launch):
+                self.dropped_rows += 1
+                continue
             if row in bad:  # fails alone: its batch-mates keep their tokens
-                req.active = False
+                req.end(step.launch)
+                del req.token_ids[at:]
                 errors.append(RequestError(request_id=req.request_id, message=bad[row]))
                 continue
-            req.token_ids.append(tok)
-            reason = self._finish_reason(req, tok)
+            req.token_ids[at] = tok
+            reason = self._finish_reason(req, tok, at + 1)
             items.append(TokenDelta(request_id=req.request_id, token_ids=[tok], finish_reason=reason))
             if reason is not None:
-                req.active = False
-                n_out = len(req.token_ids) - req.prompt_len
+                req.end(step.launch)
+                del req.token_ids[at + 1 :]  # a later step's placeholder, if one was launched
+                n_out = at + 1 - req.prompt_len
                 finished.append(
                     FinishedRequest(request_id=req.request_id, reason=reason, num_output_tokens=n_out)
                 )
-        num_tokens = sum(n for _, n in scheduled)
-        t_end = time.perf_counter()
-        ph = self.phase_seconds
-        ph["plan"] += t_plan - t_start
-        ph["forward"] += t_forward - t_plan
-        ph["sample"] += t_sample - t_forward
-        ph["results"] += t_end - t_sample
-        self._settle_waited()
-        slots_ready += self.pending.poll()
+        self._settle(step.waited)
+        slots_ready = step.slots_ready + self.pending.poll()
+        if step.scheduled:
+            ph = self.phase_seconds
+            ph["sample"] += t_read - t_start
+            ph["results"] += time.perf_counter() - t_read
         result = StepResult(
-            step=plan.step,
+            step=step.plan.step,
             finished=finished,
             errors=errors,
             slots_ready=slots_ready,
-            slot_errors=slot_errors,
+            slot_errors=step.slot_errors,
             num_tokens=num_tokens,
         )
-        return result, TokenBatch(step=plan.step, items=items)
+        return result, TokenBatch(step=step.plan.step, items=items)
+
+    def _forward(
+        self, step: InFlightStep, seqs: list[SeqInput], pending: torch.Tensor | None
+    ) -> torch.Tensor:
+        used = {req.slot for req, _ in step.scheduled if req.slot >= 0}
+        # Copies into the slots this step uses: layer i waits only for layer i's part of the copy.
+        layer_waits = self.pending.layer_waits(used, self.runner.model_cfg.num_layers) if used else None
+        try:
+            return self.runner.execute(seqs, layer_waits, pending)
+        except Exception as exc:
+            if len({req.slot for req, _ in step.scheduled}) < 2 and len(step.scheduled) < 2:
+                raise  # nothing to tell apart: the caller fails this step's requests
+            return self._execute_apart(step, seqs, layer_waits, pending, exc)
 
     def _execute_apart(
         self,
-        scheduled: list[tuple[WorkerRequest, int]],
+        step: InFlightStep,
         seqs: list[SeqInput],
         layer_waits: list[list] | None,
+        pending: torch.Tensor | None,
         exc: Exception,
-        errors: list[RequestError],
-    ) -> tuple[list[tuple[WorkerRequest, int]], list[SeqInput], torch.Tensor]:
+    ) -> torch.Tensor:
         """The batch's forward failed: run it again one adapter at a time (requests without one alone),
-        so only the group that fails again is failed. Recomputing writes the same KV positions again,
-        so the partial writes of the failed attempt are overwritten."""
+        so only the group that fails again is failed (and leaves `step.scheduled`). Recomputing writes
+        the same KV positions again, so the partial writes of the failed attempt are overwritten."""
         groups: dict[object, list[int]] = {}
-        for i, (req, _) in enumerate(scheduled):
+        for i, (req, _) in enumerate(step.scheduled):
             groups.setdefault(req.slot if req.slot >= 0 else ("base", i), []).append(i)
         kept: list[int] = []
         parts: list[torch.Tensor] = []
         for rows in groups.values():
             try:
-                parts.append(self.runner.execute([seqs[i] for i in rows], layer_waits))
+                parts.append(self.runner.execute([seqs[i] for i in rows], layer_waits, pending))
             except Exception as again:
                 for i in rows:
-                    req = scheduled[i][0]
-                    req.active = False
+                    req = step.scheduled[i][0]
+                    req.end(step.launch)
                     why = f"worker step failed: {type(again).__name__}: {again}"
-                    errors.append(RequestError(request_id=req.request_id, message=why[:2000]))
+                    step.errors.append(RequestError(request_id=req.request_id, message=why[:2000]))
                 continue
             kept.extend(rows)
         self.retried_steps += 1
         if not parts:
             raise exc
-        return [scheduled[i] for i in kept], [seqs[i] for i in kept], torch.cat(parts)
+        step.scheduled = [step.scheduled[i] for i in kept]
+        return torch.cat(parts)
 
     def fail_step(self, plan: BatchPlan, message: str) -> StepResult:
-        """The forward itself failed: every request this plan ran is failed and forgotten."""
+        """The plan's step failed (its forward, or reading its tokens): every request it ran is failed
+        and forgotten, and dropped from any step launched after it. A step launched before it should be
+        finished first: its tokens stand."""
+        failed = [s.launch for s in self._unfinished if s.plan is plan]
+        at = failed[0] if failed else self._last_launch
+        self._unfinished = [s for s in self._unfinished if s.plan is not plan]
         ids = {r.request_id for r in plan.new_requests} | {r.request_id for r in plan.cached_requests}
         ids |= {rid for rid, r in self.requests.items() if r.active}
         for rid in ids:
-            self.requests.pop(rid, None)
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                req.end(at)
             self.sampler.forget(rid)
         errors = [RequestError(request_id=rid, message=message) for rid in sorted(ids)]
         return StepResult(step=plan.step, errors=errors)
@@ -193,9 +243,8 @@ class StepExecutor:
                 ready.append(load.slot)
         return ready, failed
 
-    def _settle_waited(self) -> None:
+    def _settle(self, waited: list[LoadHandle]) -> None:
         """Metrics of synchronous loads, once the step that waited for them is over."""
-        waited, self._waited = self._waited, []
         if self.pending.on_done is not None:
             for handle in waited:
                 self.pending.on_done(handle)
@@ -205,9 +254,10 @@ class StepExecutor:
         return self.pending.poll()
 
     def _apply_plan(
-        self, plan: BatchPlan, bad_slots: set[int], errors: list[RequestError]
+        self, plan: BatchPlan, bad_slots: set[int], step: InFlightStep
     ) -> list[tuple[WorkerRequest, int]]:
         """Update request state from the plan; returns (request, tokens to compute) for this step."""
+        errors = step.errors
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
             self.sampler.forget(rid)
@@ -216,7 +266,7 @@ class StepExecutor:
             req.pages, req.num_computed, req.active = [], 0, False
         for req in self.requests.values():
             if req.active and req.slot in bad_slots:
-                req.active = False
+                req.end(step.launch)
                 errors.append(RequestError(request_id=req.request_id, message="its adapter failed to load"))
         counts: dict[str, int] = {}
         for new in plan.new_requests:
@@ -230,8 +280,8 @@ class StepExecutor:
             counts[new.request_id] = new.num_scheduled_tokens
         for c in plan.cached_requests:
             req = self.requests.get(c.request_id)
-            if req is None or c.slot in bad_slots and c.resumed:
-                continue  # failed above
+            if req is None or c.slot in bad_slots and c.resumed or req.done_at is not None and c.resumed:
+                continue  # failed above, or ended by a result the planner had not heard of yet
             if c.resumed:
                 req.pages, req.slot, req.active = list(c.new_page_ids), c.slot, True
             else:
@@ -239,10 +289,18 @@ class StepExecutor:
             counts[c.request_id] = c.num_scheduled_tokens
         return [(req, counts.get(rid, 1)) for rid, req in self.requests.items() if req.active]
 
-    def _finish_reason(self, req: WorkerRequest, tok: int) -> str | None:
+    def _finish_reason(self, req: WorkerRequest, tok: int, length: int) -> str | None:
+        """Why the request stops at `tok`, its `length`-th token (prompt included), if it does."""
         p = req.sampling
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
-        if len(req.token_ids) - req.prompt_len >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
+        if length - req.prompt_len >= p.max_tokens or length >= self.max_model_len:
             return "length"
         return None
+
+
+def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows] without a blocking host-to-device copy of the index (which would wait for the
+    steps already queued on the device)."""
+    index = torch.tensor(rows, dtype=torch.int64, pin_memory=logits.is_cuda)
+    return logits[index.to(logits.device, non_blocking=True)]

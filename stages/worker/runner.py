@@ -19,7 +19,7 @@ from stages.worker.model.forward_batch import ForwardBatch, SeqExtent
 from stages.worker.model.kv_cache import KVCache
 from stages.worker.model.llama import LlamaModel
 from stages.worker.model.weights import load_weights
-from stages.worker.seq_input import SeqInput
+from stages.worker.seq_input import SeqInput, fill_pending
 from stages.worker.step_graphs import StepGraphs
 
 __all__ = ["ModelRunner", "RunnerConfig", "SeqInput"]
@@ -237,10 +237,17 @@ class ModelRunner:
         return self.pool.load(lora_id, adapter, runs, stream, layer_events)
 
     @torch.inference_mode()
-    def execute(self, seqs: list[SeqInput], layer_waits: list[list] | None = None) -> torch.Tensor:
+    def execute(
+        self,
+        seqs: list[SeqInput],
+        layer_waits: list[list] | None = None,
+        pending: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [len(seqs), V] float32, row i for seqs[i]. `layer_waits[i]`: events the compute stream
         waits on before layer i (slot copies still in flight). Whole-copy waits (all before layer 0) are
-        made on the stream, and the step may replay a graph; per-layer waits make the step run eagerly."""
+        made on the stream, and the step may replay a graph; per-layer waits make the step run eagerly.
+        `pending`: [B] device tokens of the step still in flight, which placeholder ids (-1 - row) in
+        `seqs` stand for (seq_input.fill_pending)."""
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)  # each adapter's tokens contiguous
         ordered = [seqs[i] for i in order]
         before = whole_copy_waits(layer_waits)
@@ -250,11 +257,11 @@ class ModelRunner:
                 stream.wait_event(event)  # a replayed graph starts after them, in stream order
             layer_waits = None
         if layer_waits is None and self.graphs is not None and self.graphs.supports(ordered):
-            logits = self.graphs.run(ordered)  # [B, V] in `order`
+            logits = self.graphs.run(ordered, pending)  # [B, V] in `order`
         elif layer_waits is None and self.step_graphs is not None and self.step_graphs.supports(ordered):
-            logits = self.step_graphs.run(ordered)
+            logits = self.step_graphs.run(ordered, pending)
         else:
-            logits = self._forward_eager(ordered, layer_waits)
+            logits = self._forward_eager(ordered, layer_waits, pending)
         if all(i == pos for pos, i in enumerate(order)):
             return logits
         inverse = [0] * len(order)
@@ -265,8 +272,11 @@ class ModelRunner:
             index = index.pin_memory()
         return logits[index.to(logits.device, non_blocking=True)]
 
-    def _forward_eager(self, seqs: list[SeqInput], layer_waits: list[list] | None = None) -> torch.Tensor:
+    def _forward_eager(
+        self, seqs: list[SeqInput], layer_waits: list[list] | None = None, pending: torch.Tensor | None = None
+    ) -> torch.Tensor:
         fb, seg_indptr, seg_slots = self._build_batch(seqs)
+        fill_pending(fb.input_ids, pending)
         lora = None
         if any(s >= 0 for s in seg_slots):
             self.lora.prepare(seg_indptr, seg_slots)
@@ -288,9 +298,10 @@ class ModelRunner:
             last.append(start + n - 1)
             table.append(s.page_ids + [0] * (max_pages - len(s.page_ids)))
         dev = self.device
+        pin = dev.type == "cuda"  # a pageable source could make the copy wait for the queued steps
 
         def t(x):
-            return torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True)
+            return torch.tensor(x, dtype=torch.int64, pin_memory=pin).to(dev, non_blocking=True)
 
         m = self.model_cfg
         fb = ForwardBatch(

@@ -1,43 +1,79 @@
 """Turns each sequence's last-token logits into its next token under its own SamplingParams: greedy
-rows by argmax in one op, sampled rows through temperature, top-k and top-p with a per-request
-generator when the request has a seed (so its samples do not depend on its batch-mates). A row whose
-logits are not finite is reported as failed instead of yielding a token."""
+rows by argmax in one op, sampled rows through temperature, top-k and top-p with a generator of their
+own (the request's seed, else one derived from the engine's seed and the request id), so a request's
+samples never depend on its batch-mates or on rows an overlapped step computes and then drops. A row
+whose logits are not finite is reported as failed instead of yielding a token. Sampling is issued on
+the device; its one device→host read is a non-blocking copy into pinned memory that the caller
+collects later (`SampledTokens.result`), so the next step can be launched first."""
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
 from proto.sampling import SamplingParams
 
+NOT_FINITE = (
+    "the model's output for this request is not finite (NaN or infinity): its adapter's weights or "
+    "scalings are out of range, or its sampling values overflow"
+)
+
+
+class SampledTokens:
+    """One step's sampled tokens on the device (`tokens`, [B] int64, what the next step's placeholder
+    ids are resolved from) and their copy to the host, in flight until `result()`."""
+
+    def __init__(self, tokens_ok: torch.Tensor):
+        """`tokens_ok`: [2, B] int64 on the device: the tokens, then 1 where the row was finite."""
+        self.tokens = tokens_ok[0]  # [B]
+        self._event = None
+        if tokens_ok.is_cuda:
+            self._host = torch.empty(tokens_ok.shape, dtype=tokens_ok.dtype, pin_memory=True)  # [2, B]
+            self._host.copy_(tokens_ok, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(tokens_ok.device))
+        else:
+            self._host = tokens_ok
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def wait(self) -> None:
+        """Block until the host copy has landed (releases the GIL while it waits)."""
+        if self._event is not None:
+            self._event.synchronize()
+
+    def result(self) -> tuple[list[int], dict[int, str]]:
+        """One token per row, and {row: why} for the rows that could not be sampled (logits or
+        probabilities not finite): those fail alone, never their batch-mates."""
+        self.wait()
+        host_tokens, host_ok = self._host.tolist()  # [2, B]
+        return host_tokens, {i: NOT_FINITE for i, good in enumerate(host_ok) if not good}
+
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
-        self.default_gen = torch.Generator(device=device)
-        self.default_gen.manual_seed(seed)
+        self.seed = seed
         self._gens: dict[str, torch.Generator] = {}
 
     def forget(self, request_id: str) -> None:
         self._gens.pop(request_id, None)
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        if params.seed is None:
-            return self.default_gen
         gen = self._gens.get(request_id)
         if gen is None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
+            gen.manual_seed(params.seed if params.seed is not None else derived_seed(self.seed, request_id))
             self._gens[request_id] = gen
         return gen
 
-    def sample(
+    def issue(
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
-    ) -> tuple[list[int], dict[int, str]]:
-        """logits: [B, V] float32. Returns one token id per row and {row: why} for the rows that could
-        not be sampled (logits or probabilities not finite): those fail alone, never their batch-mates.
-        One device→host read, no sync before it (a bad row samples a stand-in distribution)."""
-        if not request_ids:
-            return [], {}
+    ) -> SampledTokens:
+        """logits: [B, V] float32, B >= 1. Issues the sampling and the host copy; never synchronises (a
+        bad row samples a stand-in distribution, so every row's token is a valid id)."""
         ok = torch.isfinite(logits).all(dim=-1)  # [B]
         tokens = logits.argmax(dim=-1)  # [B]
         for i, p in enumerate(params):
@@ -45,18 +81,32 @@ class Sampler:
                 continue
             probs = _filtered_probs(logits[i], p)
             good = ok[i] & torch.isfinite(probs).all() & (probs.sum() > 0)
-            # multinomial on NaN or all-zero probabilities fails (a device assert on CUDA): never give it one
-            probs = torch.where(good, probs, torch.ones_like(probs))
-            tokens[i] = torch.multinomial(probs, 1, generator=self._generator(request_ids[i], p))[0]
+            probs = torch.where(good, probs, torch.ones_like(probs))  # a bad row samples a stand-in
+            tokens[i] = draw(probs, self._generator(request_ids[i], p))
             ok[i] = good
-        host_tokens, host_ok = torch.stack((tokens, ok.to(tokens.dtype))).tolist()  # [2, B]
-        errors = {
-            i: "the model's output for this request is not finite (NaN or infinity): its adapter's "
-            "weights or scalings are out of range, or its sampling values overflow"
-            for i, good in enumerate(host_ok)
-            if not good
-        }
-        return host_tokens, errors
+        return SampledTokens(torch.stack((tokens, ok.to(tokens.dtype))))  # [2, B]
+
+    def sample(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> tuple[list[int], dict[int, str]]:
+        """`issue` and wait for its result: tokens and {row: why} for the rows that failed."""
+        if not request_ids:
+            return [], {}
+        return self.issue(logits, request_ids, params).result()
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One sample of the [V] distribution `probs` as a 0-d device tensor: what torch.multinomial(probs,
+    1) draws from the same generator state (argmax of p / q, q ~ Exp(1)), without the two host reads
+    with which multinomial checks its input first (they would make the launch wait for the device)."""
+    q = torch.empty_like(probs).exponential_(1, generator=gen)
+    return (probs / q).argmax()
+
+
+def derived_seed(seed: int, request_id: str) -> int:
+    """The seed of a request that set none: fixed by the engine's seed and the request id alone."""
+    digest = hashlib.blake2b(f"{seed}/{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

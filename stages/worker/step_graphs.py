@@ -28,6 +28,7 @@ from stages.worker.lora.backend import LoraBackend, slot_segments
 from stages.worker.model.forward_batch import ForwardBatch
 from stages.worker.model.kv_cache import KVCache
 from stages.worker.model.llama import LlamaModel
+from stages.worker.seq_input import fill_pending
 from stages.worker.step_inputs import StagedStep, StepInputs, token_buckets
 
 
@@ -107,11 +108,12 @@ class StepGraphs:
         return total <= self.max_tokens
 
     @torch.inference_mode()
-    def run(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
+    def run(self, seqs: Sequence[DecodeSeq], pending: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(seqs), V] float32 (a view of a buffer the next run overwrites). Sequences sharing
-        an adapter must be adjacent."""
+        an adapter must be adjacent. `pending`: what placeholder ids stand for (fill_pending)."""
         padded = self.bucket(sum(len(s.token_ids) for s in seqs))
         step = self.inputs.stage(seqs, padded)
+        fill_pending(self.inputs.ids[:padded], pending)
         has_lora = any(s.slot >= 0 for s in seqs)
         if has_lora:
             self.lora.prepare(*slot_segments(seqs), pad_to=padded, block_m=lora_block_m(padded))

@@ -37,6 +37,7 @@ SHARED = dict(
     cuda_graph_max_batch=4,
     cuda_graph_max_tokens=32,
     seed=7,
+    overlap_schedule=False,
     warmup=False,
 )
 
@@ -50,8 +51,8 @@ def _argv(model, adapters) -> list[str]:
         ).replace("_", "-")
         if key == "warmup":
             continue
-        if key == "overlap_loading":
-            argv.append("--overlap-loading" if value else "--no-overlap-loading")
+        if key in ("overlap_loading", "overlap_schedule"):
+            argv.append(flag if value else flag.replace("--", "--no-", 1))
         elif key == "pinned_adapters":
             for name in value:
                 argv += [flag, name]
@@ -68,6 +69,9 @@ def test_serve_and_offline_derive_the_same_engine(tiny_llama, llama_adapters, tm
     llm = LLM(tiny_llama, adapters=dict(llama_adapters), device="cpu", **SHARED)
 
     assert configs["worker"].runner == llm.runner.cfg
+    # the serial path on both sides; the scheduler keeps two plans at a serial worker, not three
+    assert configs["worker"].overlap_schedule is llm.engine_args.overlap_schedule is False
+    assert configs["scheduler"].max_plans_in_flight == 2
     sched, pool, r = configs["scheduler"], llm.runner.pool, llm.runner
     # what the scheduler derives once the worker reports this runner's KV cache and adapter pool
     served = PlannerConfig.from_policy(

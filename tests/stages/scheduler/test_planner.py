@@ -120,3 +120,23 @@ def test_rejects_configs_and_prompts_that_cannot_fit():
         planner.add("big", [1] * 8, None, SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         planner.add("empty", [], None, SamplingParams())
+
+
+def test_a_request_preempted_by_a_plan_made_before_its_end_finishes_cleanly():
+    """With plans in flight, a plan may preempt a request whose last token the worker already sampled;
+    its end then arrives while it waits: it leaves the queue and frees nothing twice."""
+    cfg = PlannerConfig(
+        num_pages=2, page_size=2, pool_rows=64, pool_ids=4, max_lora_rank=8,
+        max_running_requests=4, max_tokens_per_step=8, max_model_len=4,
+    )  # fmt: skip
+    p = Planner(cfg, adapter_rows=lambda name: 8)
+    p.add("B", [5, 6], None, SamplingParams(max_tokens=2))
+    p.add("A", [7], None, SamplingParams(max_tokens=1))
+    p.schedule()  # both prefill; A's first token ends it
+    assert p.schedule().preempted_request_ids == ["A"]  # planned before that result: B needs A's page
+    p.update(
+        StepResult(step=1, finished=[FinishedRequest(request_id="A", reason="length", num_output_tokens=1)])
+    )
+    assert [r.request_id for r in p.waiting] == [] and [r.request_id for r in p.running] == ["B"]
+    assert p.schedule().finished_request_ids == ["A"]
+    assert p.pages.num_free + len(p.running[0].pages) == cfg.num_pages
