@@ -137,7 +137,12 @@ class AdapterRegistry:
         return len(self._blocked)
 
     def on_retry_later(self, name: str) -> None:
+        """The loader had no room for `name` now: ask again once a held or outstanding block is given
+        back. With none left nothing would ever wake a blocked name, so every block is lifted then."""
         e = self.entries.get(name)
         if e is not None:
             e.staging = False
-            self._blocked.add(name)
+            if any(x.held or x.staging for x in self.entries.values()):
+                self._blocked.add(name)
+            else:
+                self._blocked.clear()

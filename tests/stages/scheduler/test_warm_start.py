@@ -209,3 +209,26 @@ def test_a_loader_restart_ends_warming():
         assert h.sent() == [] and not h.warmer.active
 
     asyncio.run(main())
+
+
+def test_a_refusal_after_every_hold_was_given_back_does_not_block_the_adapter_for_good():
+    """Warming asks for several blocks at once; the loader stages one and refuses the next for room while
+    the first is held. If the first's hold is given back before the refusal arrives, nothing is held any
+    more: a blocked adapter would never be asked for again and its requests would wait for ever."""
+
+    async def main() -> None:
+        h = Harness(3, window=2)
+        await h.life.on_loader_started()
+        await h.kick()
+        assert [m.name for m in h.sent()] == ["a0", "a1"]
+        await h.staged("a0")
+        assert h.sent() == [ReleaseAdapter(name="a0")]  # nothing needs it: no hold is left
+        refusal = AdapterFailed(name="a1", message="host cache full", retryable=True)
+        h.life.on_adapter_failed(refusal)
+        h.adapters.on_retry_later("a1")  # what AdapterOps does with a retryable refusal
+        h.start_worker()
+        h.planner.add("r", [1, 2], "a1", SamplingParams(max_tokens=2))
+        await h.life.stage_upcoming(h.planner)
+        assert h.sent() == [StageAdapter(name="a1", path="/a1")]  # asked again at once
+
+    asyncio.run(main())
