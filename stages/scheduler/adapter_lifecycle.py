@@ -35,7 +35,8 @@ class AdapterLifecycle:
     ) -> None:
         """`max_held`: host blocks held or asked for at most (None: no cap, the host cache's bytes bound it);
         `max_held_waiting`: of those, held for loads not issued yet (how far staging runs ahead);
-        `warmer`: stages the start-up adapters into the host cache and the pool before any request."""
+        `warmer`: stages the start-up adapters into the host cache and the pool before any request (by
+        default one with none to warm)."""
         self.adapters = adapters
         self.to_loader = to_loader
         self.fail = fail
@@ -46,7 +47,7 @@ class AdapterLifecycle:
         self.loader_up = False
         self.restage: list[str] = []  # names a restarted loader must be asked for again
         self._host_looked: set[str] = set()  # adapters counted in host lookups since their last pool load
-        self.warmer = warmer
+        self.warmer = warmer if warmer is not None else StartupWarmer(adapters, ())
 
     def load_bytes(self, name: str) -> int:
         e = self.adapters.get(name)
@@ -86,7 +87,7 @@ class AdapterLifecycle:
 
     async def _maybe_release(self, name: str, planner: Planner | None) -> None:
         needed = planner is not None and name in planner.adapters_needed()
-        needed = needed or (self.warmer is not None and self.warmer.wants(name))
+        needed = needed or self.warmer.wants(name)
         if self.adapters.release(name, needed):
             await self.to_loader.put(ReleaseAdapter(name=name))
 
@@ -136,7 +137,7 @@ class AdapterLifecycle:
     async def on_loader_started(self) -> None:
         self.loader_up = True
         self.restage = self.adapters.on_loader_restart()
-        if self.warmer is not None and self.adapters.generation > 1:
+        if self.adapters.generation > 1:
             self.warmer.stop()  # a restarted loader: its cache is empty, demand refills it
         await self._restage()
 
@@ -151,8 +152,7 @@ class AdapterLifecycle:
     async def on_adapter_staged(self, msg: AdapterStaged, planner: Planner | None) -> None:
         """Hold the block while a waiting request needs it loaded or a load op waits to validate;
         otherwise give it back at once."""
-        if self.warmer is not None:
-            self.warmer.on_staged(msg)
+        self.warmer.on_staged(msg)
         e = self.adapters.on_staged(msg)
         if e is None:
             return await self.to_loader.put(ReleaseAdapter(name=msg.name))
@@ -161,19 +161,17 @@ class AdapterLifecycle:
 
     def on_evicted(self, msg: Evicted) -> None:
         self.adapters.on_evicted(msg.name)
-        if self.warmer is not None:
-            self.warmer.on_evicted(msg.name)
+        self.warmer.on_evicted(msg.name)
 
     def on_adapter_failed(self, msg: AdapterFailed) -> None:
-        if self.warmer is not None:
-            self.warmer.on_failed(msg.name, msg.retryable)
+        self.warmer.on_failed(msg.name, msg.retryable)
 
     # --- start-up warming ---------------------------------------------------------------------------
     async def warm(self, planner: Planner | None) -> list[SlotLoad]:
         """Ask the loader for the blocks the warmer wants staged or held, give back holds it no longer
         wants, and return its pool loads for the next plan (not issued yet)."""
         w = self.warmer
-        if w is None or not w.active or not self.loader_up or self._stale_copies():
+        if not w.active or not self.loader_up or self._stale_copies():
             return []
         loads: list[SlotLoad] = []
         hold, dropped = w.pool_step(planner, loads)
