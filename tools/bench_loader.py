@@ -33,7 +33,7 @@ from runtime.synthetic.adapters import make_adapters
 from runtime.synthetic.model import PRESETS, build_config
 from stages.loader.adapter_plan import ReadLimits
 from stages.loader.adapter_reader import plan_adapter, read_adapter
-from stages.loader.block_writer import SegmentBuffer, pack_part, prepare, read_part, zero_gaps
+from stages.loader.block_writer import SegmentBuffer, prepare, write_part, zero_gaps
 from stages.loader.delta_bound import check_packed_deltas
 from stages.loader.process import SWITCH_INTERVAL_S, tune_for_loads
 
@@ -50,7 +50,7 @@ class Loads:
         threads, slots = ns.threads, ns.parallel
         self.cfg, self.layout, self.dtype = cfg, layout, dtype
         self.limits = ReadLimits(
-            segment_bytes=int(ns.segment_mb * 2**20), read_bytes=int(ns.read_mb * 2**20), pack_tasks=threads
+            segment_bytes=int(ns.segment_mb * 2**20), read_bytes=int(ns.read_mb * 2**20), tasks=threads
         )
         self.buffers = [SegmentBuffer() for _ in range(slots)]
         self.slot_bytes = (layout.block_bytes(layout.max_rank, dtype) + ALIGN - 1) // ALIGN * ALIGN
@@ -71,11 +71,11 @@ class Loads:
     def _one(self, slot: int, path: Path) -> None:
         with plan_adapter(path.name, path, self.cfg, self.layout, self.dtype, self.limits) as plan:
             block, buf = self.block(slot, plan.rank), self.buffers[slot]
-            self._all([(zero_gaps, plan, block)])
+            first: list[tuple] = [(zero_gaps, plan, block)]
             for s, seg in enumerate(plan.segments):
                 prepare(plan, s, buf)
-                self._all([(read_part, plan, s, i, buf) for i in range(len(seg.reads))])
-                self._all([(pack_part, plan, s, k, buf, block) for k in range(len(seg.packs))])
+                self._all(first + [(write_part, plan, s, i, buf, block) for i in range(len(seg.parts))])
+                first = []
             check = (check_packed_deltas, plan.name, self.layout, block, plan.ranks, plan.scalings, plan.peak)
             self._all([check])
 

@@ -36,7 +36,7 @@ from runtime.common.model_config import ModelConfig, parse_dtype
 from stages.loader.adapter_config import AdapterError
 from stages.loader.adapter_plan import AdapterPlan, ReadLimits
 from stages.loader.adapter_reader import max_file_bytes, plan_adapter
-from stages.loader.block_writer import SegmentBuffer, pack_part, prepare, read_part, zero_gaps
+from stages.loader.block_writer import SegmentBuffer, prepare, write_part, zero_gaps
 from stages.loader.config import LoaderConfig
 from stages.loader.delta_bound import check_packed_deltas
 from stages.loader.files import FileRefused, inside_root
@@ -73,7 +73,7 @@ class LoaderActor(Actor[LoaderConfig]):
         self.stuck: dict[str, float] = {}  # adapter name#read -> when its overdue read started
         self._reports: set[asyncio.Future[None]] = set()
         self.limits = ReadLimits(
-            config.max_adapter_file_bytes, config.read_timeout_s, pack_tasks=config.load_threads
+            config.max_adapter_file_bytes, config.read_timeout_s, tasks=config.load_threads
         )
         self.buffers: list[SegmentBuffer] = []  # read buffers of finished loads, for the next ones
         # made by setup() (a failure there is StageFatal, reported to the launcher)
@@ -316,17 +316,18 @@ class LoaderActor(Actor[LoaderConfig]):
         return plan_adapter(job.name, path, self.model_cfg, self.layout, self.dtype, self.limits)
 
     async def _write(self, plan: AdapterPlan, offset: int) -> None:
-        """Per segment, its reads on the thread pool at once, then its packs (and the gap zeroing);
-        returns when every task has ended (none may still write into the block when a failure frees it),
-        raising the first failure. One read buffer per load in flight, reused."""
+        """Per segment, its parts on the thread pool at once (the gap zeroing beside the first); returns
+        when every task has ended (none may still write into the block when a failure frees it), raising
+        the first failure. One read buffer per load in flight, reused."""
         view = block_tensor(self.pool, offset, plan.rank, self.layout, self.dtype)  # [L, rank, row]
         buf = self.buffers.pop() if self.buffers else SegmentBuffer()
         try:
-            await self._run_all([(zero_gaps, plan, view)])
+            first: list[tuple] = [(zero_gaps, plan, view)]
             for s, seg in enumerate(plan.segments):
                 prepare(plan, s, buf)
-                await self._run_all([(read_part, plan, s, i, buf) for i in range(len(seg.reads))])
-                await self._run_all([(pack_part, plan, s, k, buf, view) for k in range(len(seg.packs))])
+                parts = [(write_part, plan, s, i, buf, view) for i in range(len(seg.parts))]
+                await self._run_all(first + parts)
+                first = []
         finally:
             del view
             self.buffers.append(buf)

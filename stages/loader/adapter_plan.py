@@ -19,14 +19,16 @@ from stages.loader.safetensors_reader import TensorEntry
 @dataclass(frozen=True)
 class ReadLimits:
     """Bounds on one adapter read and how it is cut: the tensor file's size, the time from open to the
-    last byte; a segment (the bytes held in memory at once: most adapters are one), a read (one thread's
-    positioned read), and the pack tasks a segment is split into (the threads that will run them)."""
+    last byte; a segment (the bytes held in memory at once: most adapters are one), and its parts (one
+    task each, run in parallel: at most `tasks` of them, the threads that will run them, each at least
+    `min_part_bytes` and at most `read_bytes`, one thread's positioned read, unless one tensor is more)."""
 
     max_file_bytes: int = 8 << 30
     timeout_s: float = 120.0
     segment_bytes: int = 256 << 20
     read_bytes: int = 16 << 20
-    pack_tasks: int = 8
+    tasks: int = 8
+    min_part_bytes: int = 1 << 20
 
 
 class Piece(NamedTuple):  # a tuple: hundreds are made per adapter, under the GIL
@@ -52,19 +54,27 @@ class Run(NamedTuple):  # a tuple: tens are made per adapter, under the GIL
     aligned: bool
 
 
+class Part(NamedTuple):
+    """Whole tensors, file bytes [start, end) of a segment: one task reads them into the segment's buffer,
+    checks their values and packs its `runs`, apart from every other part. `dtype`: the one dtype of all
+    its tensors if so and all are aligned (the read is then checked in one pass; otherwise each run
+    checks its source)."""
+
+    start: int
+    end: int
+    runs: tuple[Run, ...]
+    dtype: str | None
+
+
 @dataclass(frozen=True)
 class Segment:
-    """Consecutive whole layers of the file, bytes [start, end), held in one buffer: `reads` are the
-    byte ranges of its parallel reads (whole tensors each), `packs` the runs of each parallel pack task.
-    `dtype`: the one dtype of all its tensors if so and all are aligned (each read then checks its own
-    values in one pass; otherwise each run checks its source)."""
+    """Consecutive whole layers of the file, bytes [start, end), held in one buffer and cut into `parts`
+    that run in parallel."""
 
     start: int
     end: int
     pieces: tuple[Piece, ...]
-    reads: tuple[tuple[int, int], ...]
-    packs: tuple[tuple[Run, ...], ...]
-    dtype: str | None
+    parts: tuple[Part, ...]
 
 
 @dataclass(frozen=True)
@@ -80,9 +90,9 @@ class Gap:
 
 @dataclass
 class AdapterPlan:
-    """A validated adapter, its file still open (`close()` it; also a context manager). Per segment, in
-    order: all its reads (any order, any threads), then all its packs (likewise); the gap zeroing may run
-    at any time. Packs and gaps touch disjoint bytes of the block."""
+    """A validated adapter, its file still open (`close()` it; also a context manager). Segment after
+    segment (they share one buffer), each segment's parts in any order on any threads; the gap zeroing
+    may run at any time. Parts and gaps touch disjoint bytes of the block."""
 
     name: str
     fd: int

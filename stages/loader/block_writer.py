@@ -1,8 +1,8 @@
-"""Executes an `AdapterPlan` into a packed block. Per segment: parallel positioned reads into one reusable
-buffer (each read checks its own values in one pass when it can, noting their largest magnitude in the
-plan), then parallel pack tasks, each moving
-whole runs of tensors with one strided copy (B through a transposing one), converting to the block's
-dtype on the way. Torch copies and reads release the GIL; a task holds it only between them."""
+"""Executes an `AdapterPlan` into a packed block. Per segment, its parts as parallel tasks, none waiting
+for another: each reads its whole tensors with one positioned read into its place in the segment's
+reusable buffer, checks their values (noting their largest magnitude in the plan) and moves its runs of
+tensors with one strided copy each (B through a transposing one), converting to the block's dtype on
+the way. Torch copies and reads release the GIL; a task holds it only between them."""
 
 from __future__ import annotations
 
@@ -43,14 +43,12 @@ def write_all(plan: AdapterPlan, block: torch.Tensor, buf: SegmentBuffer | None 
     zero_gaps(plan, block)
     for s, seg in enumerate(plan.segments):
         prepare(plan, s, buf)
-        for i in range(len(seg.reads)):
-            read_part(plan, s, i, buf)
-        for k in range(len(seg.packs)):
-            pack_part(plan, s, k, buf, block)
+        for i in range(len(seg.parts)):
+            write_part(plan, s, i, buf, block)
 
 
 def prepare(plan: AdapterPlan, s: int, buf: SegmentBuffer) -> None:
-    """Make `buf` large enough for segment `s` (before its reads start)."""
+    """Make `buf` large enough for segment `s` (before its parts start)."""
     seg = plan.segments[s]
     buf.ensure(seg.start % _ALIGN + seg.end - seg.start)
 
@@ -63,30 +61,35 @@ def zero_gaps(plan: AdapterPlan, block: torch.Tensor) -> None:
         rows[..., g.col0 : g.col1].zero_()
 
 
+def write_part(plan: AdapterPlan, s: int, i: int, buf: SegmentBuffer, block: torch.Tensor) -> None:
+    """Part i of segment s: read, check and pack it."""
+    read_part(plan, s, i, buf)
+    pack_part(plan, s, i, buf, block)
+
+
 def read_part(plan: AdapterPlan, s: int, i: int, buf: SegmentBuffer) -> None:
-    """Read i of segment s into its place in `buf`; when the segment is of one dtype, check the values
-    read (NaN, inf, or beyond the block dtype's range) in the same task."""
-    seg = plan.segments[s]
-    start, end = seg.reads[i]
-    at = _shift(seg) + start
+    """Read part i of segment s into its place in `buf`; when the part is of one dtype, check the values
+    read (NaN, inf, or beyond the block dtype's range) in the same pass."""
+    seg, part = plan.segments[s], plan.segments[s].parts[i]
+    at = _shift(seg) + part.start
     try:
-        read_exact(plan.fd, buf.raw[at : at + end - start], start, plan.deadline)
+        read_exact(plan.fd, buf.raw[at : at + part.end - part.start], part.start, plan.deadline)
     except FormatError as e:
         raise AdapterError(plan.name, f"unreadable adapter_model.safetensors ({e})") from None
-    if seg.dtype is not None:
-        typed = buf.typed(FLOAT_DTYPES[seg.dtype])
+    if part.dtype is not None:
+        typed = buf.typed(FLOAT_DTYPES[part.dtype])
         size = typed.element_size()
-        peak = _peak(typed[at // size : (at + end - start) // size])
+        peak = _peak(typed[at // size : (at + part.end - part.start) // size])
         if not peak <= _limit(plan):  # NaN compares false
-            _name_bad_values(plan, seg, buf, [p for p in seg.pieces if start <= p.entry.start < end])
+            _name_bad_values(plan, seg, buf, [p for r in part.runs for p in r.pieces])
         plan.peaks.append(peak)
 
 
-def pack_part(plan: AdapterPlan, s: int, k: int, buf: SegmentBuffer, block: torch.Tensor) -> None:
-    """Pack task k of segment s (after all the segment's reads): each of its runs in one strided copy."""
-    seg = plan.segments[s]
+def pack_part(plan: AdapterPlan, s: int, i: int, buf: SegmentBuffer, block: torch.Tensor) -> None:
+    """The runs of part i of segment s (after its read), each in one strided copy."""
+    seg, part = plan.segments[s], plan.segments[s].parts[i]
     _check_block(plan, block)
-    for run in seg.packs[k]:
+    for run in part.runs:
         if not run.aligned:  # one tensor, copied out to aligned memory first
             (piece,) = run.pieces
             src = _source(buf, seg, piece)
@@ -99,7 +102,7 @@ def pack_part(plan: AdapterPlan, s: int, k: int, buf: SegmentBuffer, block: torc
         a, b = first.entry.shape
         offset = (_shift(seg) + first.entry.start) // size
         src = typed.as_strided((len(run.pieces), a, b), (run.step // size, b, 1), offset)  # [P, a, b]
-        if seg.dtype is None:
+        if part.dtype is None:
             peak = _peak(src)
             if not peak <= _limit(plan):
                 _name_bad_values(plan, seg, buf, list(run.pieces))

@@ -1,13 +1,14 @@
 """How an adapter's tensors are cut for parallel work: segments of whole layers (the bytes held at once),
-reads of whole tensors within a segment, and runs (tensors of one kind evenly spaced in the file and in
-the block's layers: one strided copy each) dealt out to pack tasks. Few, large operations: every torch
-call takes and gives back the GIL, and with many threads each hand-over costs more than small copies."""
+parts of whole tensors within a segment (one task each: its read, its value check and its packs, with
+no wait for other parts), and within a part runs (tensors of one kind evenly spaced in the file and in
+the block's layers: one strided copy each). Few, large operations: every torch call takes and gives
+back the GIL, and with many threads each hand-over costs more than small copies."""
 
 from __future__ import annotations
 
 from operator import attrgetter
 
-from stages.loader.adapter_plan import Piece, ReadLimits, Run, Segment
+from stages.loader.adapter_plan import Part, Piece, ReadLimits, Run, Segment
 from stages.loader.safetensors_format import ITEM_SIZES
 
 _ENTRY, _LAYER, _MODULE, _TRANSPOSE = (
@@ -57,48 +58,40 @@ def _layer_groups(ordered: list[Piece]) -> list[list[Piece]]:
 
 
 def _segment(span: list[Piece], limits: ReadLimits) -> Segment:
-    entries = list(map(_ENTRY, span))
-    starts, ends, dtypes = list(map(_START, entries)), list(map(_END, entries)), list(map(_DTYPE, entries))
-    runs = _runs(span, starts, dtypes, list(map(_SHAPE, entries)))
-    sizes = [sum(map(ends.__getitem__, run)) - sum(map(starts.__getitem__, run)) for run, _ in runs]
-    runs = [r for _, r in runs]
-    kinds = set(dtypes)
-    single = len(kinds) == 1 and all(map(_ALIGNED, runs))
+    """One segment's parts: whole tensors in file order, cut into byte ranges of about equal size, at
+    most `limits.tasks` of them (each at least `limits.min_part_bytes` and at most `limits.read_bytes`,
+    or one tensor)."""
+    total = span[-1].entry.end - span[0].entry.start
+    want = min(limits.read_bytes, max(limits.min_part_bytes, -(-total // max(1, limits.tasks))))
+    parts: list[list[Piece]] = []
+    open_bytes = 0  # of the last part
+    for p in span:
+        size = p.entry.end - p.entry.start
+        if not parts or (parts[-1] and (open_bytes >= want or open_bytes + size > limits.read_bytes)):
+            parts.append([])
+            open_bytes = 0
+        parts[-1].append(p)
+        open_bytes += size
     return Segment(
-        start=starts[0],
-        end=ends[-1],
+        start=span[0].entry.start,
+        end=span[-1].entry.end,
         pieces=tuple(span),
-        reads=_reads(starts, ends, limits.read_bytes),
-        packs=_deal(runs, sizes, limits.pack_tasks),
-        dtype=kinds.pop() if single else None,
+        parts=tuple(_part(part) for part in parts),
     )
 
 
-def _reads(starts: list[int], ends: list[int], read_bytes: int) -> tuple[tuple[int, int], ...]:
-    """Byte ranges of whole tensors (given by their `starts` and `ends`), each at most `read_bytes` (or
-    one tensor)."""
-    out: list[tuple[int, int]] = []
-    first, last = None, 0  # the open range
-    for start, end in zip(starts, ends, strict=True):
-        if first is None or end - first > read_bytes:
-            if first is not None:
-                out.append((first, last))
-            first = start
-        last = end
-    if first is not None:
-        out.append((first, last))
-    return tuple(out)
-
-
-def _deal(runs: list[Run], sizes: list[int], tasks: int) -> tuple[tuple[Run, ...], ...]:
-    """Runs (of `sizes` bytes) dealt to at most `tasks` tasks, largest first to the least loaded."""
-    loads = [0] * max(1, min(tasks, len(runs)))
-    groups: list[list[Run]] = [[] for _ in loads]
-    for i in sorted(range(len(runs)), key=sizes.__getitem__, reverse=True):  # stable, as sorting by -size
-        k = loads.index(min(loads))  # the first least loaded
-        loads[k] += sizes[i]
-        groups[k].append(runs[i])
-    return tuple(tuple(group) for group in groups if group)
+def _part(span: list[Piece]) -> Part:
+    entries = list(map(_ENTRY, span))
+    starts, dtypes = list(map(_START, entries)), list(map(_DTYPE, entries))
+    runs = [r for _, r in _runs(span, starts, dtypes, list(map(_SHAPE, entries)))]
+    kinds = set(dtypes)
+    single = len(kinds) == 1 and all(map(_ALIGNED, runs))
+    return Part(
+        start=starts[0],
+        end=entries[-1].end,
+        runs=tuple(runs),
+        dtype=kinds.pop() if single else None,
+    )
 
 
 def _runs(span: list[Piece], starts: list[int], dtypes: list[str], shapes: list[tuple]) -> list:

@@ -1,8 +1,8 @@
 """The header-planned, segmented reader packs exactly what a float64 reference built with the safetensors
 library's own loader packs (A rows, B^T, zeros elsewhere) for mixed ranks, rank/alpha patterns, rsLoRA,
-every source/serving dtype pair and any tensor order in the file; reads and pack tasks may run in any
+every source/serving dtype pair and any tensor order in the file; a segment's parts may run in any
 order on several threads, stale bytes in a reused block are overwritten, and bad values are refused
-wherever they are checked (per read, or per run when a segment mixes dtypes)."""
+wherever they are checked (per part, or per run when a part mixes dtypes)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from runtime.synthetic.adapters import make_adapters
 from stages.loader.adapter_config import AdapterError
 from stages.loader.adapter_plan import ReadLimits
 from stages.loader.adapter_reader import plan_adapter, read_adapter
-from stages.loader.block_writer import SegmentBuffer, pack_part, prepare, read_part, write_all, zero_gaps
+from stages.loader.block_writer import SegmentBuffer, prepare, write_all, write_part, zero_gaps
 
 MAX_RANK = 16
 KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])\.weight")
@@ -131,27 +131,49 @@ def test_rank_and_alpha_patterns(base, tmp_path, rslora):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_reads_and_packs_in_any_order_on_threads_over_stale_bytes(base, llama_adapters, tmp_path, seed):
-    """One read per tensor and one pack task per run, each phase shuffled on 4 threads (the gaps zeroed
-    at a random moment), into a block that holds NaN bytes from a previous tenant: every byte of the
-    block is the reference's."""
+def test_parts_in_any_order_on_threads_over_stale_bytes(base, llama_adapters, tmp_path, seed):
+    """One part per tensor, shuffled with the gap zeroing on 4 threads, into a block that holds NaN bytes
+    from a previous tenant: every byte of the block is the reference's."""
     path = _pattern_adapter(base[0], tmp_path / "patterns", rslora=False) if seed == 0 else None
     path = path or llama_adapters[("qv5", "mlp1")[seed - 1]]
     rng = random.Random(seed)
-    with plan_adapter("c", path, *base, torch.bfloat16, ReadLimits(read_bytes=1, pack_tasks=1000)) as plan:
+    limits = ReadLimits(read_bytes=1, tasks=1000, min_part_bytes=1)
+    with plan_adapter("c", path, *base, torch.bfloat16, limits) as plan:
         (seg,) = plan.segments
-        assert len(seg.reads) == len(load_file(path / "adapter_model.safetensors"))
+        assert len(seg.parts) == len(load_file(path / "adapter_model.safetensors"))
         block = torch.full(plan.shape, float("nan"), dtype=torch.bfloat16)
         buf = SegmentBuffer()
         prepare(plan, 0, buf)
-        reads = [lambda i=i: read_part(plan, 0, i, buf) for i in range(len(seg.reads))]
-        packs = [lambda k=k: pack_part(plan, 0, k, buf, block) for k in range(len(seg.packs))]
-        gaps = lambda: zero_gaps(plan, block)
-        for phase in (reads + [gaps], packs) if seed % 2 else (reads, [gaps] + packs):
-            rng.shuffle(phase)
-            with ThreadPoolExecutor(4) as pool:
-                list(pool.map(lambda call: call(), phase))
+        calls = [lambda i=i: write_part(plan, 0, i, buf, block) for i in range(len(seg.parts))]
+        calls.append(lambda: zero_gaps(plan, block))
+        rng.shuffle(calls)
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda call: call(), calls))
         assert_packs_like_reference(base, path, torch.bfloat16, block, plan)
+
+
+@pytest.mark.parametrize("tasks", [1, 3, 8])
+def test_parts_share_a_segment_evenly(base, llama_adapters, tasks):
+    """A segment is cut into at most `tasks` parts of whole tensors that tile it in file order, none
+    smaller than the floor unless it is the last, and each part's runs move exactly its own tensors."""
+    path = llama_adapters["full8"]
+    limits = ReadLimits(tasks=tasks, min_part_bytes=1)
+    with plan_adapter("e", path, *base, torch.bfloat16, limits) as plan:
+        (seg,) = plan.segments
+        assert 1 <= len(seg.parts) <= tasks
+        assert seg.parts[0].start == seg.start and seg.parts[-1].end == seg.end
+        assert all(a.end == b.start for a, b in zip(seg.parts, seg.parts[1:], strict=False))
+        share = -(-(seg.end - seg.start) // tasks)
+        assert all(p.end - p.start >= share for p in seg.parts[:-1])
+        for part in seg.parts:
+            moved = sorted(p.entry.start for r in part.runs for p in r.pieces)
+            inside = sorted(p.entry.start for p in seg.pieces if part.start <= p.entry.start < part.end)
+            assert moved == inside
+        block = torch.full(plan.shape, float("nan"), dtype=torch.bfloat16)
+        write_all(plan, block)
+        assert_packs_like_reference(base, path, torch.bfloat16, block, plan)
+    with plan_adapter("e", path, *base, torch.bfloat16, ReadLimits(tasks=tasks)) as plan:
+        assert len(plan.segments[0].parts) == 1  # a small adapter is one part (the 1 MiB floor)
 
 
 def test_segments_one_after_the_other_reuse_one_buffer(base, llama_adapters):
@@ -203,7 +225,7 @@ def test_bad_values_in_a_mixed_dtype_segment_are_found_by_its_runs(base, tmp_pat
     tensors[key] = tensors[key].clone().fill_(float("inf"))
     save_file(tensors, path / "adapter_model.safetensors")
     with plan_adapter("mixed", path, *base, torch.bfloat16) as plan:
-        assert all(seg.dtype is None for seg in plan.segments)  # checked run by run
+        assert all(part.dtype is None for seg in plan.segments for part in seg.parts)  # run by run
     with pytest.raises(AdapterError, match="v_proj of layer 1 holds NaN or infinite values"):
         read_adapter("mixed", path, *base, torch.bfloat16)
 
@@ -255,11 +277,11 @@ def test_file_layouts_of_a_deeper_model(tiny_llama, tmp_path, order):
     elif order == "shuffled":
         random.Random(0).shuffle(keys)
     _write_in_order(path, tensors, keys)
-    for limits in (ReadLimits(), ReadLimits(segment_bytes=3000, read_bytes=1000, pack_tasks=3)):
+    for limits in (ReadLimits(), ReadLimits(segment_bytes=3000, read_bytes=1000, tasks=3, min_part_bytes=1)):
         with plan_adapter("deep", path, cfg, layout, torch.bfloat16, limits) as plan:
             block = torch.full(plan.shape, float("nan"), dtype=torch.bfloat16)
             write_all(plan, block)
             assert_packs_like_reference((cfg, layout), path, torch.bfloat16, block, plan)
-            runs = [r for seg in plan.segments for task in seg.packs for r in task]
+            runs = [r for seg in plan.segments for part in seg.parts for r in part.runs]
             if order in ("by-name", "module-major") and limits.segment_bytes > 3000:
                 assert len(runs) < len(tensors) / 2  # strided runs across layers

@@ -23,7 +23,7 @@ from runtime.synthetic.adapters import make_adapters
 from runtime.synthetic.model import build_config
 from stages.loader import actor as loader_actor
 from stages.loader.adapter_reader import read_adapter
-from stages.loader.block_writer import read_part
+from stages.loader.block_writer import write_part
 from tests.stages.loader.test_loader_actor import DTYPE, Scheduler, metric, run_loader
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,7 +65,7 @@ def wide(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
 
 
 def test_a_hit_is_answered_while_large_loads_run(run_dir, wide, monkeypatch):
-    """big0's first read is held in its thread until the hit is answered: the actor's loop must not wait
+    """big0's first part is held in its thread until the hit is answered: the actor's loop must not wait
     for a load's threads. The five other loads run as they are, and everything lands bit for bit."""
     model_dir, paths = wide
     cfg = ModelConfig.from_dir(model_dir)
@@ -74,13 +74,13 @@ def test_a_hit_is_answered_while_large_loads_run(run_dir, wide, monkeypatch):
     want = {n: read_adapter(n, p, cfg, layout, DTYPE).block for n, p in paths.items()}
     started, gate = threading.Event(), threading.Event()
 
-    def held_read(plan, s, i, buf):
+    def held_part(plan, s, i, buf, block):
         if plan.name == "big0" and (s, i) == (0, 0):
             started.set()
             gate.wait(20)  # a loop that waited for this thread would stall here for 20 s
-        read_part(plan, s, i, buf)
+        write_part(plan, s, i, buf, block)
 
-    monkeypatch.setattr(loader_actor, "read_part", held_read)
+    monkeypatch.setattr(loader_actor, "write_part", held_part)
 
     async def body(s: Scheduler, actor) -> None:
         hit = await s.stage("small", small)
