@@ -6,6 +6,7 @@ from proto.client import ClientReply, ClientRequest
 from proto.codec import Codec, ProtocolError
 from proto.control import LauncherToStage, ProtocolMismatch, StageToLauncher, check_ready
 from proto.loader import LoaderToScheduler, SchedulerToLoader
+from proto.loader_parts import LoaderToWriter, WriterToLoader
 from proto.pipeline import SchedulerToTokenizer, TokenizerToScheduler, WorkerToTokenizer
 from proto.plan import SchedulerToWorker, WorkerToScheduler
 from proto.sampling import SamplingParams
@@ -19,6 +20,7 @@ __all__ = [
     "Codec",
     "LauncherToStage",
     "LoaderToScheduler",
+    "LoaderToWriter",
     "Message",
     "ProtocolError",
     "ProtocolMismatch",
@@ -32,5 +34,6 @@ __all__ = [
     "TokenizerToScheduler",
     "WorkerToScheduler",
     "WorkerToTokenizer",
+    "WriterToLoader",
     "check_ready",
 ]

@@ -37,6 +37,17 @@ def loader_threads(args: ServeArgs) -> int:
     return default_loader_threads() if args.loader_threads is None else args.loader_threads
 
 
+def default_loader_writers() -> int:
+    """Half the cores up to 8 on a machine of 8 cores or more (where parts on threads, sharing one GIL, top
+    out near 3 GB/s: docs/benchmarks.md); none on a smaller one, whose threads suffice."""
+    cores = os.cpu_count() or 2
+    return min(8, cores // 2) if cores >= 8 else 0
+
+
+def loader_writers(args: ServeArgs) -> int:
+    return default_loader_writers() if args.loader_writers is None else args.loader_writers
+
+
 def host_cache_problem(args: ServeArgs, model_cfg: ModelConfig) -> str | None:
     """Why the host cache cannot work (it holds no adapter of --max-lora-rank), or None."""
     from runtime.common.lora_layout import LoraLayout

@@ -34,6 +34,7 @@ class ServeArgs(EngineArgs):
     max_cpu_loras: int | None = None  # an optional cap on adapters in the host cache
     cpu_lora_cache_gb: float | None = None  # the host cache in GiB (see host_cache_bytes)
     loader_threads: int | None = None  # None: min(8, max(2, cpu_count // 2))
+    loader_writers: int | None = None  # None: min(8, cpu_count // 2) with 8 cores or more, else 0
     endpoint: str = DEFAULT_ENDPOINT
     metrics_port: int = DEFAULT_METRICS_PORT  # 0: any free port; -1: no metrics endpoint
     log_level: str = "info"
@@ -257,7 +258,17 @@ def _loading_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         type=int,
         metavar="N",
         default=None,
-        help="threads reading adapters, one adapter's chunks spread over all (default: cores / 2, 2 to 8)",
+        help="adapter loads at once; without writer processes, also the threads that read and pack them "
+        "(default: cores / 2, 2 to 8)",
+    )
+    g.add_argument(
+        "--loader-writers",
+        type=int,
+        metavar="N",
+        default=None,
+        help="processes that read and pack adapter files, one adapter's parts spread over all, each with its "
+        "own interpreter (no shared GIL); 0: the loader's threads do it (default: cores / 2 up to 8 with 8 "
+        "cores or more, else 0)",
     )
 
 

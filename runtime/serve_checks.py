@@ -88,6 +88,8 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
         raise ServeArgsError(problem)
     if args.overlap_min_mb < 0:
         raise ServeArgsError(f"--overlap-min-mb must not be negative, got {args.overlap_min_mb}")
+    if args.loader_writers is not None and args.loader_writers < 0:
+        raise ServeArgsError(f"--loader-writers must not be negative, got {args.loader_writers}")
     if args.cuda_graph_max_batch is not None and args.cuda_graph_max_batch < 0:
         raise ServeArgsError(f"--cuda-graph-max-batch must not be negative, got {args.cuda_graph_max_batch}")
     if (n := args.cuda_graph_max_tokens) is not None and n < 0:

@@ -19,7 +19,7 @@ from runtime.engine_args import (
     runner_config,
     serving_dtype,
 )
-from runtime.host_cache_size import loader_threads
+from runtime.host_cache_size import loader_threads, loader_writers
 from runtime.serve_args import ServeArgs
 from runtime.serve_security import real_path, resolved_api_key, trusted_adapter_paths
 
@@ -94,6 +94,7 @@ def stage_configs(
             adapter_root=real_path(args.adapter_root),
             trusted_paths=trusted_adapter_paths(args),
             load_threads=loader_threads(args),
+            writers=loader_writers(args),
             **pool,
             **common,
         ),

@@ -1,17 +1,20 @@
-"""Disk→host leg of adapter loads: the loader's path (header plan, then per segment parallel reads and
-parallel pack tasks into a block of the shared-memory host pool, on a thread pool, as the adapter-loader
-runs it, then the effective-delta check) against a plain read of the same file into a reused buffer, per
-adapter rank, for one load at a time and for N loads at once (aggregate). Page cache warm (each file read
-once first); `--cold` also drops each file's pages before every timed read (posix_fadvise, no root
-needed; tmpfs keeps its pages). Medians of `--reps`. Rates in GB/s (1e9 B/s) of packed bytes (the block:
-what the issue's targets count) and of file bytes. Reads the model's config.json only (or `--preset`);
-adapters are generated. One table; JSON with `--out`.
-    python -m tools.bench_loader [--model DIR | --preset 1b] [--ranks 8,16,32,64] [--out FILE]"""
+"""Disk→host leg of adapter loads: the loader's path (header plan, then the file's parts, each read,
+checked and packed into a block of the shared-memory host pool, on a thread pool or with `--writers N`
+on N part-writer processes, as the adapter-loader runs them, then the effective-delta check) against a
+plain read of the same file into a reused buffer, per adapter rank, for one load at a time and for N
+loads at once (aggregate). Page cache warm (each file read once first); `--cold` also drops each file's
+pages before every timed read (posix_fadvise, no root needed; tmpfs keeps its pages). Medians of
+`--reps`. Rates in GB/s (1e9 B/s) of packed bytes (the block: what the issue's targets count) and of
+file bytes. Reads the model's config.json only (or `--preset`); adapters are generated. One table; JSON
+with `--out`.
+    python -m tools.bench_loader [--model DIR | --preset 1b] [--ranks 8,16,32,64] [--writers N] [--out F]"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import logging
 import os
 import platform
 import shutil
@@ -36,6 +39,7 @@ from stages.loader.adapter_reader import plan_adapter, read_adapter
 from stages.loader.block_writer import SegmentBuffer, prepare, write_part, zero_gaps
 from stages.loader.delta_bound import check_packed_deltas
 from stages.loader.process import SWITCH_INTERVAL_S, tune_for_loads
+from stages.loader.writers import PartWriters
 
 SCHEMA_VERSION = 1
 FILE = "adapter_model.safetensors"
@@ -50,7 +54,9 @@ class Loads:
         threads, slots = ns.threads, ns.parallel
         self.cfg, self.layout, self.dtype = cfg, layout, dtype
         self.limits = ReadLimits(
-            segment_bytes=int(ns.segment_mb * 2**20), read_bytes=int(ns.read_mb * 2**20), tasks=threads
+            segment_bytes=int(ns.segment_mb * 2**20),
+            read_bytes=int(ns.read_mb * 2**20),
+            tasks=ns.tasks or ns.writers or threads,
         )
         self.buffers = [SegmentBuffer() for _ in range(slots)]
         self.slot_bytes = (layout.block_bytes(layout.max_rank, dtype) + ALIGN - 1) // ALIGN * ALIGN
@@ -87,6 +93,56 @@ class Loads:
         self.drivers.shutdown()
         self.executor.shutdown()
         unlink_pool(self.pool)
+
+
+class WriterLoads(Loads):
+    """Adapter loads as the loader runs them with part-writer processes: each load planned on a thread,
+    every part of every load handed to an idle writer, the effective-delta check on a thread."""
+
+    def __init__(self, cfg: ModelConfig, layout: LoraLayout, dtype: torch.dtype, ns: argparse.Namespace):
+        super().__init__(cfg, layout, dtype, ns)
+        self.dir = tempfile.mkdtemp(prefix="bench-writers-")
+        self.loop = asyncio.new_event_loop()
+        log = logging.getLogger("bench_loader")
+        self.writers = PartWriters(ns.writers, f"ipc://{self.dir}/w.sock", self.pool.name, log)
+        self.loop.run_until_complete(self.writers.start())
+
+    def run(self, paths: Sequence[Path]) -> None:
+        async def all_loads() -> None:
+            await asyncio.gather(*[self._load(slot, p) for slot, p in enumerate(paths)])
+
+        self.loop.run_until_complete(all_loads())
+
+    async def _load(self, slot: int, path: Path) -> None:
+        loop = asyncio.get_running_loop()
+        plan = await loop.run_in_executor(
+            self.drivers, plan_adapter, path.name, path, self.cfg, self.layout, self.dtype, self.limits
+        )
+        with plan:
+            parts = [(s, i) for s, seg in enumerate(plan.segments) for i in range(len(seg.parts))]
+            offset = slot * self.slot_bytes
+            writes = [
+                self.writers.write(plan, plan.path, offset, s, i, [] if k else plan.gaps)
+                for k, (s, i) in enumerate(parts)
+            ]
+            await asyncio.gather(*writes)
+            check = (
+                plan.name,
+                self.layout,
+                self.block(slot, plan.rank),
+                plan.ranks,
+                plan.scalings,
+                plan.peak,
+            )
+            await loop.run_in_executor(self.executor, check_packed_deltas, *check)
+
+    def close(self) -> None:
+        self.writers.close()
+        pending = asyncio.all_tasks(self.loop)  # cancelled by close(): let them end
+        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        super().close()
 
 
 def plain_read(paths: Sequence[Path], buffers: list[bytearray], executor: ThreadPoolExecutor) -> None:
@@ -180,7 +236,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         cfg = ModelConfig.from_dir(model)
         dtype = parse_dtype(ns.dtype, cfg.dtype)
         layout = LoraLayout.for_model(cfg, max(ns.ranks))
-        loads = Loads(cfg, layout, dtype, ns)
+        loads = WriterLoads(cfg, layout, dtype, ns) if ns.writers else Loads(cfg, layout, dtype, ns)
         reader = ThreadPoolExecutor(ns.parallel)
         rows = []
         try:
@@ -213,7 +269,8 @@ def format_table(report: dict[str, Any]) -> str:
     c = report["config"]
     n = c["parallel"]
     lines = [
-        f"disk→host ({report['host']['cpus']} cpus, {c['threads']} loader threads, {c['adapter_dtype']} "
+        f"disk→host ({report['host']['cpus']} cpus, {c['threads']} loader threads, {c['writers']} writer "
+        f"processes, {c['adapter_dtype']} "
         f"files → {report['serving_dtype']} blocks, page cache warm, median of {c['reps']}); GB/s of packed "
         "bytes (of file bytes in brackets)",
         "",
@@ -250,6 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=("auto", "bfloat16", "float16", "float32"))
     p.add_argument("--threads", type=int, default=default_loader_threads(), help="loader threads")
     p.add_argument("--parallel", type=int, default=None, help="loads at once (default: --threads)")
+    p.add_argument("--writers", type=int, default=0, help="part-writer processes (0: the threads write)")
+    p.add_argument(
+        "--tasks",
+        type=int,
+        default=None,
+        help="parts one load is cut into (default: --writers, else --threads)",
+    )
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
     p.add_argument("--segment-mb", type=float, default=ReadLimits.segment_bytes / 2**20, help="held at once")
     p.add_argument("--read-mb", type=float, default=ReadLimits.read_bytes / 2**20, help="bytes per read")

@@ -1,13 +1,16 @@
-"""The adapter-loader stage actor. Sockets: PULL from the scheduler (bound), PUSH to the scheduler.
-Mailboxes: scheduler_requests (StageAdapter/ReleaseAdapter/DropAdapter) → loads (misses: up to
-`load_threads` at once, each planned from its header, then its chunks read and packed straight into the
-reserved pool block by the thread pool) → to_scheduler (LoaderStarted, AdapterStaged/Failed, Evicted)."""
+"""The adapter-loader stage actor. Sockets: PULL from the scheduler (bound), PUSH to the scheduler, and a
+ROUTER to its part-writer processes (`writers.py`, with --loader-writers). Mailboxes: scheduler_requests
+(StageAdapter/ReleaseAdapter/DropAdapter) → loads (misses: up to `load_threads` at once, each planned from
+its header, then its parts read and packed straight into the reserved pool block by the writer processes,
+or by the thread pool without them) → to_scheduler (LoaderStarted, AdapterStaged/Failed, Evicted)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import os
+import shutil
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ from stages.loader.config import LoaderConfig
 from stages.loader.delta_bound import check_packed_deltas
 from stages.loader.files import FileRefused, inside_root
 from stages.loader.host_cache import HostCache, HostCacheFull
+from stages.loader.writers import PartWriters
 
 SPARE_READ_THREADS = 4  # threads beyond load_threads, taking over from reads stuck in a hung file system
 
@@ -73,8 +77,10 @@ class LoaderActor(Actor[LoaderConfig]):
         self.stuck: dict[str, float] = {}  # adapter name#read -> when its overdue read started
         self._reports: set[asyncio.Future[None]] = set()
         self.limits = ReadLimits(
-            config.max_adapter_file_bytes, config.read_timeout_s, tasks=config.load_threads
+            config.max_adapter_file_bytes, config.read_timeout_s, tasks=config.writers or config.load_threads
         )
+        self.writers: PartWriters | None = None  # the part-writer processes (None: the threads write)
+        self.writers_dir: str | None = None  # a private directory for their socket, when no run dir
         self.buffers: list[SegmentBuffer] = []  # read buffers of finished loads, for the next ones
         # made by setup() (a failure there is StageFatal, reported to the launcher)
         self.pool: Any = None  # the shared host pool (multiprocessing SharedMemory)
@@ -124,6 +130,16 @@ class LoaderActor(Actor[LoaderConfig]):
         if self.pool.size < cfg.host_pool_bytes:
             size, want = self.pool.size, cfg.host_pool_bytes
             raise StageFatal(f"host pool {cfg.host_pool_name} holds {size} bytes, the config says {want}")
+        if cfg.writers > 0:
+            if not ep.run_dir:
+                self.writers_dir = tempfile.mkdtemp(prefix="lorapipe-writers-")
+            run_dir = ep.run_dir or self.writers_dir
+            address = f"ipc://{run_dir}/loader-writers.sock"
+            self.writers = PartWriters(cfg.writers, address, cfg.host_pool_name, self.log)
+            try:
+                await self.writers.start()
+            except (OSError, RuntimeError) as exc:
+                raise StageFatal(f"loader cannot start its writer processes: {exc}") from exc
         from_scheduler = self.socket(PullSocket(ep.scheduler_to_loader, SchedulerToLoader))
         to_scheduler = self.socket(PushSocket(ep.loader_to_scheduler, LoaderToScheduler))
         requests = self.mailbox("scheduler_requests")
@@ -319,6 +335,16 @@ class LoaderActor(Actor[LoaderConfig]):
         """Per segment, its parts on the thread pool at once (the gap zeroing beside the first); returns
         when every task has ended (none may still write into the block when a failure frees it), raising
         the first failure. One read buffer per load in flight, reused."""
+        if self.writers is not None:
+            parts = [(s, i) for s, seg in enumerate(plan.segments) for i in range(len(seg.parts))]
+            calls = [
+                self.writers.write(plan, plan.path, offset, s, i, [] if k else plan.gaps)
+                for k, (s, i) in enumerate(parts)
+            ]
+            for result in await asyncio.gather(*calls, return_exceptions=True):
+                if isinstance(result, BaseException):
+                    raise result
+            return
         view = block_tensor(self.pool, offset, plan.rank, self.layout, self.dtype)  # [L, rank, row]
         buf = self.buffers.pop() if self.buffers else SegmentBuffer()
         try:
@@ -357,6 +383,10 @@ class LoaderActor(Actor[LoaderConfig]):
     # --- lifecycle ------------------------------------------------------------------------------------
     def teardown(self) -> None:
         super().teardown()
+        if self.writers is not None:
+            self.writers.close()  # killed and waited for: none writes into the pool after this
+        if self.writers_dir is not None:
+            shutil.rmtree(self.writers_dir, ignore_errors=True)
         self.executor.shutdown(wait=False, cancel_futures=True)
         if self.pool is not None and not close_pool(self.pool):
             self.log.info("host pool still mapped by a running copy; the exit unmaps it")

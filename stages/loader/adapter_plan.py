@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
+from proto.loader_parts import Gap, Part, Piece
 from runtime.common.lora_layout import TARGET_MODULES, LoraLayout
-from stages.loader.safetensors_reader import TensorEntry
 
 
 @dataclass(frozen=True)
@@ -31,41 +30,6 @@ class ReadLimits:
     min_part_bytes: int = 1 << 20
 
 
-class Piece(NamedTuple):  # a tuple: hundreds are made per adapter, under the GIL
-    """One tensor's move: lora_A [r, in] to rows :r at `col`, or lora_B [out, r] transposed there."""
-
-    entry: TensorEntry
-    layer: int
-    module: str
-    col: int
-    width: int  # in_dim (A) or the slice's out dim (B)
-    rank: int
-    transpose: bool  # lora_B
-
-
-class Run(NamedTuple):  # a tuple: tens are made per adapter, under the GIL
-    """Tensors of one kind (module, A or B, dtype, shape) evenly spaced both in the file (`step` bytes)
-    and in the block's layers (`layer_step`): moved by one strided copy. `aligned`: every tensor starts
-    at a multiple of its item size (the format does not promise it; unaligned ones go one by one)."""
-
-    pieces: tuple[Piece, ...]
-    step: int
-    layer_step: int
-    aligned: bool
-
-
-class Part(NamedTuple):
-    """Whole tensors, file bytes [start, end) of a segment: one task reads them into the segment's buffer,
-    checks their values and packs its `runs`, apart from every other part. `dtype`: the one dtype of all
-    its tensors if so and all are aligned (the read is then checked in one pass; otherwise each run
-    checks its source)."""
-
-    start: int
-    end: int
-    runs: tuple[Run, ...]
-    dtype: str | None
-
-
 @dataclass(frozen=True)
 class Segment:
     """Consecutive whole layers of the file, bytes [start, end), held in one buffer and cut into `parts`
@@ -75,17 +39,6 @@ class Segment:
     end: int
     pieces: tuple[Piece, ...]
     parts: tuple[Part, ...]
-
-
-@dataclass(frozen=True)
-class Gap:
-    """Block region no tensor writes: rows [row0, row1) x columns [col0, col1) of `layer` (None: all)."""
-
-    layer: int | None
-    row0: int
-    row1: int
-    col0: int
-    col1: int
 
 
 @dataclass
@@ -106,6 +59,7 @@ class AdapterPlan:
     gaps: list[Gap]
     deadline: float  # time.monotonic() after which reads fail
     file_bytes: int
+    path: str = ""  # the tensor file (what a part-writer process opens again)
     closed: bool = field(default=False)
     # the largest |value| each value check saw (appended by the writer's tasks; every value is checked)
     peaks: list[float] = field(default_factory=list)

@@ -91,6 +91,7 @@ def plan_adapter(
             gaps=make_gaps(layout, rank, placed.ranks),
             deadline=deadline,
             file_bytes=size,
+            path=str(adapter_dir / _TENSORS),
         )
     except BaseException:
         os.close(fd)

@@ -11,8 +11,9 @@ import threading
 
 import torch
 
+from proto.loader_parts import Piece
 from stages.loader.adapter_config import AdapterError
-from stages.loader.adapter_plan import AdapterPlan, Piece, Segment
+from stages.loader.adapter_plan import AdapterPlan, Segment
 from stages.loader.safetensors_reader import FLOAT_DTYPES, FormatError, read_exact
 
 _ALIGN = 8  # a segment sits in its buffer at its file offset mod 8, so aligned tensors stay aligned

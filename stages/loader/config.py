@@ -14,7 +14,8 @@ class LoaderConfig(StageConfig, frozen=True, kw_only=True):
     host_pool_name: str  # shared memory created by the launcher (it outlives a loader restart)
     host_pool_bytes: int  # the host cache's capacity: blocks take their own rank's bytes
     max_cpu_loras: int | None = None  # an optional cap on adapters in the host cache (None: bytes only)
-    load_threads: int = 2  # threads reading and packing; one adapter's chunks spread over all of them
+    load_threads: int = 2  # loads at once (and, without writers, the threads reading and packing them)
+    writers: int = 0  # part-writer processes reading and packing (0: the threads do)
     max_adapter_file_bytes: int = 8 << 30  # adapter_model.safetensors larger than this is refused
     read_timeout_s: float = 120.0  # from opening an adapter's tensor file to its last byte read
     adapter_root: str | None = None  # resolved; adapters are read only from inside it (or trusted_paths)

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import chain, repeat
 
+from proto.loader_parts import Piece
 from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
 from stages.loader.adapter_modules import Expected
-from stages.loader.adapter_plan import Piece
 from stages.loader.safetensors_format import TensorEntry
 
 

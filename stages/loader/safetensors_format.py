@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from proto.loader_parts import TensorEntry
 
 # Every dtype name of the format, with its item size; only the float ones map to a torch dtype we accept.
 ITEM_SIZES = {
@@ -14,16 +14,4 @@ ITEM_SIZES = {
 SUBBYTE = {"F4": 0.5, "F6_E2M3": 0.75, "F6_E3M2": 0.75}  # packed formats: bytes per element
 ELEMENT_BYTES = {**ITEM_SIZES, **SUBBYTE}  # what one element of each dtype takes in the data section
 
-
-class TensorEntry(NamedTuple):  # a tuple: hundreds are made per adapter, under the GIL
-    """One tensor of the header: `start`/`end` are absolute byte offsets in the file."""
-
-    name: str
-    dtype: str  # the format's name, e.g. "BF16"
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
+__all__ = ["ELEMENT_BYTES", "ITEM_SIZES", "SUBBYTE", "TensorEntry"]  # TensorEntry: the wire type

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from operator import attrgetter
 
-from stages.loader.adapter_plan import Part, Piece, ReadLimits, Run, Segment
+from proto.loader_parts import Part, Piece, Run
+from stages.loader.adapter_plan import ReadLimits, Segment
 from stages.loader.safetensors_format import ITEM_SIZES
 
 _ENTRY, _LAYER, _MODULE, _TRANSPOSE = (

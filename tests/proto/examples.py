@@ -40,6 +40,7 @@ from proto.loader import (
     ReleaseAdapter,
     StageAdapter,
 )
+from proto.loader_parts import FileId, Gap, Part, PartDone, Piece, Run, TensorEntry, WritePart, WriterReady
 from proto.pipeline import (
     AbortRequest,
     AdapterListing,
@@ -183,6 +184,54 @@ EXAMPLES: list[Message] = [
     Evicted(name="a"),
     LoaderHealth(stuck_reads=1, read_threads=6, detail="reads stuck: 'a' for 61s"),
     LoaderStarted(pid=7),
+    WritePart(
+        job=3,
+        name="a",
+        path="/ad/a",
+        file=FileId(dev=2049, ino=77, size=4096, mtime_ns=1_700_000_000_000_000_000),
+        offset=1 << 21,
+        dtype="bfloat16",
+        rank=8,
+        num_layers=2,
+        row_elems=640,
+        deadline=123.5,
+        part=Part(
+            start=96,
+            end=2144,
+            runs=(
+                Run(
+                    pieces=(
+                        Piece(
+                            TensorEntry("k.lora_A.weight", "BF16", (8, 64), 96, 1120),
+                            0,
+                            "q_proj",
+                            0,
+                            64,
+                            8,
+                            False,
+                        ),
+                        Piece(
+                            TensorEntry("j.lora_A.weight", "BF16", (8, 64), 1120, 2144),
+                            1,
+                            "q_proj",
+                            0,
+                            64,
+                            8,
+                            False,
+                        ),
+                    ),
+                    step=1024,
+                    layer_step=1,
+                    aligned=True,
+                ),
+            ),
+            dtype="BF16",
+        ),
+        gaps=[Gap(None, 0, 8, 600, 640), Gap(1, 4, 8, 64, 128)],
+    ),
+    PartDone(job=3, peaks=[0.25, 1.5]),
+    PartDone(job=4, error="q_proj of layer 1 holds NaN or infinite values", adapter_fault=True),
+    WriterReady(pid=9),
     Ready(stage="scheduler", pid=42, protocol_version=PROTOCOL_VERSION),
     FatalError(stage="worker", message="CUDA error"),
     MetricsReport(query_id=1, stage="loader", text="# HELP x\n"),

@@ -41,6 +41,7 @@ def test_sizes(tiny_llama):
         (("--cpu-lora-cache-gb", "1e-6"), "hold no adapter of rank 16 (--max-lora-rank)"),
         (("--max-cpu-loras", "0"), "--max-cpu-loras must be positive"),
         (("--loader-threads", "0"), "--loader-threads must be positive"),
+        (("--loader-writers", "-1"), "--loader-writers must not be negative, got -1"),
     ],
 )
 def test_refused(tiny_llama, flags, message):
@@ -49,12 +50,13 @@ def test_refused(tiny_llama, flags, message):
 
 
 def test_stage_configs_carry_the_cap_and_threads(tiny_llama, tmp_path):
-    a = args(tiny_llama, "--cpu-lora-cache-gb", "0.01", "--loader-threads", "5")
+    a = args(tiny_llama, "--cpu-lora-cache-gb", "0.01", "--loader-threads", "5", "--loader-writers", "3")
     cfg = ModelConfig.from_dir(tiny_llama)
     configs = stage_configs(a, cfg, Endpoints.in_run_dir(tmp_path), "pool", host_cache_bytes(a, cfg))
     loader, scheduler = configs["loader"], configs["scheduler"]
     assert loader.max_cpu_loras is None and scheduler.max_cpu_loras is None
     assert loader.load_threads == 5 and loader.host_pool_bytes == host_cache_bytes(a, cfg)
+    assert loader.writers == 3
     capped = args(tiny_llama, "--max-cpu-loras", "7")
     configs = stage_configs(capped, cfg, Endpoints.in_run_dir(tmp_path), "pool", 4096)
     assert configs["loader"].max_cpu_loras == 7 and configs["scheduler"].max_cpu_loras == 7

@@ -19,9 +19,12 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_tiny_run_report_and_table(tiny_llama, tmp_path):
+@pytest.mark.parametrize("writers", [0, 2])
+def test_tiny_run_report_and_table(tiny_llama, tmp_path, writers):
+    """With the threads writing and with part-writer processes: every block equals the in-process reader's."""
     out = tmp_path / "loader.json"
     args = ["--model", str(tiny_llama), "--ranks", "2,5", "--reps", "2", "--threads", "2", "--parallel", "3"]
+    args += ["--writers", str(writers)]
     args += [
         "--segment-mb",
         "0.01",

@@ -19,8 +19,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from proto.loader import AdapterFailed, AdapterStaged, LoaderHealth, LoaderStarted, StageAdapter
-from runtime.common.lora_layout import LoraLayout
-from runtime.common.model_config import ModelConfig
 from stages.loader.actor import LoaderActor
 from stages.loader.adapter_config import MAX_CONFIG_BYTES, AdapterError
 from stages.loader.adapter_reader import read_adapter
@@ -29,12 +27,6 @@ from tests.stages.loader.test_loader_actor import Scheduler
 
 pytestmark = pytest.mark.timeout(60)
 MAX_RANK = 16
-
-
-@pytest.fixture(scope="module")
-def model(tiny_llama) -> tuple[ModelConfig, LoraLayout]:
-    cfg = ModelConfig.from_dir(tiny_llama)
-    return cfg, LoraLayout.for_model(cfg, MAX_RANK)
 
 
 def copy_of(src: Path, dst: Path, config: dict | None = None, scale: float = 1.0) -> Path:

@@ -29,11 +29,10 @@ from proto.loader import (
     SchedulerToLoader,
     StageAdapter,
 )
-from runtime.base.endpoints import Endpoints, make_run_dir
+from runtime.base.endpoints import Endpoints
 from runtime.base.sockets import PullSocket, PushSocket
 from runtime.common.host_pool import attach_pool, block_tensor, create_pool, pool_bytes_for, unlink_pool
 from runtime.common.lora_layout import LoraLayout
-from runtime.common.model_config import ModelConfig
 from stages.loader.actor import LoaderActor
 from stages.loader.adapter_config import AdapterError
 from stages.loader.adapter_reader import read_adapter
@@ -43,19 +42,6 @@ ROOT = Path(__file__).resolve().parents[3]
 MAX_RANK = 16
 DTYPE = torch.bfloat16  # the tiny checkpoint is float32: staging also converts
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def run_dir():
-    path = make_run_dir("lpl-")  # short: unix socket paths are limited to 107 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_llama) -> tuple[ModelConfig, LoraLayout]:
-    cfg = ModelConfig.from_dir(tiny_llama)
-    return cfg, LoraLayout.for_model(cfg, MAX_RANK)
 
 
 def packed(model, adapters: dict[str, Path], name: str):

@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from proto.loader import AdapterFailed, AdapterStaged, Evicted, ReleaseAdapter, StageAdapter
-from runtime.base.endpoints import make_run_dir
 from runtime.common.host_pool import ALIGN
 from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig
@@ -27,19 +26,6 @@ from stages.loader.block_writer import write_part
 from tests.stages.loader.test_loader_actor import DTYPE, Scheduler, metric, run_loader
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def run_dir():
-    path = make_run_dir("lpp-")  # short: unix socket paths are limited to 107 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_llama) -> tuple[ModelConfig, LoraLayout]:
-    cfg = ModelConfig.from_dir(tiny_llama)
-    return cfg, LoraLayout.for_model(cfg, 16)
 
 
 def _aligned(n: int) -> int:
