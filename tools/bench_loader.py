@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -101,6 +102,7 @@ class WriterLoads(Loads):
 
     def __init__(self, cfg: ModelConfig, layout: LoraLayout, dtype: torch.dtype, ns: argparse.Namespace):
         super().__init__(cfg, layout, dtype, ns)
+        self.tasks = ns.tasks
         self.dir = tempfile.mkdtemp(prefix="bench-writers-")
         self.loop = asyncio.new_event_loop()
         log = logging.getLogger("bench_loader")
@@ -108,15 +110,19 @@ class WriterLoads(Loads):
         self.loop.run_until_complete(self.writers.start())
 
     def run(self, paths: Sequence[Path]) -> None:
+        # as the loader cuts them: a part per writer for a load alone, at least two each for loads at once
+        tasks = self.tasks or max(2, self.writers.count // len(paths))
+        limits = dataclasses.replace(self.limits, tasks=tasks)
+
         async def all_loads() -> None:
-            await asyncio.gather(*[self._load(slot, p) for slot, p in enumerate(paths)])
+            await asyncio.gather(*[self._load(slot, p, limits) for slot, p in enumerate(paths)])
 
         self.loop.run_until_complete(all_loads())
 
-    async def _load(self, slot: int, path: Path) -> None:
+    async def _load(self, slot: int, path: Path, limits: ReadLimits) -> None:
         loop = asyncio.get_running_loop()
         plan = await loop.run_in_executor(
-            self.drivers, plan_adapter, path.name, path, self.cfg, self.layout, self.dtype, self.limits
+            self.drivers, plan_adapter, path.name, path, self.cfg, self.layout, self.dtype, limits
         )
         with plan:
             parts = [(s, i) for s, seg in enumerate(plan.segments) for i in range(len(seg.parts))]

@@ -291,7 +291,7 @@ class LoaderActor(Actor[LoaderConfig]):
         loop = asyncio.get_running_loop()
         if len(self.stuck) >= self.read_threads - self.config.load_threads + 1:
             raise AdapterError(job.name, f"the loader has {len(self.stuck)} reads stuck in the file system")
-        fut = self.executor.submit(self._read, job)
+        fut = self.executor.submit(self._read, job, self._limits_now())
         try:
             return await asyncio.wait_for(
                 asyncio.shield(asyncio.wrap_future(fut)), self.config.read_timeout_s
@@ -323,13 +323,21 @@ class LoaderActor(Actor[LoaderConfig]):
         detail = f"reads stuck: {detail}" if detail else ""
         return LoaderHealth(stuck_reads=len(self.stuck), read_threads=self.read_threads, detail=detail[:500])
 
-    def _read(self, job: _Load) -> AdapterPlan:
+    def _limits_now(self) -> ReadLimits:
+        """With writers, a load alone is cut into a part per writer; loads at once share them, at least
+        two parts each (fewer, larger parts cost the loader less Python per byte)."""
+        if self.writers is None:
+            return self.limits
+        tasks = max(2, self.config.writers // max(1, len(self.loading)))
+        return dataclasses.replace(self.limits, tasks=tasks)
+
+    def _read(self, job: _Load, limits: ReadLimits) -> AdapterPlan:
         cfg = self.config
         try:
             path = inside_root(job.path, cfg.adapter_root, cfg.trusted_paths)
         except FileRefused as exc:
             raise AdapterError(job.name, str(exc)) from None
-        return plan_adapter(job.name, path, self.model_cfg, self.layout, self.dtype, self.limits)
+        return plan_adapter(job.name, path, self.model_cfg, self.layout, self.dtype, limits)
 
     async def _write(self, plan: AdapterPlan, offset: int) -> None:
         """Per segment, its parts on the thread pool at once (the gap zeroing beside the first); returns

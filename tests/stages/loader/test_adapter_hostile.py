@@ -127,10 +127,10 @@ class HungReadLoader(LoaderActor):
 
     release = threading.Event()
 
-    def _read(self, job):
+    def _read(self, job, limits):
         if job.name.startswith("hang"):
             self.release.wait(30)
-        return super()._read(job)
+        return super()._read(job, limits)
 
 
 def test_a_hung_read_fails_its_load_and_shows_in_health(tmp_path, tiny_llama, model, llama_adapters):

@@ -218,7 +218,7 @@ def test_drop_frees_the_block_and_waits_for_pinned_ones(run_dir, tiny_llama, mod
 
     async def body(s: Scheduler, actor: LoaderActor) -> None:
         read = actor._read
-        actor._read = lambda job: (job.name != "qv5" or gate.wait(20)) and read(job)
+        actor._read = lambda job, limits: (job.name != "qv5" or gate.wait(20)) and read(job, limits)
         first = await s.stage("mlp1", path)
         # dropped while pinned: a StageAdapter meanwhile waits for the release, then reads it afresh
         await s.send(DropAdapter(name="mlp1"), StageAdapter(name="mlp1", path=path))
