@@ -42,6 +42,8 @@ class ServeArgs(EngineArgs):
     startup_timeout_s: float = 600.0  # the worker loads weights before it is Ready
     drain_timeout_s: float = 30.0  # SIGTERM: how long open requests may take to finish
     compile_cache_dir: str | None = None  # None: $TRITON_CACHE_DIR, else the XDG cache dir
+    profile_dir: str | None = None  # the worker's step profiler writes its trace here
+    profile_steps: tuple[int, int] | None = None  # (steps before the window, steps in it)
     # OpenAI-compatible HTTP (served by the tokenizer stage)
     host: str = http_args.DEFAULT_HOST
     port: int = http_args.DEFAULT_PORT  # 0: no HTTP
@@ -317,6 +319,20 @@ def _process_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         default=d.drain_timeout_s,
         help="on SIGTERM, seconds open requests have to finish",
     )
+    g.add_argument(
+        "--profile-dir",
+        metavar="DIR",
+        default=None,
+        help="profile some of the worker's steps with torch.profiler: a gzipped Chrome trace goes here and "
+        "the log gives the window's GPU-busy share (default: no profiling)",
+    )
+    g.add_argument(
+        "--profile-steps",
+        metavar="START:COUNT",
+        default=None,
+        help=f"with --profile-dir, the steps to profile: COUNT steps from the START-th plan "
+        f"(default: {DEFAULT_PROFILE_STEPS[0]}:{DEFAULT_PROFILE_STEPS[1]})",
+    )
     g.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level, help="launcher and stage logs")
     g.add_argument(
         "--log-file", metavar="PATH", default=None, help="write the stages' output here (default: stderr)"
@@ -329,7 +345,27 @@ def from_namespace(ns: argparse.Namespace) -> ServeArgs:
     kw = {_RENAMED.get(k, k): v for k, v in vars(ns).items() if _RENAMED.get(k, k) in fields}
     kw["adapters"] = tuple(parse_adapter(a) for a in kw["adapters"])
     kw["pinned_adapters"] = tuple(kw["pinned_adapters"])
+    kw["profile_steps"] = profile_window(kw.get("profile_dir"), kw.get("profile_steps"))
     return ServeArgs(**kw)
+
+
+DEFAULT_PROFILE_STEPS = (100, 200)
+
+
+def profile_window(profile_dir: str | None, spec: str | None) -> tuple[int, int] | None:
+    """(START, COUNT) from `--profile-steps START:COUNT`; the default window with --profile-dir alone."""
+    if spec is None:
+        return DEFAULT_PROFILE_STEPS if profile_dir is not None else None
+    if profile_dir is None:
+        raise ServeArgsError("--profile-steps needs --profile-dir (where the trace goes)")
+    start, sep, count = spec.partition(":")
+    try:
+        window = (int(start), int(count)) if sep else None
+    except ValueError:
+        window = None
+    if window is None or window[0] < 0 or window[1] < 1:
+        raise ServeArgsError(f"--profile-steps {spec!r}: expected START:COUNT, e.g. 100:200 (COUNT >= 1)")
+    return window
 
 
 _RENAMED = {  # argparse dest → ServeArgs field

@@ -83,6 +83,8 @@ def stage_configs(
             seed=args.seed,
             overlap_loading=args.overlap_loading,
             overlap_schedule=args.overlap_schedule,
+            profile_dir=args.profile_dir,
+            profile_steps=args.profile_steps,
             **pool,
             **common,
         ),

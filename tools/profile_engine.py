@@ -86,7 +86,7 @@ def _timeline(llm: LLM, prompts, adapters, sampling, a) -> tuple[list, float, io
     """The run under torch.profiler: its outputs, wall seconds and the GPU-busy report."""
     import torch
 
-    from tools.gpu_timeline import load_trace, report, summarize
+    from runtime.common.gpu_timeline import load_trace, report, summarize
 
     cuda = a.device.startswith("cuda")
     acts = [torch.profiler.ProfilerActivity.CUDA] if cuda else []

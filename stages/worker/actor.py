@@ -36,6 +36,7 @@ from stages.worker.lora.pool import row_bytes, runs_of
 from stages.worker.runner import ModelRunner
 from stages.worker.slot_loads import LoadHandle
 from stages.worker.step_loop import StepLoop, StepOutcome
+from stages.worker.step_profiler import StepProfiler
 
 
 class WorkerActor(Actor[WorkerConfig]):
@@ -142,8 +143,11 @@ class WorkerActor(Actor[WorkerConfig]):
         )
         scheduler = self.socket(PushSocket(ep.worker_to_scheduler, WorkerToScheduler, bind=False))
         tokenizer = self.socket(PushSocket(ep.worker_to_tokenizer, WorkerToTokenizer, bind=False))
+        profiler = None
+        if cfg.profile_dir is not None and cfg.profile_steps is not None:
+            profiler = StepProfiler(cfg.profile_dir, *cfg.profile_steps, self.log)
         self.steps = StepLoop(
-            self.executor, self.thread, plans, self._send_step, cfg.overlap_schedule, self.log
+            self.executor, self.thread, plans, self._send_step, cfg.overlap_schedule, self.log, profiler
         )
         self.add_loop("steps", self.steps.run)
         self.add_sender("scheduler", self.to_scheduler, scheduler.send)

@@ -16,3 +16,5 @@ class WorkerConfig(StageConfig, frozen=True, kw_only=True):
     seed: int = 0
     overlap_loading: bool = True  # a slot copy stalls only the steps that use the slot
     overlap_schedule: bool = True  # launch the next queued plan before reading a step's tokens
+    profile_dir: str | None = None  # where the step profiler writes its trace (--profile-dir)
+    profile_steps: tuple[int, int] | None = None  # (plans launched before the window, steps in it)

@@ -8,6 +8,7 @@ launched and finished at once, the path outputs are compared against."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ from proto.pipeline import TokenBatch
 from proto.plan import BatchPlan, StepResult
 from runtime.base.actor import Mailbox
 from stages.worker.executor import InFlightStep, StepExecutor
+from stages.worker.step_profiler import StepProfiler
 
 
 @dataclass(frozen=True)
@@ -38,11 +40,14 @@ class StepLoop:
         send: Callable[[StepOutcome], Awaitable[None]],
         overlap: bool,
         log: logging.Logger,
+        profiler: StepProfiler | None = None,
     ):
-        """`thread`: the step thread (every device call goes through it); `send` delivers one outcome."""
+        """`thread`: the step thread (every device call goes through it); `send` delivers one outcome;
+        `profiler`: a torch.profiler window over some steps (`--profile-steps`)."""
         self.executor, self.thread, self.plans, self.send = executor, thread, plans, send
         self.overlap = overlap
         self.log = log
+        self.profiler = profiler
         # blocks on a step's token copy while the event loop waits for a plan too (never the step thread)
         self.waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-wait")
         self.busy = False  # a step is in flight or the step thread is launching or finishing one
@@ -91,7 +96,8 @@ class StepLoop:
         step = None
         if plan is not None:
             try:
-                step = ex.launch(plan)
+                with self.profiler.launching(plan.step) if self.profiler else contextlib.nullcontext():
+                    step = ex.launch(plan)
             except Exception as e:  # the forward failed: fail this step's requests, keep serving
                 self.log.exception("step %d failed", plan.step)
                 if prev is not None:  # its tokens stand: finish it before failing the later step
@@ -111,6 +117,8 @@ class StepLoop:
         except Exception as e:  # reading the step's tokens failed (a device fault)
             self.log.exception("step %d failed", step.plan.step)
             return StepOutcome(self.executor.fail_step(step.plan, _failure(e)), None, None)
+        if self.profiler is not None:
+            self.profiler.finished(step.plan.step)
         return StepOutcome(result, tokens, step)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tools.gpu_timeline import gaps, load_trace, merge, summarize
+from runtime.common.gpu_timeline import gaps, load_trace, merge, summarize
 
 
 def _grid(intervals, start, end):

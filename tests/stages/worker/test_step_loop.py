@@ -72,10 +72,11 @@ class FakeExecutor:
 
 
 class Harness:
-    def __init__(self, ex: FakeExecutor, overlap: bool = True):
+    def __init__(self, ex: FakeExecutor, overlap: bool = True, profiler=None):
         self.ex, self.plans, self.sent = ex, Mailbox("plans", 4), []
         self.thread = ThreadPoolExecutor(max_workers=1)
-        self.loop = StepLoop(ex, self.thread, self.plans, self._send, overlap, logging.getLogger("test"))
+        log = logging.getLogger("test")
+        self.loop = StepLoop(ex, self.thread, self.plans, self._send, overlap, log, profiler)
         self.task = asyncio.create_task(self.loop.run())
 
     async def _send(self, outcome: StepOutcome) -> None:

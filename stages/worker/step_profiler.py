@@ -1,0 +1,104 @@
+"""A torch.profiler window over the worker's steps (`--profile-dir DIR --profile-steps START:COUNT`):
+the profiler starts as the START-th plan is launched and stops once COUNT steps from it are finished
+(their GPU work done), each of those steps' launches annotated `step N` in the trace (overlapped, the
+launches of the plans after them come before the window ends and are in the trace unannotated). Then,
+on a thread of its own so that serving goes on, the Chrome trace is written gzip-compressed to
+DIR/worker-PID-stepsA-B.json.gz and one log line gives the window's GPU-busy share
+(`runtime/common/gpu_timeline.py`): what issue 15 measures over a serving run. All calls but the export
+run on the step thread, the one that issues device work. A failure to profile or to write is a warning;
+it never touches a request."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from runtime.common.gpu_timeline import load_trace, summarize
+
+
+class StepProfiler:
+    def __init__(self, out_dir: str, start: int, count: int, log: logging.Logger) -> None:
+        """`start`: launches before the window (0: the first plan is in it); `count`: steps in it."""
+        self.out_dir, self.start, self.count, self.log = Path(out_dir), start, count, log
+        self.launched = 0
+        self.first_step: int | None = None  # the plan step number the window starts at
+        self.prof: torch.profiler.profile | None = None
+        self.t0 = 0.0
+        self.done = False
+        self.exporter: threading.Thread | None = None
+        self.path: Path | None = None  # the trace, once written
+
+    def launching(self, step: int) -> contextlib.AbstractContextManager:
+        """Around one plan's launch: opens the window at the START-th launch; inside it, the launch is
+        annotated `step N`."""
+        if not self.done and self.prof is None and self.launched == self.start:
+            self._begin(step)
+        self.launched += 1
+        if self.prof is None or self.first_step is None or step >= self.first_step + self.count:
+            return contextlib.nullcontext()  # overlapped, the next launches precede the window's end
+        return torch.profiler.record_function(f"step {step}")
+
+    def finished(self, step: int) -> None:
+        """Step `step`'s tokens were read (its GPU work is done); closes the window after its last."""
+        if self.prof is None or self.first_step is None or step < self.first_step + self.count - 1:
+            return
+        prof, self.prof, self.done = self.prof, None, True
+        wall = time.perf_counter() - self.t0
+        try:
+            prof.stop()
+        except Exception:  # a profiler that failed must not take the worker with it
+            self.log.warning("the step profiler failed to stop", exc_info=True)
+            return
+        last = step
+        self.exporter = threading.Thread(
+            target=self._export, args=(prof, wall, self.first_step, last), name="step-profile", daemon=True
+        )
+        self.exporter.start()
+
+    def _begin(self, step: int) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
+            prof.start()
+        except Exception:
+            self.done = True
+            self.log.warning("the step profiler could not start; serving goes on unprofiled", exc_info=True)
+            return
+        self.prof, self.first_step, self.t0 = prof, step, time.perf_counter()
+        self.log.info("profiling steps %d to %d into %s", step, step + self.count - 1, self.out_dir)
+
+    def _export(self, prof: torch.profiler.profile, wall: float, first: int, last: int) -> None:
+        t0 = time.perf_counter()
+        path = self.out_dir / f"worker-{os.getpid()}-steps{first}-{last}.json.gz"
+        plain = path.with_suffix("")  # .json
+        try:
+            prof.export_chrome_trace(str(plain))
+            with plain.open("rb") as src, gzip.open(path, "wb", compresslevel=3) as dst:
+                shutil.copyfileobj(src, dst)
+            plain.unlink()
+            s = summarize(load_trace(path), wall * 1e6)
+        except Exception:
+            self.log.warning(
+                "the step profile of steps %d-%d could not be written", first, last, exc_info=True
+            )
+            return
+        self.path = path
+        fams = ", ".join(f"{k} {v / 1e6:.3f} s" for k, v in list(s["device_us_by_family"].items())[:5])
+        largest = s["largest_gaps"][0]["us"] / 1e3 if s["largest_gaps"] else 0.0
+        self.log.info(
+            "step profile %d-%d: %.3f s wall, GPU busy %.3f s (%.1f %%), %d idle gaps (largest %.2f ms); "
+            "device time: %s; trace %s (written in %.1f s)",
+            first, last, wall, s["device_busy_us"] / 1e6, 100 * s["busy_share"], s["idle_gaps"], largest,
+            fams or "none", path, time.perf_counter() - t0,
+        )  # fmt: skip
