@@ -66,6 +66,8 @@ class StepLoop:
 
     def close(self) -> None:
         self.waiter.shutdown(wait=False, cancel_futures=True)
+        if self.profiler is not None:
+            self.profiler.close()
 
     async def _next_plan(self, in_flight: InFlightStep | None) -> BatchPlan | None:
         """The plan to launch next, or None when the step in flight should be finished first: its

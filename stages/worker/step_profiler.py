@@ -1,7 +1,8 @@
 """A torch.profiler window over the worker's steps (`--profile-dir DIR --profile-steps START:COUNT`):
 the profiler starts as the START-th plan is launched and stops once COUNT steps from it are finished
-(their GPU work done), each of those steps' launches annotated `step N` in the trace (overlapped, the
-launches of the plans after them come before the window ends and are in the trace unannotated). Then,
+(their GPU work done). On CUDA it traces device activity only (host operations would slow the host
+path it measures); without CUDA, host operations, each step's launch annotated `step N` (overlapped,
+the launches of the plans after the window come before it ends and are left unannotated). Then,
 on a thread of its own so that serving goes on, the Chrome trace is written gzip-compressed to
 DIR/worker-PID-stepsA-B.json.gz and one log line gives the window's GPU-busy share
 (`runtime/common/gpu_timeline.py`): what issue 15 measures over a serving run. All calls but the export
@@ -63,10 +64,16 @@ class StepProfiler:
         )
         self.exporter.start()
 
+    def close(self, timeout_s: float = 120.0) -> None:
+        """At shutdown: let a trace being written finish (it is what the run was for)."""
+        if self.exporter is not None:
+            self.exporter.join(timeout_s)
+
     def _begin(self, step: int) -> None:
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        # On CUDA only device activity (kernels, copies, the runtime calls that issue them): tracing every
+        # host operation too slowed serving threefold on the H100, which would be measuring the profiler.
+        cuda = torch.cuda.is_available()
+        activities = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
