@@ -1,12 +1,17 @@
 """GPU-busy share of a torch.profiler Chrome trace: the union of device activity (kernels, memcpy, memset;
 overlapping streams counted once) against the window's wall time, the GPU-idle gaps (how many, how long,
-the largest with the host operations running across them) and device time by kernel family. Used by the
-worker's step profiler (`--profile-steps`) and by `tools/gpu_timeline.py` on any saved trace."""
+the largest with the host operations running across them) and device time by kernel family. Used by
+`tools/gpu_timeline.py` on any saved trace, and by the worker's step profiler (`--profile-steps`) as
+`python -m runtime.common.gpu_timeline TRACE.json WALL_US`, which compresses the trace to TRACE.json.gz
+and prints the summary as JSON: in a process of its own, so parsing a large trace never takes the GIL
+from a serving worker."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import shutil
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -124,3 +129,16 @@ def report(s: dict[str, Any]) -> str:
     for g in s["largest_gaps"]:
         lines.append(f"| {g['start_us'] / 1e6:.3f} | {g['us'] / 1e3:.2f} | {'; '.join(g['host']) or '-'} |")
     return "\n".join(lines)
+
+
+def compress_and_summarize(plain: Path, wall_us: float) -> dict[str, Any]:
+    """Gzip `plain` (a Chrome trace) to `plain`.gz, remove `plain`, and summarize the trace."""
+    packed = plain.with_name(plain.name + ".gz")
+    with plain.open("rb") as src, gzip.open(packed, "wb", compresslevel=3) as dst:
+        shutil.copyfileobj(src, dst)
+    plain.unlink()
+    return summarize(load_trace(packed), wall_us)
+
+
+if __name__ == "__main__":
+    print(json.dumps(compress_and_summarize(Path(sys.argv[1]), float(sys.argv[2]))))

@@ -3,26 +3,26 @@ the profiler starts as the START-th plan is launched and stops once COUNT steps 
 (their GPU work done). On CUDA it traces device activity only (host operations would slow the host
 path it measures); without CUDA, host operations, each step's launch annotated `step N` (overlapped,
 the launches of the plans after the window come before it ends and are left unannotated). Then,
-on a thread of its own so that serving goes on, the Chrome trace is written gzip-compressed to
-DIR/worker-PID-stepsA-B.json.gz and one log line gives the window's GPU-busy share
-(`runtime/common/gpu_timeline.py`): what issue 15 measures over a serving run. All calls but the export
-run on the step thread, the one that issues device work. A failure to profile or to write is a warning;
-it never touches a request."""
+on a thread of its own so that serving goes on, the Chrome trace is written, and a process of its own
+(`python -m runtime.common.gpu_timeline`: parsing a trace of 100 MB holds a GIL for seconds, which
+slowed serving twofold when it was this process's) compresses it to DIR/worker-PID-stepsA-B.json.gz and
+sums it up for one log line with the window's GPU-busy share: what issue 15 measures over a serving
+run. All calls but the export run on the step thread, the one that issues device work. A failure to
+profile or to write is a warning; it never touches a request."""
 
 from __future__ import annotations
 
 import contextlib
-import gzip
+import json
 import logging
 import os
-import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
-
-from runtime.common.gpu_timeline import load_trace, summarize
 
 
 class StepProfiler:
@@ -87,25 +87,24 @@ class StepProfiler:
 
     def _export(self, prof: torch.profiler.profile, wall: float, first: int, last: int) -> None:
         t0 = time.perf_counter()
-        path = self.out_dir / f"worker-{os.getpid()}-steps{first}-{last}.json.gz"
-        plain = path.with_suffix("")  # .json
+        plain = self.out_dir / f"worker-{os.getpid()}-steps{first}-{last}.json"
         try:
             prof.export_chrome_trace(str(plain))
-            with plain.open("rb") as src, gzip.open(path, "wb", compresslevel=3) as dst:
-                shutil.copyfileobj(src, dst)
-            plain.unlink()
-            s = summarize(load_trace(path), wall * 1e6)
+            cmd = [sys.executable, "-m", "runtime.common.gpu_timeline", str(plain), str(wall * 1e6)]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed")
+            s = json.loads(done.stdout)
         except Exception:
-            self.log.warning(
-                "the step profile of steps %d-%d could not be written", first, last, exc_info=True
-            )
+            why = "the step profile of steps %d-%d could not be written"
+            self.log.warning(why, first, last, exc_info=True)
             return
-        self.path = path
+        self.path = plain.with_name(plain.name + ".gz")
         fams = ", ".join(f"{k} {v / 1e6:.3f} s" for k, v in list(s["device_us_by_family"].items())[:5])
         largest = s["largest_gaps"][0]["us"] / 1e3 if s["largest_gaps"] else 0.0
         self.log.info(
             "step profile %d-%d: %.3f s wall, GPU busy %.3f s (%.1f %%), %d idle gaps (largest %.2f ms); "
             "device time: %s; trace %s (written in %.1f s)",
             first, last, wall, s["device_busy_us"] / 1e6, 100 * s["busy_share"], s["idle_gaps"], largest,
-            fams or "none", path, time.perf_counter() - t0,
+            fams or "none", self.path, time.perf_counter() - t0,
         )  # fmt: skip
