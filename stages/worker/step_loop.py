@@ -73,6 +73,8 @@ class StepLoop:
         """The plan to launch next, or None when the step in flight should be finished first: its
         tokens arrived before any plan did."""
         if in_flight is None:
+            if self.profiler is not None and self.plans.empty():
+                self.profiler.idle()  # nothing to run: a good time to write a trace
             return await self.plans.get()
         if not self.plans.empty():
             return self.plans.get_nowait()

@@ -2,13 +2,13 @@
 the profiler starts as the START-th plan is launched and stops once COUNT steps from it are finished
 (their GPU work done). On CUDA it traces device activity only (host operations would slow the host
 path it measures); without CUDA, host operations, each step's launch annotated `step N` (overlapped,
-the launches of the plans after the window come before it ends and are left unannotated). Then,
-on a thread of its own so that serving goes on, the Chrome trace is written, and a process of its own
-(`python -m runtime.common.gpu_timeline`: parsing a trace of 100 MB holds a GIL for seconds, which
-slowed serving twofold when it was this process's) compresses it to DIR/worker-PID-stepsA-B.json.gz and
-sums it up for one log line with the window's GPU-busy share: what issue 15 measures over a serving
-run. All calls but the export run on the step thread, the one that issues device work. A failure to
-profile or to write is a warning; it never touches a request."""
+the launches of the plans after the window come before it ends and are left unannotated). The trace is
+written once the worker is next idle (no step in flight, no plan queued), or at shutdown: exporting it
+holds this process's GIL for seconds, which halved the throughput of a busy H100 worker. It is written
+on a thread, then a process of its own (`python -m runtime.common.gpu_timeline`) compresses it to
+DIR/worker-PID-stepsA-B.json.gz and sums it up for one log line with the window's GPU-busy share: what
+issue 15 measures over a serving run. All calls but the export run on the step thread, the one that
+issues device work. A failure to profile or to write is a warning; it never touches a request."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ class StepProfiler:
         self.prof: torch.profiler.profile | None = None
         self.t0 = 0.0
         self.done = False
+        self.pending: tuple | None = None  # (profiler, wall s, first, last) of a window not written yet
         self.exporter: threading.Thread | None = None
         self.path: Path | None = None  # the trace, once written
 
@@ -58,14 +59,22 @@ class StepProfiler:
         except Exception:  # a profiler that failed must not take the worker with it
             self.log.warning("the step profiler failed to stop", exc_info=True)
             return
-        last = step
-        self.exporter = threading.Thread(
-            target=self._export, args=(prof, wall, self.first_step, last), name="step-profile", daemon=True
+        self.pending = (prof, wall, self.first_step, step)
+        self.log.info(
+            "step profile %d-%d taken; its trace is written when the worker is next idle", *self.pending[2:]
         )
-        self.exporter.start()
+
+    def idle(self) -> None:
+        """The worker has no step in flight and no plan queued: write a trace taken (exporting holds this
+        process's GIL for seconds, which would slow the steps of a busy worker)."""
+        if self.pending is not None:
+            args, self.pending = self.pending, None
+            self.exporter = threading.Thread(target=self._export, args=args, name="step-profile", daemon=True)
+            self.exporter.start()
 
     def close(self, timeout_s: float = 120.0) -> None:
-        """At shutdown: let a trace being written finish (it is what the run was for)."""
+        """At shutdown: write a trace taken, or let one being written finish (it is what the run was for)."""
+        self.idle()
         if self.exporter is not None:
             self.exporter.join(timeout_s)
 

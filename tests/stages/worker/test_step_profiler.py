@@ -45,7 +45,9 @@ async def _window(tmp_path, caplog, overlap: bool) -> None:
     names = {e.get("name") for e in load_trace(profiler.path)}
     steps = sorted(int(m[1]) for n in names if isinstance(n, str) and (m := re.fullmatch(r"step (\d+)", n)))
     assert steps == [13, 14, 15, 16]
-    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step profile ")]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step profile ")]
+    assert lines[0] == "step profile 13-16 taken; its trace is written when the worker is next idle"
+    (line,) = lines[1:]
     assert re.match(r"step profile 13-16: [\d.]+ s wall, GPU busy [\d.]+ s \([\d.]+ %\), \d+ idle gaps", line)
     assert str(profiler.path) in line
     assert list((tmp_path / "prof").iterdir()) == [profiler.path]  # the plain JSON is gone
