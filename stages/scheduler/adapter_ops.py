@@ -61,12 +61,21 @@ class AdapterOps:
     async def on_load_adapter_op(self, op: LoadAdapterOp) -> None:
         e = self.adapters.get(op.name)
         if e is not None and e.state is not AdapterState.FAILED:
+            if e.path == op.path and e.state is AdapterState.UNLOADING:
+                # loaded again before its unload finished (a router's cache evicting and reloading it):
+                # the adapter never left, so it simply stays
+                e.state = AdapterState.REGISTERED
+                await self.to_tokenizer.put(AdapterUpdate(name=op.name, state="registered"))
+                return await self.to_tokenizer.put(OpDone(op_id=op.op_id))
             if e.path == op.path and e.state in (AdapterState.REGISTERED, AdapterState.VALIDATING):
                 if e.state is AdapterState.VALIDATING:
                     e.pending_ops.append(op.op_id)
                     return
                 return await self.to_tokenizer.put(OpDone(op_id=op.op_id))
             text = f"adapter {op.name!r} is already loaded from {e.path}; unload it first"
+            if e.state is AdapterState.UNLOADING:
+                why = "is still being unloaded; load it again once it is gone"
+                text = f"adapter {op.name!r} (from {e.path}) {why}"
             return await self.to_tokenizer.put(OpFailed(op_id=op.op_id, kind="invalid_request", message=text))
         self.adapters.add_validating(op.name, op.path, op.op_id)
         await self.lifecycle.stage(op.name)

@@ -201,3 +201,28 @@ def test_unload_drops_the_adapter_once_unused():
         assert isinstance(reply, OpFailed) and reply.kind == "unknown_adapter"
 
     asyncio.run(main())
+
+
+def test_a_load_during_an_unload_keeps_the_adapter():
+    """A router that evicts an adapter from its cache and loads it again at once (Ray Serve's multiplexing
+    does) may send the load before the unload has finished: with the same path the adapter stays; with
+    another the op fails, naming the unload in progress."""
+
+    async def main() -> None:
+        h = Harness({"a": "/a"})
+        await h.ops.on_unload_adapter_op(UnloadAdapterOp(op_id=1, name="a"))
+        assert h.sent(h.to_tokenizer) == [AdapterUpdate(name="a", state="unloading"), OpDone(op_id=1)]
+        await h.ops.on_load_adapter_op(LoadAdapterOp(op_id=2, name="a", path="/a"))
+        assert h.sent(h.to_tokenizer) == [AdapterUpdate(name="a", state="registered"), OpDone(op_id=2)]
+        assert h.adapters.get("a").state is AdapterState.REGISTERED
+        assert await h.ops.finish_unloads(None) == [] and h.sent(h.to_loader) == []  # nothing dropped
+        await h.ops.on_unload_adapter_op(UnloadAdapterOp(op_id=3, name="a"))
+        h.sent(h.to_tokenizer)
+        await h.ops.on_load_adapter_op(LoadAdapterOp(op_id=4, name="a", path="/elsewhere"))
+        [reply] = h.sent(h.to_tokenizer)
+        assert isinstance(reply, OpFailed) and reply.kind == "invalid_request"
+        assert reply.message == "adapter 'a' (from /a) is still being unloaded; load it again once it is gone"
+        assert await h.ops.finish_unloads(None) == []
+        assert h.sent(h.to_loader) == [DropAdapter(name="a")]
+
+    asyncio.run(main())
