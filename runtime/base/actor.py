@@ -5,6 +5,7 @@ MetricsQuery, FatalError), a parent-death watch and drain on SIGTERM/SIGINT. `se
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import os
@@ -87,6 +88,9 @@ class Actor(Generic[C]):
         self.log = logging.getLogger(f"lorapipe.{self.stage}")
         self.metrics = StageMetrics(self.stage)
         self.draining = False
+        # a stage process (stage_main) freezes what setup made out of the collector's scans; in-process
+        # actors (tests, tools) leave their interpreter's collector alone
+        self.freeze_gc_after_setup = False
         self._ppid = os.getppid()
         self._loops: list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]] = []
         self._mailboxes: list[Mailbox[Any]] = []
@@ -207,6 +211,11 @@ class Actor(Generic[C]):
                     )
                 )
             await self.setup()
+            if self.freeze_gc_after_setup:
+                # weights' wrappers, modules, compiled kernels and graphs live as long as the process: a
+                # full collection walking them stalls every step for as long as it takes
+                gc.collect()
+                gc.freeze()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_drain)
             async with asyncio.TaskGroup() as tg:
@@ -328,4 +337,6 @@ def stage_main(
         sys.exit(f"usage: python -m <stage> CONFIG.json (got {args})")
     with open(args[0], "rb") as f:
         config = msgspec.json.decode(f.read(), type=config_type)
-    sys.exit(serve(make(config)))
+    actor = make(config)
+    actor.freeze_gc_after_setup = True
+    sys.exit(serve(actor))
