@@ -30,6 +30,7 @@ class EngineArgs:
     num_pages: int | None = None
     lora_backend: str | None = None  # None: triton on cuda, torch on cpu
     attention_backend: str | None = None  # None: triton on cuda, torch on cpu
+    pointwise_backend: str | None = None  # norms, rotary, activation; None: triton on cuda, torch on cpu
     pinned_adapters: tuple[str, ...] = ()
     overlap_loading: bool = True  # pool loads run beside steps that do not need them
     prefetch_depth: int = 8  # waiting requests looked ahead at for pool loads (0: off)
@@ -112,6 +113,7 @@ def runner_config(e: EngineArgs, model_cfg: ModelConfig) -> RunnerConfig:
         lora_gpu_memory_gb=e.lora_gpu_memory_gb,
         lora_backend=e.lora_backend,
         attention_backend=e.attention_backend,
+        pointwise_backend=e.pointwise_backend,
         page_size=e.page_size,
         num_pages=e.num_pages,
         max_tokens_per_step=e.max_tokens_per_step,

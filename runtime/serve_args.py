@@ -134,6 +134,13 @@ def _adapter_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         default=None,
         help="paged attention: the Triton kernel or the torch loop (default: triton on cuda, torch on cpu)",
     )
+    g.add_argument(
+        "--pointwise-backend",
+        choices=("torch", "triton"),
+        default=None,
+        help="RMSNorm (with the residual add), rotary + K/V write and the activation: one fused Triton "
+        "kernel each, or the plain torch ops (default: triton on cuda, torch on cpu)",
+    )
 
 
 def _memory_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:

@@ -115,8 +115,10 @@ def _check_device(args: ServeArgs) -> None:
 
         if not torch.cuda.is_available():
             raise ServeArgsError("--device cuda: no CUDA device is available")
-    if args.lora_backend == "triton" and device != "cuda":
-        raise ServeArgsError("--lora-backend triton needs --device cuda")
+    kernels = (("--lora-backend", args.lora_backend), ("--pointwise-backend", args.pointwise_backend))
+    for flag, name in kernels:
+        if name == "triton" and device != "cuda":
+            raise ServeArgsError(f"{flag} triton needs --device cuda")
 
 
 def _check_endpoint(endpoint: str) -> None:

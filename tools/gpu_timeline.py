@@ -1,9 +1,9 @@
 """GPU-busy share of a torch.profiler Chrome trace: the union of device activity (kernels, memcpy, memset;
 overlapping streams counted once) against the window's wall time, the GPU-idle gaps (how many, how long,
-the largest with the host operations running across them) and device time by kernel family. Works on
-any torch.profiler trace (`prof.export_chrome_trace`), e.g. the one `tools/profile_engine.py --timeline`
-writes over a whole workload, or the worker's `--profile-dir` over a serving run (the analysis itself is
-`runtime/common/gpu_timeline.py`).
+the largest with the host operations running across them) and device time by kernel family and kernel.
+Works on any torch.profiler trace (`prof.export_chrome_trace`), e.g. the one
+`tools/profile_engine.py --timeline` writes over a whole workload, or the worker's `--profile-dir` over a
+serving run (the analysis itself is `runtime/common/gpu_timeline.py`).
     python -m tools.gpu_timeline TRACE.json[.gz] [--wall-s S] [--top 10] [--json]"""
 
 from __future__ import annotations

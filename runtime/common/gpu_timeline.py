@@ -1,6 +1,7 @@
 """GPU-busy share of a torch.profiler Chrome trace: the union of device activity (kernels, memcpy, memset;
 overlapping streams counted once) against the window's wall time, the GPU-idle gaps (how many, how long,
-the largest with the host operations running across them) and device time by kernel family. Used by
+the largest with the host operations running across them) and device time by kernel family and by
+kernel (the `top` largest). Used by
 `tools/gpu_timeline.py` on any saved trace, and by the worker's step profiler (`--profile-steps`) as
 `python -m runtime.common.gpu_timeline TRACE.json WALL_US`, which compresses the trace to TRACE.json.gz
 and prints the summary as JSON: in a process of its own, so parsing a large trace never takes the GIL
@@ -79,9 +80,12 @@ def summarize(events: list[dict[str, Any]], wall_us: float | None = None, top: i
     busy_us = sum(e - s for s, e in busy)
     idle = gaps(busy, start, end)
     by_family: dict[str, float] = {}
+    by_kernel: dict[str, float] = {}
     for e in device:
-        fam = family(str(e.get("name", "")))
+        name = str(e.get("name", ""))
+        fam = family(name)
         by_family[fam] = by_family.get(fam, 0.0) + float(e["dur"])
+        by_kernel[name[:100]] = by_kernel.get(name[:100], 0.0) + float(e["dur"])
     hist = {f"< {b} us": 0 for b in GAP_BINS_US} | {f">= {GAP_BINS_US[-1]} us": 0}
     for s, e in idle:
         d = e - s
@@ -96,6 +100,7 @@ def summarize(events: list[dict[str, Any]], wall_us: float | None = None, top: i
         "idle_gaps": len(idle),
         "idle_gap_histogram": hist,
         "device_us_by_family": dict(sorted(by_family.items(), key=lambda kv: -kv[1])),
+        "device_us_top_kernels": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]),
         "largest_gaps": [
             {"start_us": s - start, "us": e - s, "host": _host_during(host, s, e)} for s, e in largest
         ],
@@ -125,6 +130,9 @@ def report(s: dict[str, Any]) -> str:
     busy = s["device_busy_us"] or 1.0
     for fam, us in s["device_us_by_family"].items():
         lines.append(f"| {fam} | {us / 1e6:.3f} | {100 * us / busy:.1f} % |")
+    lines += ["", "| kernel (top by device time) | s | share of busy |", "| --- | --- | --- |"]
+    for name, us in s.get("device_us_top_kernels", {}).items():
+        lines.append(f"| `{name}` | {us / 1e6:.3f} | {100 * us / busy:.1f} % |")
     lines += ["", "| largest idle gaps: at (s) | ms | host operations across it |", "| --- | --- | --- |"]
     for g in s["largest_gaps"]:
         lines.append(f"| {g['start_us'] / 1e6:.3f} | {g['us'] / 1e3:.2f} | {'; '.join(g['host']) or '-'} |")

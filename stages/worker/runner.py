@@ -18,6 +18,7 @@ from stages.worker.model.attention import plan_for, resolve_backend
 from stages.worker.model.forward_batch import ForwardBatch, SeqExtent
 from stages.worker.model.kv_cache import KVCache
 from stages.worker.model.llama import LlamaModel
+from stages.worker.model.pointwise import resolve_pointwise
 from stages.worker.model.weights import load_weights
 from stages.worker.seq_input import SeqInput, fill_pending
 from stages.worker.step_graphs import StepGraphs
@@ -36,6 +37,7 @@ class RunnerConfig:
     lora_gpu_memory_gb: float | None = None
     lora_backend: str | None = None  # None: triton on CUDA, torch elsewhere
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
+    pointwise_backend: str | None = None  # norms, rotary, activation; None: triton on CUDA, torch elsewhere
     page_size: int = 16
     num_pages: int | None = None  # None: fill gpu_memory_utilization on CUDA, cpu_kv_tokens on CPU
     gpu_memory_utilization: float = 0.85
@@ -82,6 +84,7 @@ class ModelRunner:
             )
         self.dtype = parse_dtype(cfg.dtype, self.model_cfg.dtype)
         self.attention_backend = resolve_backend(cfg.attention_backend, self.device)
+        self.pointwise_backend = resolve_pointwise(cfg.pointwise_backend, self.device)
         self._init_model()
         self._init_lora()
         self._init_kv_cache()
@@ -95,7 +98,9 @@ class ModelRunner:
     def _init_model(self) -> None:
         weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
         self.lora_layout = LoraLayout.for_model(self.model_cfg, self.cfg.max_lora_rank)
-        self.model = LlamaModel(self.model_cfg, weights, self.lora_layout, self.attention_backend)
+        self.model = LlamaModel(
+            self.model_cfg, weights, self.lora_layout, self.attention_backend, self.pointwise_backend
+        )
 
     def _init_lora(self) -> None:
         """The adapter pool, sized before the KV cache (which takes what is left)."""

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.common.gpu_timeline import gaps, load_trace, merge, summarize
+from runtime.common.gpu_timeline import gaps, load_trace, merge, report, summarize
 
 
 def _grid(intervals, start, end):
@@ -61,6 +61,8 @@ def test_summary_of_a_hand_made_trace():
     assert [g["us"] for g in s["largest_gaps"]] == [50, 25]
     assert s["largest_gaps"][1]["host"][0].startswith("aten::copy_")  # the shortest op across 15..40
     assert s["device_us_by_family"] == {"lora shrink": 10, "gemm": 10, "memcpy/memset": 10}
+    assert s["device_us_top_kernels"] == {"_lora_shrink_kernel": 10, "nvjet_gemm": 10, "Memcpy HtoD": 10}
+    assert "| `nvjet_gemm` | 0.000 | 40.0 % |" in report(s)
     assert summarize(ev, wall_us=200)["busy_share"] == pytest.approx(25 / 200)
 
 

@@ -1,5 +1,6 @@
-"""The Llama-family forward (Llama, Qwen2, Mistral) in plain torch over flattened tokens, with every
-linear layer's LoRA delta added by the backend handed in (none for base-only batches)."""
+"""The Llama-family forward (Llama, Qwen2, Mistral) over flattened tokens: torch linear layers, every
+one's LoRA delta added by the backend handed in (none for base-only batches), attention and the
+pointwise ops (norms, rotary + K/V write, activation) from the backends chosen at construction."""
 
 from __future__ import annotations
 
@@ -12,21 +13,8 @@ from stages.worker.lora.backend import LoraBackend
 from stages.worker.model.attention import attention_fn
 from stages.worker.model.forward_batch import ForwardBatch
 from stages.worker.model.kv_cache import KVCache
+from stages.worker.model.pointwise import pointwise_ops
 from stages.worker.model.weights import LayerWeights, ModelWeights
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in float32, scale in the model dtype: the order transformers uses.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, 1, D] in x's dtype (half-split rotation, as in HF Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class LlamaModel:
@@ -36,12 +24,15 @@ class LlamaModel:
         weights: ModelWeights,
         lora_layout: LoraLayout | None,
         attention_backend: str = "torch",
+        pointwise_backend: str = "torch",
     ):
         self.cfg = cfg
         self.w = weights
         self.lora_layout = lora_layout
         self.attention_backend = attention_backend  # "triton" reads each ForwardBatch's attn_plan
         self.attend = attention_fn(attention_backend)
+        self.pointwise_backend = pointwise_backend
+        self.ops = pointwise_ops(pointwise_backend)  # norms, rotary + K/V write, activation
         device = weights.embed.device
         inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
         pos = torch.arange(cfg.max_position_embeddings, device=device, dtype=torch.float32)
@@ -77,25 +68,21 @@ class LlamaModel:
     def pre_attention(self, i: int, h, kv_rows, kv: KVCache, lora, cos, sin) -> torch.Tensor:
         """Layer i up to attention: norm, QKV (+ LoRA), rotary, the K/V write. Returns q [T, heads, D]."""
         cfg, lw = self.cfg, self.w.layers[i]
-        x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+        x = self.ops.norm(h, lw.input_norm, cfg.rms_norm_eps)
         qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, q + 2 kv]
         self._lora(lora, x, qkv, i, "qkv")
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = rotate(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)  # [T, H, D]
-        k = rotate(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, KVH, D]
-        kv.write(i, kv_rows, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim))
-        return q
+        return self.ops.rope_kv(qkv, cos, sin, kv_rows, kv, i, cfg.num_heads, cfg.num_kv_heads)  # [T, H, D]
 
     def post_attention(self, i: int, h, attn, lora) -> torch.Tensor:
         """Layer i after attention: O (+ LoRA) and the residual, then the MLP block. Returns h [T, H]."""
         lw = self.w.layers[i]
         o = F.linear(attn, lw.o, lw.o_bias)  # [T, H]
         self._lora(lora, attn, o, i, "o")
-        h = h + o
-        return h + self._mlp(i, lw, rms_norm(h, lw.post_norm, self.cfg.rms_norm_eps), lora)
+        h, x = self.ops.add_norm(h, o, lw.post_norm, self.cfg.rms_norm_eps)  # h + o and its norm
+        return h + self._mlp(i, lw, x, lora)
 
     def logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        last = rms_norm(h[logits_indices], self.w.norm, self.cfg.rms_norm_eps)  # [B, H]
+        last = self.ops.norm(h[logits_indices], self.w.norm, self.cfg.rms_norm_eps)  # [B, H]
         return F.linear(last, self.w.lm_head).float()  # [B, V]
 
     def _lora(self, lora: LoraBackend | None, x, out, layer: int, group: str) -> None:
@@ -105,8 +92,7 @@ class LlamaModel:
     def _mlp(self, i, lw: LayerWeights, x, lora) -> torch.Tensor:
         gate_up = F.linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2I]
         self._lora(lora, x, gate_up, i, "gate_up")
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up  # [T, I]
+        act = self.ops.act(gate_up)  # silu(gate) * up, [T, I]
         down = F.linear(act, lw.down, lw.down_bias)  # [T, H]
         self._lora(lora, act, down, i, "down")
         return down
