@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: the GPU adapter pool, merged metrics, LoaderHealth, ErrorKind forbidden
+PROTOCOL_VERSION = 3  # 3: TokenChunks; 2: the GPU adapter pool, merged metrics, LoaderHealth, forbidden
 """Bump on any change that is not "append a field with a default at the end of a Struct"."""
 
 

@@ -101,6 +101,15 @@ class TokenChunk(Message):
     sent_time: float = 0.0  # when this chunk left the tokenizer
 
 
+class TokenChunks(Message):
+    """The chunks of one worker step for one client's requests, in one message: a client streaming many
+    requests at once gets one message per step instead of one per request. Each chunk means what it
+    means alone. `request_id` is "" (the chunks carry theirs)."""
+
+    chunks: list[TokenChunk]
+    request_id: str = ""
+
+
 class ErrorReply(Message):
     """The request failed; `kind` selects the client exception, `message` is meant for humans.
     request_id is "" when the offending message could not be decoded far enough to know it."""
@@ -146,4 +155,6 @@ class Ack(Message):
 ClientRequest = edge(
     "client_to_tokenizer", Hello, GenerateRequest, Abort, LoadAdapter, UnloadAdapter, ListAdapters, Health
 )
-ClientReply = edge("tokenizer_to_client", Welcome, TokenChunk, ErrorReply, AdapterList, HealthReply, Ack)
+ClientReply = edge(
+    "tokenizer_to_client", Welcome, TokenChunk, TokenChunks, ErrorReply, AdapterList, HealthReply, Ack
+)

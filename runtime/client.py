@@ -31,6 +31,7 @@ from proto.client import (
     ListAdapters,
     LoadAdapter,
     TokenChunk,
+    TokenChunks,
     UnloadAdapter,
     Welcome,
 )
@@ -280,10 +281,13 @@ class AsyncClient:
             raise InvalidRequest(f"the request cannot be encoded: {type(exc).__name__}: {exc}") from None
 
     async def _next(self, queue: asyncio.Queue[Any], timeout: float | None) -> Any:
-        try:
-            reply = await asyncio.wait_for(queue.get(), self._limit(timeout))
-        except TimeoutError:
-            raise Timeout(f"no reply from {self.endpoint} within {self._limit(timeout)}s") from None
+        if not queue.empty():  # already here: no timer to arm (chunks of a step arrive together)
+            reply = queue.get_nowait()
+        else:
+            try:
+                reply = await asyncio.wait_for(queue.get(), self._limit(timeout))
+            except TimeoutError:
+                raise Timeout(f"no reply from {self.endpoint} within {self._limit(timeout)}s") from None
         if isinstance(reply, BaseException):
             raise reply
         return reply
@@ -296,11 +300,12 @@ class AsyncClient:
             except ProtocolError as exc:
                 _log.warning("dropped a malformed reply: %s", exc)
                 continue
-            queue = self._pending.get(reply.request_id)
-            if queue is not None:
-                queue.put_nowait(reply)
-            elif isinstance(reply, ErrorReply) and not reply.request_id:
-                _log.error("server could not decode a message: %s", reply.message)
+            for one in reply.chunks if isinstance(reply, TokenChunks) else (reply,):
+                queue = self._pending.get(one.request_id)
+                if queue is not None:
+                    queue.put_nowait(one)
+                elif isinstance(one, ErrorReply) and not one.request_id:
+                    _log.error("server could not decode a message: %s", one.message)
 
     async def _watch(self) -> None:
         """Turn connection events into errors for every open call: a connection that drops after its

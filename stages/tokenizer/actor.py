@@ -30,6 +30,8 @@ from proto.client import (
     ListAdapters,
     LoadAdapter,
     StageHealth,
+    TokenChunk,
+    TokenChunks,
     UnloadAdapter,
     Welcome,
 )
@@ -296,23 +298,34 @@ class TokenizerActor(Actor[TokenizerConfig]):
 
     # --- worker output --------------------------------------------------------------------------------
     async def handle_tokens(self, batch: TokenBatch) -> None:
+        """One worker step: each client gets its requests' chunks in one message (a TokenChunks when it
+        has several), so the cost per step is one send per client rather than one per request."""
         now = time.monotonic()
+        by_client: dict[bytes, list[TokenChunk]] = {}
+        tokens = 0
         for item in batch.items:
             req = self.requests.get(item.request_id)
-            if req is not None:  # None: aborted or failed meanwhile; late tokens are dropped
-                await self._emit(item, req, now)
+            if req is None:  # aborted or failed meanwhile; late tokens are dropped
+                continue
+            tokens += len(item.token_ids)
+            chunk = self._output(item, req, now)
+            if chunk is not None:
+                by_client.setdefault(req.identity, []).append(chunk)
+        self.m_output.inc(tokens)
+        for identity, chunks in by_client.items():
+            await self.client_replies.put(
+                (identity, chunks[0] if len(chunks) == 1 else TokenChunks(chunks=chunks))
+            )
 
-    async def _emit(self, item: TokenDelta, req: OpenRequest, now: float) -> None:
+    def _output(self, item: TokenDelta, req: OpenRequest, now: float) -> TokenChunk | None:
         first = not req.first_token
         chunk = req.output(item, now)
-        self.m_output.inc(len(item.token_ids))
         if first and req.first_token:
             self.m_ttft.observe(req.first_token - req.arrival)
         if item.finish_reason is not None:
             self._drop(item.request_id, outcome="finished")
             self.m_e2e.observe(now - req.arrival)
-        if chunk is not None:
-            await self.client_replies.put((req.identity, chunk))
+        return chunk
 
     # --- state, errors, disconnects -------------------------------------------------------------------
     def _drop(self, rid: str, outcome: str) -> OpenRequest | None:
@@ -330,9 +343,11 @@ class TokenizerActor(Actor[TokenizerConfig]):
 
     async def _send_reply(self, item: tuple[bytes, Any]) -> None:
         identity, msg = item
-        if self.local.is_local(identity):
-            if not self.local.deliver(identity, msg):
-                await self._client_gone(identity)
+        if self.local.is_local(identity):  # in-process clients take the chunks one by one
+            for one in msg.chunks if isinstance(msg, TokenChunks) else (msg,):
+                if not self.local.deliver(identity, one):
+                    await self._client_gone(identity)
+                    return
             return
         try:
             await self.client.send(identity, msg)

@@ -17,6 +17,7 @@ from proto.client import (
     LoadAdapter,
     StageHealth,
     TokenChunk,
+    TokenChunks,
     UnloadAdapter,
     Welcome,
 )
@@ -114,6 +115,12 @@ EXAMPLES: list[Message] = [
         arrival_time=1.5,
         first_token_time=1.75,
         sent_time=2.0,
+    ),
+    TokenChunks(
+        chunks=[
+            TokenChunk(request_id="g1", text="a", token_ids=[5]),
+            TokenChunk(request_id="g4", text="", token_ids=[7], finished=True, finish_reason="stop"),
+        ]
     ),
     ErrorReply(request_id="g1", kind="unknown_adapter", message="unknown adapter 'b'"),
     AdapterList(request_id="la", adapters=[ENTRY, AdapterEntry(name="b", path="/b", tier="disk")]),

@@ -30,6 +30,7 @@ from proto.client import (
     LoadAdapter,
     StageHealth,
     TokenChunk,
+    TokenChunks,
     UnloadAdapter,
     Welcome,
 )
@@ -136,6 +137,45 @@ def test_generate_returns_text_ids_finish_reason_and_timings(tmp_path):
         assert len(t.itl) == 2
 
     _run(tmp_path, _three_chunks, body)
+
+
+def test_chunks_of_several_requests_in_one_message_reach_each_stream(tmp_path):
+    """The server packs one step's chunks for one client into a TokenChunks: each request's stream gets
+    its own chunks, in order, and a chunk for a request nobody waits for is dropped."""
+    prompts = {"p0": [5], "p1": [6, 7], "p2": [8]}
+
+    async def packed(sock: RouterSocket, identity: bytes, msg: Any) -> None:
+        if not isinstance(msg, GenerateRequest):
+            return
+        seen.append(msg.request_id)
+        if len(seen) < len(prompts):
+            return
+        for step in range(3):  # one TokenChunks per step, the requests in a shuffled order
+            order = seen[step:] + seen[:step]
+            chunks = [
+                TokenChunk(
+                    request_id=rid,
+                    text=f"{rid[-4:]}.{step}",
+                    token_ids=[100 * i + step],
+                    finished=step == 2,
+                    finish_reason="length" if step == 2 else None,
+                )
+                for i, rid in enumerate(order)
+            ]
+            chunks.append(TokenChunk(request_id="nobody", text="x", token_ids=[1]))
+            await sock.send(identity, TokenChunks(chunks=chunks))
+
+    seen: list[str] = []
+
+    async def body(client: AsyncClient, fake: FakeTokenizer) -> None:
+        outs = await asyncio.gather(*(client.generate(p, max_tokens=3) for p in prompts.values()))
+        assert len(seen) == 3
+        for out in outs:
+            tag = out.request_id[-4:]
+            assert out.text == f"{tag}.0{tag}.1{tag}.2" and out.finish_reason == "length"
+            assert len(out.token_ids) == 3 and [t % 100 for t in out.token_ids] == [0, 1, 2]
+
+    _run(tmp_path, packed, body)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from proto.base import PROTOCOL_VERSION
+from proto.base import PROTOCOL_VERSION, TokenIds
 from proto.client import (
     AdapterEntry,
     ClientReply,
@@ -23,6 +23,7 @@ from proto.client import (
     Hello,
     StageHealth,
     TokenChunk,
+    TokenChunks,
 )
 from proto.control import LauncherToStage, Shutdown, StageToLauncher, check_ready
 from proto.pipeline import (
@@ -108,6 +109,42 @@ def _run(tmp_path, model_dir, body) -> None:
             await body(p)
 
     asyncio.run(main())
+
+
+def test_one_message_per_client_and_step(tmp_path, model_dir, tokenizer):
+    """A step's tokens for three requests of one raw client arrive as one TokenChunks, in the batch's
+    order, each chunk that request's own text; a request of another client gets its own TokenChunk."""
+
+    async def body(p: Pipeline) -> None:
+        ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+        with (
+            DealerSocket(p.ep.client, ClientReply, ClientRequest) as one,
+            DealerSocket(p.ep.client, ClientReply, ClientRequest) as other,
+        ):
+            for rid in ("r0", "r1", "r2"):
+                await one.send(GenerateRequest(request_id=rid, prompt_ids=TokenIds.of(ids[:2])))
+                await p.scheduled()
+            await other.send(GenerateRequest(request_id="o", prompt_ids=TokenIds.of(ids[:2])))
+            await p.scheduled()
+            texts: dict[str, str] = {"r0": "", "r1": "", "r2": "", "o": ""}
+            for i, tok in enumerate(ids):
+                finish = "stop" if i == len(ids) - 1 else None
+                order = ["r2", "o", "r0", "r1"] if i % 2 else ["r0", "r1", "o", "r2"]
+                await p.worker.send(TokenBatch(step=i, items=[TokenDelta(r, [tok], finish) for r in order]))
+                packed = await asyncio.wait_for(one.recv(), 10)
+                assert isinstance(packed, TokenChunks), packed
+                assert [c.request_id for c in packed.chunks] == [r for r in order if r != "o"]
+                assert all(c.token_ids == [tok] and c.finished == (finish is not None) for c in packed.chunks)
+                alone = await asyncio.wait_for(other.recv(), 10)
+                assert isinstance(alone, TokenChunk) and alone.request_id == "o"
+                for c in [*packed.chunks, alone]:
+                    texts[c.request_id] += c.text
+            assert texts == dict.fromkeys(texts, TEXT)
+        assert 'lorapipe_output_tokens_total{stage="tokenizer"} ' + f"{4.0 * len(ids)}" in (
+            p.actor.metrics.exposition()
+        )
+
+    _run(tmp_path, model_dir, body)
 
 
 def test_streams_detokenized_text_back(tmp_path, model_dir, tokenizer):
