@@ -76,3 +76,18 @@ def test_timeline_gauges_come_from_a_real_scheduler_registry():
     assert (got["waiting"], got["running"], got["waiting_host"], got["waiting_disk"]) == (9, 0, 3, 5)
     assert (got["holds_waiting"], got["holds_held"], got["holds_refused"]) == (2, 4, 0)
     assert got["load_seconds_sum"] is None and got["step_graph_replays"] is None  # other stages' series
+
+
+def test_stage_busy_seconds_pick_their_handler():
+    text = "\n".join(
+        [
+            "# TYPE lorapipe_service_seconds histogram",
+            'lorapipe_service_seconds_sum{queue="token_batches",stage="tokenizer"} 6.5',
+            'lorapipe_service_seconds_sum{queue="client_requests",stage="tokenizer"} 0.25',
+            'lorapipe_service_seconds_sum{queue="events",stage="scheduler"} 0.5',
+            'lorapipe_service_seconds_count{queue="events",stage="scheduler"} 7',
+            "",
+        ]
+    )
+    got = bench_metrics.parse(text)
+    assert (got["tokenizer_output_busy_s"], got["scheduler_busy_s"]) == (6.5, 0.5)
