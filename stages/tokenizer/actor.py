@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from tokenizers import Tokenizer
 
 from proto.base import PROTOCOL_VERSION, TokenIds
@@ -69,6 +68,7 @@ from stages.tokenizer.validate import (
     check_prompt_size,
     check_request,
     encode_prompt,
+    peek_request_id,
     prompt_byte_limit,
 )
 
@@ -343,11 +343,9 @@ class TokenizerActor(Actor[TokenizerConfig]):
 
     async def _send_reply(self, item: tuple[bytes, Any]) -> None:
         identity, msg = item
-        if self.local.is_local(identity):  # in-process clients take the chunks one by one
-            for one in msg.chunks if isinstance(msg, TokenChunks) else (msg,):
-                if not self.local.deliver(identity, one):
-                    await self._client_gone(identity)
-                    return
+        if self.local.is_local(identity):
+            if not self.local.deliver(identity, msg):
+                await self._client_gone(identity)
             return
         try:
             await self.client.send(identity, msg)
@@ -367,7 +365,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
     async def on_malformed(self, socket: str, exc: ProtocolError) -> None:
         await super().on_malformed(socket, exc)
         if socket == "client" and exc.identity is not None:
-            rid = _peek_request_id(exc.body)
+            rid = peek_request_id(exc.body)
             await self._error(exc.identity, rid, "invalid_request", f"malformed message: {exc}")
 
     def _shutdown_message(self) -> str:
@@ -390,12 +388,3 @@ class TokenizerActor(Actor[TokenizerConfig]):
         await super().drain()
         if self.http is not None:  # after the last replies are queued: let HTTP responses finish
             await self.http.shutdown()
-
-
-def _peek_request_id(body: bytes) -> str:
-    """Best effort: the request_id of an undecodable message (field 1 of a tagged array), or ""."""
-    try:
-        raw = msgspec.msgpack.decode(body)
-    except Exception:  # anything undecodable (invalid UTF-8 included): no id to echo
-        return ""
-    return raw[1][:200] if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str) else ""

@@ -7,6 +7,8 @@ import asyncio
 import itertools
 from typing import Any
 
+from proto.client import TokenChunks
+
 # ZeroMQ reserves routing ids that start with a zero byte for itself, so no remote peer can take these.
 PREFIX = b"\x00local:"
 
@@ -33,9 +35,11 @@ class LocalClients:
         return identity.startswith(PREFIX)
 
     def deliver(self, identity: bytes, msg: Any) -> bool:
-        """Hand a reply to a local client; False when that client is gone."""
+        """Hand a reply to a local client, the chunks of a TokenChunks one by one; False when that
+        client is gone."""
         queue = self.queues.get(identity)
         if queue is None:
             return False
-        queue.put_nowait(msg)
+        for one in msg.chunks if isinstance(msg, TokenChunks) else (msg,):
+            queue.put_nowait(one)
         return True

@@ -1,10 +1,12 @@
 """Request validation at the pipeline's edge: sampling ranges, adapter name, prompt size (before any
-tokenizing), prompt ids and length, with the error kinds and texts the client sees."""
+tokenizing), prompt ids and length, with the error kinds and texts the client sees; and the request id
+of a malformed message, so its error can name the request."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import msgspec
 from tokenizers import Tokenizer
 
 from proto.client import ErrorKind, GenerateRequest
@@ -111,3 +113,12 @@ def validate_generate(
     ids = encode_prompt(req, tokenizer)
     check_prompt(ids, req, max_model_len=max_model_len, vocab_size=vocab_size)
     return ids
+
+
+def peek_request_id(body: bytes) -> str:
+    """Best effort: the request_id of an undecodable message (field 1 of a tagged array), or ""."""
+    try:
+        raw = msgspec.msgpack.decode(body)
+    except Exception:  # anything undecodable (invalid UTF-8 included): no id to echo
+        return ""
+    return raw[1][:200] if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str) else ""
