@@ -51,6 +51,10 @@ GAUGES: dict[str, tuple[str, dict[str, str]]] = {
         {"stage": "tokenizer", "queue": "token_batches"},
     ),
     "scheduler_busy_s": ("lorapipe_service_seconds_sum", {"stage": "scheduler", "queue": "events"}),
+    # distinct adapters per plan, summed (over the plans counted by step_adapters_count): the adapter
+    # weights every step reads
+    "step_adapters_sum": ("lorapipe_step_adapters_sum", {}),
+    "step_adapters_count": ("lorapipe_step_adapters_count", {}),
 }
 
 # report key -> histogram family; scraped as {upper bound: cumulative count} (summed over stages)

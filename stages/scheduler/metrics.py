@@ -4,7 +4,8 @@ counters the actor and the adapter lifecycle bump. Owns no sockets or queues."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from proto.plan import BatchPlan
 from runtime.base.metrics import StageMetrics
@@ -58,6 +59,12 @@ class SchedulerMetrics:
         )
         self._init_pool_gauges(m, planner)
         self.plans = m.counter("lorapipe_plans", "Batch plans sent to the worker")
+        self.step_adapters = m.histogram(
+            "lorapipe_step_adapters",
+            "Distinct adapters among the running requests of each plan (each one's weights read per step)",
+            (),
+            [0, 1, 2, 4, 8, 16, 32, 64, 128, 256],
+        )
         self.slot_loads = m.counter("lorapipe_slot_loads", "Adapter copies into GPU slots issued")
         self.preemptions = m.counter("lorapipe_preemptions", "Requests preempted for KV pages")
         self.lookups = m.counter(
@@ -103,6 +110,11 @@ class SchedulerMetrics:
         )
         for q in QUANTILES:
             waits.labels(quantile=str(q)).set_function(lambda q=q: quantile(list(self.recent_waits), q))
+
+    def count_plan(self, running: Sequence[Any]) -> None:
+        """A plan was sent: count it and its distinct adapters (`running`: the planner's running requests)."""
+        self.plans.inc()
+        self.step_adapters.observe(len({r.adapter for r in running if r.adapter is not None}))
 
     @staticmethod
     def _init_pool_gauges(m: StageMetrics, planner: Callable[[], Planner | None]) -> None:

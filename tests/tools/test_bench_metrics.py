@@ -91,3 +91,21 @@ def test_stage_busy_seconds_pick_their_handler():
     )
     got = bench_metrics.parse(text)
     assert (got["tokenizer_output_busy_s"], got["scheduler_busy_s"]) == (6.5, 0.5)
+
+
+def test_distinct_adapters_per_plan_from_the_scheduler_series():
+    """Each counted plan adds its running requests' distinct adapters (base-only requests none) to the
+    scheduler's histogram; bench_metrics keeps its sum and count."""
+    from types import SimpleNamespace
+
+    from runtime.base.metrics import StageMetrics
+    from stages.scheduler.metrics import HOLD_STATES, TIERS, WAITING_TIERS, SchedulerMetrics
+
+    m = StageMetrics("scheduler")
+    zeros = [lambda keys=keys: dict.fromkeys(keys, 0) for keys in (TIERS, WAITING_TIERS, HOLD_STATES)]
+    series = SchedulerMetrics(m, lambda: None, lambda: 0, *zeros)
+    plans = [["a", "b", "a", None], [None, None], ["c"] * 5 + ["d", "e"]]
+    for adapters in plans:
+        series.count_plan([SimpleNamespace(adapter=a) for a in adapters])
+    got = bench_metrics.parse(m.exposition())
+    assert (got["plans"], got["step_adapters_count"], got["step_adapters_sum"]) == (3, 3, 2 + 0 + 3)
