@@ -34,7 +34,10 @@ class EngineArgs:
     pinned_adapters: tuple[str, ...] = ()
     overlap_loading: bool = True  # pool loads run beside steps that do not need them
     prefetch_depth: int = 8  # waiting requests looked ahead at for pool loads (0: off)
-    overlap_min_mb: float = 64.0  # smaller adapters are not prefetched into the pool (only churns it)
+    # Smaller adapters are neither prefetched into the pool (that only churns it) nor copied layer by
+    # layer: their copy is waited for whole on the stream, so their step can still replay its graph
+    # (S2's adapters of up to 90 MB: the mix ran 24 % faster at 128 than at 64; docs/benchmarks.md)
+    overlap_min_mb: float = 128.0
     cuda_graph_max_batch: int | None = None  # None: min(max_running_requests, 256); 0: no CUDA graphs
     # steps with prefill tokens up to N tokens replay CUDA graphs; None: min(max_tokens_per_step, 2048)
     cuda_graph_max_tokens: int | None = None
@@ -74,10 +77,12 @@ def graph_batch(e: EngineArgs) -> int:
     return min(e.cuda_graph_max_batch, e.max_running_requests)
 
 
-# Steps of up to this many tokens replay graphs by default: mixed decode + prefill-chunk steps, where the
-# eager forward is host-bound (with adapters most of all); larger steps amortize their launches. The
-# largest bucket sets the graph pool's size and the capture time (both logged at start-up).
-DEFAULT_GRAPH_TOKENS = 2048
+# Steps of up to this many tokens replay graphs by default: the eager forward is host-bound, with many
+# distinct adapters most of all (S2, 1B-shaped, 8,192-token steps: graphs up to 8,192 tokens against
+# 2,048 ran base-only 13 % faster and, with whole adapter copies, the adapter mix 33 % faster; docs/
+# benchmarks.md, seventh session). The largest bucket sets the graph pool's size and the capture time
+# (both logged at start-up: 794 MiB and 2.3 s there, against 368 MiB).
+DEFAULT_GRAPH_TOKENS = 8192
 
 
 def graph_tokens(e: EngineArgs) -> int:

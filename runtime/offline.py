@@ -64,7 +64,7 @@ class LLM:
         cuda_graph_max_batch: int | None = None,
         cuda_graph_max_tokens: int | None = None,
         max_adapter_bypass: int = 16,
-        overlap_min_mb: float = 64.0,
+        overlap_min_mb: float = 128.0,
         warmup: bool = False,
         compile_cache_dir: str | None = None,
         overlap_schedule: bool = True,
@@ -78,7 +78,7 @@ class LLM:
         `cuda_graph_max_batch`: decode batches up to this size replay CUDA graphs on CUDA (default
         min(max_running_requests, 256); 0: always eager); `cuda_graph_max_tokens`: steps with prefill
         tokens up to this many tokens replay CUDA graphs per token bucket (default
-        min(max_tokens_per_step, 2048); 0: always eager). `warmup`: compile every kernel variant the
+        min(max_tokens_per_step, 8192); 0: always eager). `warmup`: compile every kernel variant the
         engine can reach now, as `lorapipe serve` does, instead of on first use (CUDA only);
         `compile_cache_dir` sets TRITON_CACHE_DIR for this process (before the first compile).
         `overlap_schedule`: plan and launch step N+1 before step N's tokens are read, as the server's

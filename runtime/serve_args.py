@@ -221,7 +221,7 @@ def _batching_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         default=None,
         help="steps with prefill tokens, up to N tokens, replay CUDA graphs captured at start-up per "
         "token-count bucket (padded to the next bucket; full graphs with the Triton attention, piecewise "
-        "around attention otherwise; default: min(2048, --max-tokens-per-step); 0: always eager)",
+        "around attention otherwise; default: min(8192, --max-tokens-per-step); 0: always eager)",
     )
     g.add_argument(
         "--overlap-schedule",
@@ -251,7 +251,8 @@ def _loading_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         type=float,
         metavar="MB",
         default=d.overlap_min_mb,
-        help="smaller adapters are not prefetched into the pool, only loaded for the step that needs them "
+        help="smaller adapters are not prefetched into the pool, only copied whole for the step that needs "
+        "them (which keeps its CUDA graph); larger ones are prefetched and copied layer by layer "
         "(0: prefetch all)",
     )
     g.add_argument(

@@ -29,7 +29,7 @@ class PlannerPolicy(msgspec.Struct, frozen=True, kw_only=True):
     pinned_adapters: tuple[str, ...] = ()
     overlap_loading: bool = True
     prefetch_depth: int = 8
-    overlap_min_bytes: int = 64 << 20
+    overlap_min_bytes: int = 128 << 20
     bypass_limit: int = 16
 
 
