@@ -113,14 +113,20 @@ class AdapterLifecycle:
         held blocks are never evicted, so this stays bounded."""
         if not self.loader_up or self._stale_copies():
             return
+        full = self._staging_full()  # counted over every registered adapter: once, and after each ask
         for name in planner.adapters_needed():
             self._count_host_lookup(name)
-            if self.adapters.held_waiting() >= self.max_held_waiting:
-                return
-            if self.max_held is not None and self.adapters.held() >= self.max_held:
+            if full:
                 return
             if self.adapters.needs_stage(name):
                 await self.to_loader.put(StageAdapter(name=name, path=self.adapters.get(name).path))
+                full = self._staging_full()
+
+    def _staging_full(self) -> bool:
+        """Whether the holds (or asks) for loads not issued yet, or all holds, are at their caps."""
+        if self.adapters.held_waiting() >= self.max_held_waiting:
+            return True
+        return self.max_held is not None and self.adapters.held() >= self.max_held
 
     def _count_host_lookup(self, name: str) -> None:
         e = self.adapters.get(name)

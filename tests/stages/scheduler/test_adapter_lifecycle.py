@@ -226,3 +226,35 @@ def test_a_load_during_an_unload_keeps_the_adapter():
         assert h.sent(h.to_loader) == [DropAdapter(name="a")]
 
     asyncio.run(main())
+
+
+def test_staging_stops_at_each_cap_and_resumes_when_a_load_is_issued():
+    """Holds asked for loads not yet issued stop at `max_held_waiting` (2 here) and all holds at
+    `max_held`; issuing a pool load frees a place among the first, so the next adapter is asked for."""
+
+    async def main() -> None:
+        names = {n: f"/{n}" for n in "abcde"}
+        h = Harness(names, with_planner=True)
+        await h.life.on_loader_started()
+        for i, n in enumerate(names):
+            h.planner.add(f"r{i}", [1, 2], n, SamplingParams(max_tokens=2))
+        await h.life.stage_upcoming(h.planner)
+        assert [m.name for m in h.sent(h.to_loader)] == ["a", "b"]
+        await h.life.stage_upcoming(h.planner)
+        assert h.sent(h.to_loader) == []
+        await h.staged(_staged("a"))
+        await h.staged(_staged("b", offset=64))
+        plan = h.planner.schedule()  # the pool (8 rows, 2 ids) takes a and b
+        assert sorted(lo.adapter for lo in plan.slot_loads) == ["a", "b"]
+        for lo in plan.slot_loads:
+            h.life.issue_load(lo)
+        await h.life.stage_upcoming(h.planner)
+        assert [m.name for m in h.sent(h.to_loader)] == ["c", "d"]
+        h.life.max_held_waiting, h.life.max_held = 100, 4  # a, b, c, d held or asked: at the cap
+        await h.life.stage_upcoming(h.planner)
+        assert h.sent(h.to_loader) == []
+        h.life.max_held = 5
+        await h.life.stage_upcoming(h.planner)
+        assert [m.name for m in h.sent(h.to_loader)] == ["e"]
+
+    asyncio.run(main())
