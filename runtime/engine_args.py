@@ -39,7 +39,7 @@ class EngineArgs:
     # (S2's adapters of up to 90 MB: the mix ran 24 % faster at 128 than at 64; docs/benchmarks.md)
     overlap_min_mb: float = 128.0
     cuda_graph_max_batch: int | None = None  # None: min(max_running_requests, 256); 0: no CUDA graphs
-    # steps with prefill tokens up to N tokens replay CUDA graphs; None: min(max_tokens_per_step, 2048)
+    # steps with prefill tokens up to N tokens replay CUDA graphs; None: min(max_tokens_per_step, 8192)
     cuda_graph_max_tokens: int | None = None
     seed: int = 0
     # launch step N+1 before reading step N's tokens (off: the serial path, kept for comparison)
