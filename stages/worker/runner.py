@@ -113,7 +113,7 @@ class ModelRunner:
         rows, ids = pool_geometry(self.lora_layout, self.dtype, nbytes)
         self.pool = LoraPool(self.lora_layout, rows, ids, self.dtype, self.device)
         name = self.cfg.lora_backend or ("triton" if self.device.type == "cuda" else "torch")
-        self.lora = make_backend(name, self.pool, self.cfg.max_tokens_per_step)
+        self.lora = make_backend(name, self.pool, self.cfg.max_tokens_per_step, self.max_seqs)
 
     def _init_kv_cache(self) -> None:
         m, ps = self.model_cfg, self.cfg.page_size

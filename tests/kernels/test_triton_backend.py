@@ -119,6 +119,22 @@ def test_backend_reads_the_pool_through_its_row_table(device):
     compare_backends(pool, indptr_of([1] * 5), [3, 0, -1, 2, 1], seed=2, tri_backend=backend, pad_to=8)
 
 
+def test_padded_tile_bound_counts_runs_of_at_most_max_seqs_sequences(device):
+    """A padded (graphed) batch's grid covers pad_to // block_m tiles plus one per run, and runs are at
+    most min(pool ids, sequences a forward holds): a batch at exactly that bound is computed whole
+    (every tile launched), and one past it is refused, naming the bound."""
+    pool = loaded_pool(small_layout(), torch.float32, device, seed=13)  # 5 ids
+    backend = make_backend("triton", pool, max_tokens=64, max_seqs=3)
+    # 3 sequences (runs) of 17 + 1 + 17 tokens: 2 + 1 + 2 = 5 tiles of 16 = 40 // 16 + 3
+    compare_backends(pool, indptr_of([17, 1, 17]), [0, 1, 2], seed=5, tri_backend=backend, pad_to=40)
+    assert backend.batch_info.num_tiles == 40 // 16 + 3
+    unbounded = make_backend("triton", pool, max_tokens=64)  # runs bounded by the ids (5) alone
+    unbounded.prepare(indptr_of([17, 1, 17]), [0, 1, 2], pad_to=40, block_m=16)
+    assert unbounded.batch_info.num_tiles == 40 // 16 + 5
+    with pytest.raises(ValueError, match="exceed the padded bound 5"):
+        backend.prepare(indptr_of([17, 1, 17, 1]), [0, 1, 2, 3], pad_to=40, block_m=16)
+
+
 def test_planner_merges_and_splits():
     runs = plan_runs([0, 2, 2, 5, 9, 10, 30], [3, 1, 3, 3, -1, 0])
     # the empty slot-1 segment is dropped, so slot 3's three segments merge into one run

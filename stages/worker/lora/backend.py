@@ -18,10 +18,13 @@ class LoraBackend(ABC):
 
     name: str
 
-    def __init__(self, pool: LoraPool, max_tokens: int):
+    def __init__(self, pool: LoraPool, max_tokens: int, max_seqs: int | None = None):
+        """`max_seqs`: sequences one forward can hold (None: as many as tokens), which bounds the
+        adapter runs of a batch together with the pool's ids."""
         self.pool = pool
         self.layout = pool.layout
         self.max_tokens = max_tokens
+        self.max_seqs = max_seqs
 
     @abstractmethod
     def prepare(

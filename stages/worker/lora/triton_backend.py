@@ -44,8 +44,8 @@ class TritonLoraBackend(LoraBackend):
 
     name = "triton"
 
-    def __init__(self, pool: LoraPool, max_tokens: int):
-        super().__init__(pool, max_tokens)
+    def __init__(self, pool: LoraPool, max_tokens: int, max_seqs: int | None = None):
+        super().__init__(pool, max_tokens, max_seqs)
         self._init_metadata()
         self._init_workspace()
         self._init_views()
@@ -113,9 +113,13 @@ class TritonLoraBackend(LoraBackend):
         if seg_indptr[-1] > pad_to:
             raise ValueError(f"batch has {seg_indptr[-1]} tokens, more than pad_to={pad_to}")
         real = self._builder.build(seg_indptr, seg_slots, self.layout.max_rank, block_m=block_m)
-        # Runs are one per adapter id (the runner orders tokens by id): sum(ceil(len / block_m)) is at
-        # most the run count plus pad_to // block_m.
-        bound = min(pad_to, self.pool.num_ids + pad_to // block_m)
+        # Runs are one per adapter id (the runner orders tokens by id) and one per sequence at most:
+        # sum(ceil(len / block_m)) is at most the run count plus pad_to // block_m. Every program past
+        # the step's own tiles still launches and returns, so the bound is kept tight: with a large
+        # pool (762 ids in 4 GB at 1B shapes) the ids alone made a 1,024-token graph launch 3x the
+        # programs that 256 sequences can need (docs/benchmarks.md, eighth session).
+        runs = min(self.pool.num_ids, self.max_seqs or pad_to)
+        bound = min(pad_to, runs + pad_to // block_m)
         if real.num_tiles > bound:
             raise ValueError(f"{real.num_tiles} LoRA tiles exceed the padded bound {bound}")
         info = BatchInfo(
