@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# session 8, call 14 (tree 8fea5a8): S1 again, plus the 8-adapter requests on a server capped at 160 running requests (S1_CAP_RUNNING=160, about the distinct adapters a plan of the 2,000-adapter runs held in call 13) (2,000 rank-16 adapters, uniform, 1,000
+# requests 256/128, GPU adapter pool 4 GB, host cache 16 GB, against the same requests over 8 adapters;
+# runs few, many (cold host cache), many (warm), few on one server, warm-up on)
+set -u
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD
+R=/tmp/s8c14; mkdir -p $R
+F="--max-model-len 2048 --max-running-requests 256 --max-tokens-per-step 8192 --port 0"
+(SCRATCH=/tmp/scratch TRITON_CACHE_DIR=/tmp/tcache METRICS_INTERVAL=0 PYTHON=python3 SERVER_FLAGS="$F" PARTS=s1 S1_CAP_RUNNING=160 timeout 540 bash tools/run_churn_bench.sh $R/s1) > $R/s1.txt 2>&1
+grep -h "ratio\|^| s1\|ready" $R/s1.txt $R/s1/ready.txt
+for f in $R/s1/s1_*.json; do python3 -c "
+import json,sys;p=sys.argv[1];d=json.load(open(p));d.pop('requests',None);json.dump(d,open(p,'w'),indent=1)" $f; done
+tar -czf $OUT/results.tgz -C /tmp --exclude='*.jsonl' --exclude=scratch s8c14
