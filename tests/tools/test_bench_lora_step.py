@@ -1,0 +1,88 @@
+"""bench_lora_step on the CPU (interpreter; timings mean nothing here): the step it builds is what the
+runner would launch (tokens ordered by adapter id, every adapter present), the pool holds each adapter's
+rank rows at distinct rows, and every kind of preparation it times (eager, graphed at the 16-token tile
+with the runner's bound, a replaced kernel config) computes the float64 reference's delta."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.batch_info import plan_runs, plan_tiles
+from kernels.lora_shrink import ShrinkConfig
+from runtime.common.lora_layout import LoraLayout
+from stages.worker.lora.triton_backend import TritonLoraBackend
+from tools import bench_lora_step as bls
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _setup(ranks=(1, 5, 16, 3), n_ad=5, decodes=9, prefill=(20, 7)):
+    hidden, q_out, kv_out, inter, layers = bls.SHAPES["smoke"]
+    layout = LoraLayout.build(
+        num_layers=layers, hidden=hidden, q_out=q_out, kv_out=kv_out, intermediate=inter, max_rank=max(ranks)
+    )
+    device = torch.device("cpu")
+    pool, adapter_ranks = bls.make_pool(layout, 1 << 20, n_ad, list(ranks), device, seed=3)
+    indptr, slots = bls.make_step(n_ad, decodes, list(prefill), seed=3)
+    return layout, pool, adapter_ranks, indptr, slots
+
+
+def test_step_is_ordered_by_adapter_and_pool_rows_are_distinct():
+    layout, pool, ranks, indptr, slots = _setup()
+    assert slots == sorted(slots) and set(slots) == set(range(5))
+    lengths = np.diff(indptr)
+    assert indptr[-1] == 9 + 20 + 7 and sorted(lengths.tolist()).count(1) == 9
+    assert ranks == [1, 5, 16, 3, 1]
+    rows = [pool.host_rows[i, :r].tolist() for i, r in enumerate(ranks)]
+    flat = [x for r in rows for x in r]
+    assert len(flat) == len(set(flat)) == sum(ranks)  # no two adapters share a rank row
+    assert all(0 <= x < pool.total_rows for x in flat)
+    assert int(pool.host_ranks[2, 0, 0]) == 16 and float(pool.host_scalings[2, 0, 0]) == 2.0
+
+
+def test_floor_counts_each_adapter_once_and_activations_per_token():
+    layout, _, ranks, _, _ = _setup()
+    one = bls.floor_bytes(layout, 10, ranks)
+    assert bls.floor_bytes(layout, 10, ranks + ranks) > one  # more distinct adapters: more bytes
+    assert bls.floor_bytes(layout, 20, ranks) > one
+
+
+@pytest.mark.parametrize("variant", ["eager", "graphed", "graphed, shrink split 2"])
+def test_each_prepared_variant_matches_float64(variant):
+    layout, pool, _, indptr, slots = _setup()
+    backend = TritonLoraBackend(pool, max_tokens=64, max_seqs=16)
+    bucket = 48
+    xs = [{g.name: torch.randn((bucket, g.in_dim), dtype=torch.bfloat16) for g in layout.groups}]
+    outs = [{g.name: torch.zeros((bucket, g.out_total), dtype=torch.bfloat16) for g in layout.groups}]
+    if variant == "eager":
+        backend.prepare(indptr, slots)
+    else:
+        backend.prepare(indptr, slots, pad_to=bucket, block_m=16)
+        assert backend.batch_info.num_tiles == min(bucket, bucket // 16 + min(16, pool.num_ids))
+    info = backend.batch_info
+    configs = backend.configs_for(info)
+    if variant.endswith("split 2"):
+        sc = ShrinkConfig(block_n=16, block_k=128, split_k=2, num_warps=4, num_stages=3)
+        configs = {k: bls.with_configs(info, s, e, v, sc, None) for k, (s, e, v) in configs.items()}
+        assert all(v.shape[0] == 2 for _, _, v in configs.values())
+    err = bls.check(backend, info, configs, xs, outs, layout, pool, indptr, slots)
+    assert err < 1e-2, err  # bf16 rounding of the delta, against float64
+
+
+def test_a_tile_bound_below_the_steps_tiles_is_caught():
+    """The tool's "bound = its tiles" rows use the step's own tile count: one tile fewer would leave
+    tokens without their delta, and the float64 check sees it."""
+    layout, pool, _, indptr, slots = _setup()
+    backend = TritonLoraBackend(pool, max_tokens=64, max_seqs=16)
+    bucket = 48
+    xs = [{g.name: torch.randn((bucket, g.in_dim), dtype=torch.bfloat16) for g in layout.groups}]
+    outs = [{g.name: torch.zeros((bucket, g.out_total), dtype=torch.bfloat16) for g in layout.groups}]
+    own = plan_tiles(plan_runs(indptr, slots), 16).shape[0]
+    backend.prepare(indptr, slots, pad_to=bucket, block_m=16)
+    short = dataclasses.replace(backend.batch_info, num_tiles=own - 1)
+    err = bls.check(backend, short, backend.configs_for(short), xs, outs, layout, pool, indptr, slots)
+    assert err > 1e-2
