@@ -88,18 +88,10 @@ def _lora_expand_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     META: tl.constexpr,
-    COLUMNS_FIRST: tl.constexpr,
 ):
-    # Grid: (tiles, column blocks of all slices; a block never straddles two slices), or with
-    # COLUMNS_FIRST (column blocks, tiles): the programs running at once then cover consecutive column
-    # blocks of one tile (the same B rows, read along their length) rather than one column block of
-    # every tile.
-    if COLUMNS_FIRST:
-        pid_n = tl.program_id(0)
-        pid_t = tl.program_id(1)
-    else:
-        pid_t = tl.program_id(0)
-        pid_n = tl.program_id(1)
+    # Grid: (tiles, column blocks of all slices; a block never straddles two slices).
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
     if pid_t >= tl.load(meta_ptr):
         return
     row = meta_ptr + (pid_t + 1) * META
@@ -159,7 +151,6 @@ class ExpandConfig:
     block_k: int  # rank rows per step of the rank loop
     num_warps: int = 4
     num_stages: int = 2
-    columns_first: bool = False  # grid order: column blocks vary fastest (see the kernel)
 
 
 def expand_config(info: BatchInfo, out_dims: Sequence[int], split_k: int = 1) -> ExpandConfig:
@@ -240,8 +231,7 @@ def lora_expand(
         return out
     d = list(out_dims) + [0] * (3 - num_slices)
     o = list(out_offsets) + [0] * (3 - num_slices)
-    col_blocks = sum(triton.cdiv(w, cfg.block_n) for w in out_dims)
-    grid = (col_blocks, info.num_tiles) if cfg.columns_first else (info.num_tiles, col_blocks)
+    grid = (info.num_tiles, sum(triton.cdiv(w, cfg.block_n) for w in out_dims))
     _lora_expand_kernel[grid](
         v,
         b,
@@ -271,7 +261,6 @@ def lora_expand(
         BLOCK_K=cfg.block_k,
         UPCAST=interpreting(),
         META=META_COLS,
-        COLUMNS_FIRST=cfg.columns_first,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

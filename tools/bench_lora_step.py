@@ -245,14 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         for label, nt in ((f"bound {tight}", tight), (f"bound = its {own} tiles", own)):
             if nt < bound:
                 variants[f"graphed bm{bm} ({label})"] = prepared(bucket, bm, nt)
-    tight = min(bucket, bucket // 16 + min(a.max_seqs, pool.num_ids))
-    for bn in (128, 256):  # the expand's grid in the other order (column blocks fastest)
-        backend.prepare(indptr, slots, pad_to=bucket, block_m=16)
-        ec = dataclasses.replace(
-            backend.configs_for(backend.batch_info)["qkv"][1], block_n=bn, columns_first=True
-        )
-        variants[f"bm16 bound {tight}, expand {bn} columns first"] = prepared(bucket, 16, tight, expand=ec)
     if a.sweep:
+        tight = min(bucket, bucket // 16 + min(a.max_seqs, pool.num_ids))
         for bn in (64, 128, 256):
             for bk in (16, 64):
                 for w in (2, 4, 8):
