@@ -88,10 +88,8 @@ def _lora_expand_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     META: tl.constexpr,
-    COL_CHUNK: tl.constexpr,
 ):
-    # Grid: (tiles, chunks of COL_CHUNK column blocks of all slices; a chunk never straddles two slices).
-    # A chunk's blocks share the tile's metadata, rank, scaling and row gather, loaded once.
+    # Grid: (tiles, column blocks of all slices; a block never straddles two slices).
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_t >= tl.load(meta_ptr):
@@ -101,11 +99,11 @@ def _lora_expand_kernel(
     end = tl.load(row + 1)
     slot = tl.load(row + 2).to(tl.int64)  # adapter id: its row of the ranks, scalings and row tables
 
-    # Which slice this chunk belongs to (absent slices have width 0, so no chunk maps there).
-    nc0 = tl.cdiv(tl.cdiv(d0, BLOCK_N), COL_CHUNK)
-    nc1 = nc0 + tl.cdiv(tl.cdiv(d1, BLOCK_N), COL_CHUNK)
-    s = (pid_n >= nc0).to(tl.int32) + (pid_n >= nc1).to(tl.int32)
-    n_first = (pid_n - tl.where(s == 0, 0, tl.where(s == 1, nc0, nc1))) * (COL_CHUNK * BLOCK_N)
+    # Which slice this column block belongs to (absent slices have width 0, so no block maps there).
+    nb0 = tl.cdiv(d0, BLOCK_N)
+    nb1 = nb0 + tl.cdiv(d1, BLOCK_N)
+    s = (pid_n >= nb0).to(tl.int32) + (pid_n >= nb1).to(tl.int32)
+    n0 = (pid_n - tl.where(s == 0, 0, tl.where(s == 1, nb0, nb1))) * BLOCK_N
     width = tl.where(s == 0, d0, tl.where(s == 1, d1, d2))
     off = tl.where(s == 0, o0, tl.where(s == 1, o1, o2))
     offs_r = tl.arange(0, BLOCK_K)
@@ -121,43 +119,30 @@ def _lora_expand_kernel(
 
     offs_m = start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < end
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < width
+    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + (off + offs_n)[None, :]
+    o_mask = m_ok[:, None] & n_ok[None, :]
+    o = tl.load(o_ptrs, mask=o_mask, other=0.0)  # issued early: its latency hides behind the rank loop
+
     # The shrink wrote v in whole 16-column groups (zeros past the rank), so v loads need no rank mask
     # below r16; B rows past the real rank are stale and are never read.
     r16 = tl.cdiv(r, 16) * 16
-    v_base = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + s * stride_vi + offs_r[None, :]
-    for j in range(COL_CHUNK):
-        offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < width
-        o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + (off + offs_n)[None, :]
-        o_mask = m_ok[:, None] & n_ok[None, :]
-        o = tl.load(o_ptrs, mask=o_mask, other=0.0)  # issued early: its latency hides behind the rank loop
-        b_cols = b_ptr + (off + offs_n)[None, :]  # [1, BLOCK_N]; each chunk adds its gathered row offsets
-        if BLOCK_K == BLOCK_R and NUM_SPLITS == 1:  # one step, loads straight to registers (no pipeline)
-            acc = _rank_step(
-                v_base, b_cols, prow0, 0, r, r16, m_ok, n_ok, offs_r, stride_br, stride_vp, NUM_SPLITS, UPCAST
+    b_cols = b_ptr + (off + offs_n)[None, :]  # [1, BLOCK_N]; each chunk adds its gathered row offsets
+    v_ptrs = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + s * stride_vi + offs_r[None, :]
+    if BLOCK_K == BLOCK_R and NUM_SPLITS == 1:  # one step, loads straight to registers (no pipeline)
+        acc = _rank_step(
+            v_ptrs, b_cols, prow0, 0, r, r16, m_ok, n_ok, offs_r, stride_br, stride_vp, NUM_SPLITS, UPCAST
+        )
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, r, BLOCK_K):
+            prow = _row_gather(t_ptrs, k, offs_r, table_width)
+            acc += _rank_step(
+                v_ptrs, b_cols, prow, k, r, r16, m_ok, n_ok, offs_r, stride_br, stride_vp, NUM_SPLITS, UPCAST
             )
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            v_ptrs = v_base
-            for k in range(0, r, BLOCK_K):
-                prow = _row_gather(t_ptrs, k, offs_r, table_width)
-                acc += _rank_step(
-                    v_ptrs,
-                    b_cols,
-                    prow,
-                    k,
-                    r,
-                    r16,
-                    m_ok,
-                    n_ok,
-                    offs_r,
-                    stride_br,
-                    stride_vp,
-                    NUM_SPLITS,
-                    UPCAST,
-                )
-                v_ptrs += BLOCK_K
-        tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=o_mask)
+            v_ptrs += BLOCK_K
+    tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=o_mask)
 
 
 @dataclass(frozen=True)
@@ -166,7 +151,6 @@ class ExpandConfig:
     block_k: int  # rank rows per step of the rank loop
     num_warps: int = 4
     num_stages: int = 2
-    col_chunk: int = 1  # column blocks per program (sharing its tile's metadata, rank and row gather)
 
 
 def expand_config(info: BatchInfo, out_dims: Sequence[int], split_k: int = 1) -> ExpandConfig:
@@ -247,7 +231,7 @@ def lora_expand(
         return out
     d = list(out_dims) + [0] * (3 - num_slices)
     o = list(out_offsets) + [0] * (3 - num_slices)
-    grid = (info.num_tiles, sum(triton.cdiv(triton.cdiv(w, cfg.block_n), cfg.col_chunk) for w in out_dims))
+    grid = (info.num_tiles, sum(triton.cdiv(w, cfg.block_n) for w in out_dims))
     _lora_expand_kernel[grid](
         v,
         b,
@@ -277,7 +261,6 @@ def lora_expand(
         BLOCK_K=cfg.block_k,
         UPCAST=interpreting(),
         META=META_COLS,
-        COL_CHUNK=cfg.col_chunk,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -245,16 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         for label, nt in ((f"bound {tight}", tight), (f"bound = its {own} tiles", own)):
             if nt < bound:
                 variants[f"graphed bm{bm} ({label})"] = prepared(bucket, bm, nt)
-    tight = min(bucket, bucket // 16 + min(a.max_seqs, pool.num_ids))
-    for chunk in (2, 4, 8):  # several column blocks a program, sharing its tile's metadata and gather
-        for stages in (2, 3):
-            backend.prepare(indptr, slots, pad_to=bucket, block_m=16)
-            ec = backend.configs_for(backend.batch_info)["qkv"][1]
-            ec = dataclasses.replace(ec, col_chunk=chunk, num_stages=stages)
-            variants[f"bm16 bound {tight}, expand chunk {chunk}, {stages} stages"] = prepared(
-                bucket, 16, tight, expand=ec
-            )
     if a.sweep:
+        tight = min(bucket, bucket // 16 + min(a.max_seqs, pool.num_ids))
         for bn in (64, 128, 256):
             for bk in (16, 64):
                 for w in (2, 4, 8):

@@ -147,9 +147,6 @@ def test_expand_large_ranks(device, tables, pool):
         (16, ExpandConfig(block_n=32, block_k=32, num_warps=2), 3),  # split-K partials summed
         (32, ExpandConfig(block_n=64, block_k=16, num_stages=3), 2),  # a block wider than the k/v slices
         (64, ExpandConfig(block_n=16, block_k=32), 1),
-        (16, ExpandConfig(block_n=16, block_k=16, col_chunk=3), 1),  # chunks past a slice's end, rank steps
-        (16, ExpandConfig(block_n=16, block_k=32, col_chunk=2), 2),  # chunks with split-K partials
-        (64, ExpandConfig(block_n=32, block_k=32, col_chunk=4, num_stages=3), 1),  # one chunk a slice
     ],
 )
 def test_expand_block_shapes(device, block_m, config, splits, pool):
@@ -162,18 +159,6 @@ def test_expand_decode_distinct_adapters(device):
     lengths = [1] * 9
     slots = [0, 1, -1, 2, 3, 4, 0, -1, 2]
     run_case(device, torch.bfloat16, "qkv", lengths, slots, 16, ExpandConfig(32, 16), 4, 5, "scattered")
-    run_case(
-        device,
-        torch.bfloat16,
-        "qkv",
-        lengths,
-        slots,
-        16,
-        ExpandConfig(16, 32, col_chunk=2),
-        1,
-        5,
-        "scattered",
-    )
 
 
 def test_expand_rejects_bad_inputs(device):
