@@ -5,7 +5,8 @@ Each variant is one CUDA graph of the whole step's launches, replayed with L2 fl
 memory floor is the bytes that must move (activations in and out once, each distinct adapter's rows
 once) at the measured copy bandwidth.
     python -m tools.bench_lora_step [--preset 1b] [--pool-gb 4] [--adapters 80] [--decodes 190]
-        [--prefill 512,256] [--max-seqs 256] [--out FILE] [--smoke]"""
+        [--prefill 512,256] [--max-seqs 256] [--ranks 8,16,32,64] [--sweep] [--only TEXT] [--out FILE]
+        [--smoke]"""
 
 from __future__ import annotations
 
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--ranks", default="8,16,32,64", help="adapter ranks, cycled over the adapter ids")
     p.add_argument("--sweep", action="store_true", help="also time kernel configs on the 16-token tile")
+    p.add_argument("--only", default=None, metavar="TEXT", help="time only the variants whose name has TEXT")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
     p.add_argument(
@@ -263,6 +265,10 @@ def main(argv: list[str] | None = None) -> None:
                     variants[f"bm16 bound {tight}, shrink {bn}/s{split}/{w}w"] = prepared(
                         bucket, 16, tight, shrink=sc
                     )
+    if a.only is not None:
+        variants = {k: v for k, v in variants.items() if a.only in k}
+        if not variants:
+            raise SystemExit(f"--only {a.only!r} matches no variant")
     rows = []
     for name, make in variants.items():
         info, configs = make()

@@ -6,6 +6,7 @@ with the runner's bound, a replaced kernel config) computes the float64 referenc
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -86,3 +87,16 @@ def test_a_tile_bound_below_the_steps_tiles_is_caught():
     short = dataclasses.replace(backend.batch_info, num_tiles=own - 1)
     err = bls.check(backend, short, backend.configs_for(short), xs, outs, layout, pool, indptr, slots)
     assert err > 1e-2
+
+
+def test_main_times_only_the_chosen_variants_and_reports_them(tmp_path):
+    out = tmp_path / "step.json"
+    args = ["--smoke", "--adapters", "4", "--decodes", "6", "--prefill", "20", "--max-seqs", "8"]
+    bls.main([*args, "--only", "graphed bm16 (bound", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["distinct"] == 4 and report["tokens"] == 26 and report["bucket"] == 32
+    names = [r["variant"] for r in report["rows"]]
+    assert names and all("graphed bm16 (bound" in n for n in names)
+    assert all(r["err"] < 1e-2 and r["block_m"] == 16 for r in report["rows"])
+    with pytest.raises(SystemExit, match="matches no variant"):
+        bls.main([*args, "--only", "no such variant"])
