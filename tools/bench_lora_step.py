@@ -24,12 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
 
-from kernels.batch_info import MIN_BLOCK, plan_runs, plan_tiles  # noqa: E402
+from kernels.batch_info import plan_runs, plan_tiles  # noqa: E402
 from kernels.lora_expand import ExpandConfig  # noqa: E402
 from kernels.lora_shrink import ShrinkConfig  # noqa: E402
-from runtime.common.lora_layout import NUM_SLICES, LoraLayout  # noqa: E402
+from runtime.common.lora_layout import LoraLayout  # noqa: E402
+from stages.worker.lora.backend import PADDED_BLOCK_M  # noqa: E402
 from stages.worker.lora.pool import LoraPool, pool_geometry  # noqa: E402
-from stages.worker.lora.triton_backend import PADDED_BLOCK_M, TritonLoraBackend, workspace_rows  # noqa: E402
+from stages.worker.lora.triton_backend import TritonLoraBackend, padded_tile_bound, workspace_rows  # noqa: E402
 from stages.worker.step_graphs import lora_block_m  # noqa: E402
 from stages.worker.step_inputs import token_buckets  # noqa: E402
 
@@ -38,7 +39,6 @@ SHAPES = {  # hidden, q_out, kv_out, intermediate, layers (the make_tiny_model p
     "8b": (4096, 4096, 1024, 14336, 32),
     "smoke": (64, 64, 32, 96, 2),
 }
-RANKS = (8, 16, 32, 64)
 
 
 def make_pool(
@@ -87,7 +87,7 @@ def make_step(n_ad: int, decodes: int, prefill: list[int], seed: int) -> tuple[l
 
 def floor_bytes(layout: LoraLayout, tokens: int, ranks: list[int]) -> int:
     """Bytes a step's LoRA must move: per layer and group x read, out read and written, v written and
-    read (fp32, real ranks), every distinct adapter's A and B rows once."""
+    read (fp32, as wide as the largest rank), every distinct adapter's A and B rows once (real ranks)."""
     total = 0
     rsum = sum(ranks)
     for g in layout.groups:
@@ -218,8 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     floor = floor_bytes(layout, tokens, [ranks[s] for s in sorted(set(slots))])
     floor_us = floor / ((copy_tbps or 3.0) * 1e12) * 1e6
 
-    # Variants: the backend's eager preparation (grids of the real tiles), and the graphed one (grids of
-    # the bucket's tile bound) at each token tile, with tighter bounds on the tile count for comparison.
+    # Variants: the backend's eager preparation (grids of the real tiles), and the graphed one at each
+    # token tile: the backend here has no max_seqs, so its bound counts every pool id (as before
+    # bc5b3a4); rows with the runner's bound (--max-seqs) and with the step's own tile count follow.
     # Every preparation rewrites the backend's one device metadata buffer, so each variant is prepared
     # again right before it runs.
     def prepared(pad_to=None, block_m=None, num_tiles=None, shrink=None, expand=None):
@@ -241,14 +242,14 @@ def main(argv: list[str] | None = None) -> None:
     real_tiles = prepared()()[0].num_tiles
     for bm in sorted({lora_block_m(bucket), PADDED_BLOCK_M, 32, 64}):
         own = plan_tiles(plan_runs(indptr, slots), bm).shape[0]  # the tiles this step has at this tile
-        bound = prepared(pad_to=bucket, block_m=bm)()[0].num_tiles
+        bound = padded_tile_bound(bucket, bm, pool.num_ids, None)
         variants[f"graphed bm{bm} (bound {bound})"] = prepared(bucket, bm)
-        tight = min(bucket, bucket // bm + min(a.max_seqs, pool.num_ids))
+        tight = padded_tile_bound(bucket, bm, pool.num_ids, a.max_seqs)
         for label, nt in ((f"bound {tight}", tight), (f"bound = its {own} tiles", own)):
             if nt < bound:
                 variants[f"graphed bm{bm} ({label})"] = prepared(bucket, bm, nt)
     if a.sweep:
-        tight = min(bucket, bucket // 16 + min(a.max_seqs, pool.num_ids))
+        tight = padded_tile_bound(bucket, 16, pool.num_ids, a.max_seqs)
         for bn in (64, 128, 256):
             for bk in (16, 64):
                 for w in (2, 4, 8):
@@ -292,9 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         preset=a.preset,
         adapters=a.adapters,
         distinct=len(set(slots)),
-        ranks=dict(
-            zip(map(str, RANKS), [sum(ranks[s] == r for s in set(slots)) for r in RANKS], strict=True)
-        ),
+        ranks={str(r): sum(ranks[s] == r for s in set(slots)) for r in sorted(set(cycle))},
         decodes=a.decodes,
         prefill=prefill,
         tokens=tokens,
@@ -305,8 +304,6 @@ def main(argv: list[str] | None = None) -> None:
         floor_bytes=floor,
         floor_us=floor_us,
         rows=rows,
-        min_block=MIN_BLOCK,
-        slices=NUM_SLICES,
     )
     if a.out:
         Path(a.out).write_text(json.dumps(summary, indent=1))

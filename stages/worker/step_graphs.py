@@ -21,10 +21,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.batch_info import MIN_BLOCK
 from kernels.paged_attention import AttentionPlan, choose_splits, split_key_counts
 from stages.worker.decode_graphs import DecodeSeq
-from stages.worker.lora.backend import LoraBackend, slot_segments
+from stages.worker.lora.backend import PADDED_BLOCK_M, LoraBackend, slot_segments
 from stages.worker.model.forward_batch import ForwardBatch
 from stages.worker.model.kv_cache import KVCache
 from stages.worker.model.llama import LlamaModel
@@ -38,8 +37,8 @@ def lora_block_m(padded: int) -> int:
     such a tile wastes 63 rows of work. Measured on the H100 (tools/bench_lora_step.py, 1B shapes): a
     step of 80 adapters (190 decodes, 768 prefill tokens) 4.9 ms at 64 against 3.1 ms at 16; a step
     of 32 rank-16 adapters in 256-token prefill chunks 7.0 against 6.3 ms; 4,700 tokens in 1,024-token
-    chunks 7.6 against 6.6 ms (each with the tile bound of `TritonLoraBackend._prepare_padded`)."""
-    return MIN_BLOCK
+    chunks 7.6 against 6.6 ms (each with the tile bound of `triton_backend.padded_tile_bound`)."""
+    return PADDED_BLOCK_M
 
 
 class StepGraphs:

@@ -32,6 +32,13 @@ def _setup(ranks=(1, 5, 16, 3), n_ad=5, decodes=9, prefill=(20, 7)):
     return layout, pool, adapter_ranks, indptr, slots
 
 
+def _buffers(layout, bucket):
+    """Layer 0's inputs and outputs of every group (what `check` reads), `bucket` token rows."""
+    xs = [{g.name: torch.randn((bucket, g.in_dim), dtype=torch.bfloat16) for g in layout.groups}]
+    outs = [{g.name: torch.zeros((bucket, g.out_total), dtype=torch.bfloat16) for g in layout.groups}]
+    return xs, outs
+
+
 def test_step_is_ordered_by_adapter_and_pool_rows_are_distinct():
     layout, pool, ranks, indptr, slots = _setup()
     assert slots == sorted(slots) and set(slots) == set(range(5))
@@ -57,8 +64,7 @@ def test_each_prepared_variant_matches_float64(variant):
     layout, pool, _, indptr, slots = _setup()
     backend = TritonLoraBackend(pool, max_tokens=64, max_seqs=16)
     bucket = 48
-    xs = [{g.name: torch.randn((bucket, g.in_dim), dtype=torch.bfloat16) for g in layout.groups}]
-    outs = [{g.name: torch.zeros((bucket, g.out_total), dtype=torch.bfloat16) for g in layout.groups}]
+    xs, outs = _buffers(layout, bucket)
     if variant == "eager":
         backend.prepare(indptr, slots)
     else:
@@ -80,8 +86,7 @@ def test_a_tile_bound_below_the_steps_tiles_is_caught():
     layout, pool, _, indptr, slots = _setup()
     backend = TritonLoraBackend(pool, max_tokens=64, max_seqs=16)
     bucket = 48
-    xs = [{g.name: torch.randn((bucket, g.in_dim), dtype=torch.bfloat16) for g in layout.groups}]
-    outs = [{g.name: torch.zeros((bucket, g.out_total), dtype=torch.bfloat16) for g in layout.groups}]
+    xs, outs = _buffers(layout, bucket)
     own = plan_tiles(plan_runs(indptr, slots), 16).shape[0]
     backend.prepare(indptr, slots, pad_to=bucket, block_m=16)
     short = dataclasses.replace(backend.batch_info, num_tiles=own - 1)

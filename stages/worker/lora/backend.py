@@ -11,6 +11,8 @@ import torch
 from runtime.common.lora_layout import GroupLayout
 from stages.worker.lora.pool import LoraPool
 
+PADDED_BLOCK_M = 16  # LoRA token tile of every fixed-shape (graphed) batch: decode and step graphs
+
 
 class LoraBackend(ABC):
     """Tokens of a forward are ordered so that each adapter's tokens are contiguous: segment i is

@@ -13,12 +13,11 @@ from kernels.batch_info import BatchInfo, BatchInfoBuilder, block_rank_for
 from kernels.lora_expand import ExpandConfig, expand_config, lora_expand
 from kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
 from runtime.common.lora_layout import GroupLayout, LoraLayout
-from stages.worker.lora.backend import LoraBackend
+from stages.worker.lora.backend import PADDED_BLOCK_M, LoraBackend
 from stages.worker.lora.pool import LoraPool
 
 MAX_SPLIT_K = 16
 Configs = tuple[ShrinkConfig, ExpandConfig, torch.Tensor]  # per group: kernel configs, shrink output view
-PADDED_BLOCK_M = 16  # token tile of fixed-shape (graphed) decode batches
 
 
 def workspace_rows(max_tokens: int) -> int:
@@ -32,6 +31,16 @@ def split_cap(num_tokens: int, ws_rows: int) -> int:
     while cap < MAX_SPLIT_K and 2 * cap * max(1, num_tokens) <= ws_rows:
         cap *= 2
     return cap
+
+
+def padded_tile_bound(pad_to: int, block_m: int, num_ids: int, max_seqs: int | None) -> int:
+    """Most tiles of `block_m` tokens a padded batch of `pad_to` tokens can have. Runs are one per
+    adapter id (the runner orders tokens by id) and one per sequence at most, and sum(ceil(len /
+    block_m)) is at most the run count plus pad_to // block_m. Every program past a step's own tiles
+    still launches and returns, so the bound is kept tight: with a large pool (762 ids in 4 GB at 1B
+    shapes) the ids alone made a 1,024-token graph launch 3x the programs that 256 sequences can need
+    (docs/benchmarks.md, eighth session)."""
+    return min(pad_to, min(num_ids, max_seqs or pad_to) + pad_to // block_m)
 
 
 class TritonLoraBackend(LoraBackend):
@@ -113,13 +122,7 @@ class TritonLoraBackend(LoraBackend):
         if seg_indptr[-1] > pad_to:
             raise ValueError(f"batch has {seg_indptr[-1]} tokens, more than pad_to={pad_to}")
         real = self._builder.build(seg_indptr, seg_slots, self.layout.max_rank, block_m=block_m)
-        # Runs are one per adapter id (the runner orders tokens by id) and one per sequence at most:
-        # sum(ceil(len / block_m)) is at most the run count plus pad_to // block_m. Every program past
-        # the step's own tiles still launches and returns, so the bound is kept tight: with a large
-        # pool (762 ids in 4 GB at 1B shapes) the ids alone made a 1,024-token graph launch 3x the
-        # programs that 256 sequences can need (docs/benchmarks.md, eighth session).
-        runs = min(self.pool.num_ids, self.max_seqs or pad_to)
-        bound = min(pad_to, runs + pad_to // block_m)
+        bound = padded_tile_bound(pad_to, block_m, self.pool.num_ids, self.max_seqs)
         if real.num_tiles > bound:
             raise ValueError(f"{real.num_tiles} LoRA tiles exceed the padded bound {bound}")
         info = BatchInfo(
