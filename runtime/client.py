@@ -156,6 +156,8 @@ class AsyncClient:
             return reply
 
     async def close(self) -> None:
+        """Calls still open end at once with Aborted (the reader that would answer them stops here)."""
+        self._fail_all(Aborted(f"the client of {self.endpoint} was closed while this call was open"))
         for task in (self._reader, self._watcher):
             if task is not None:
                 task.cancel()
@@ -274,7 +276,8 @@ class AsyncClient:
     async def _send(self, msg: Any, timeout: float | None) -> None:
         assert self._sock is not None, "client is closed"
         try:
-            await asyncio.wait_for(self._sock.send(msg), self._limit(timeout))
+            async with asyncio.timeout(self._limit(timeout)):
+                await self._sock.send(msg)
         except TimeoutError:
             raise Timeout(f"could not send to {self.endpoint} within {self._limit(timeout)}s") from None
         except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as exc:  # not encodable
@@ -284,8 +287,9 @@ class AsyncClient:
         if not queue.empty():  # already here: no timer to arm (chunks of a step arrive together)
             reply = queue.get_nowait()
         else:
-            try:
-                reply = await asyncio.wait_for(queue.get(), self._limit(timeout))
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for loses a cancel that meets the reply
+                async with asyncio.timeout(self._limit(timeout)):
+                    reply = await queue.get()
             except TimeoutError:
                 raise Timeout(f"no reply from {self.endpoint} within {self._limit(timeout)}s") from None
         if isinstance(reply, BaseException):

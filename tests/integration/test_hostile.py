@@ -24,6 +24,7 @@ from proto.client import ClientReply, ClientRequest, ErrorReply, GenerateRequest
 from proto.sampling import SamplingParams
 from runtime.base.sockets import DealerSocket
 from runtime.client import (
+    Aborted,
     AdapterLoadFailed,
     AsyncClient,
     Forbidden,
@@ -350,7 +351,7 @@ def test_soak_hostile_inputs_mixed_into_normal_traffic(server, reference, llama_
                 await asyncio.sleep(0.05)
                 pending.cancel()
                 await disconnecting.close()  # the connection goes away with the request open
-                with contextlib.suppress(asyncio.CancelledError, Exception):
+                with contextlib.suppress(asyncio.CancelledError, Aborted):  # a Timeout here: it hung
                     await pending
                 if rounds >= 2:
                     two_rounds.set()
@@ -365,9 +366,8 @@ def test_soak_hostile_inputs_mixed_into_normal_traffic(server, reference, llama_
         stop.set()
         return results, await attack
 
-    t0 = time.monotonic()
     results, rounds = asyncio.run(main())
-    assert rounds >= 2 and time.monotonic() - t0 < 150
+    assert rounds >= 2
     outputs = [r for per_client in results for r in per_client]
     assert len(outputs) == len(work)
     for key, ids in outputs:

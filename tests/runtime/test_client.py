@@ -227,6 +227,31 @@ def test_timeout_raises_and_aborts(tmp_path):
     _run(tmp_path, _silent, body)
 
 
+def test_closing_the_client_ends_its_open_calls_at_once(tmp_path):
+    """No timeout at all: without the close ending them, these calls would wait forever."""
+
+    async def main() -> None:
+        fake = FakeTokenizer(f"ipc://{tmp_path}/client.sock", _silent)
+        server = asyncio.create_task(fake.run())
+        client = AsyncClient(fake.addr, timeout=None)
+        try:
+            await client.connect()
+            gen = asyncio.ensure_future(client.generate("hello", max_tokens=3))
+            ops = asyncio.ensure_future(client.list_adapters())
+            await fake.next_of(GenerateRequest)
+            await fake.next_of(ListAdapters)
+            await client.close()
+            for call in (gen, ops):
+                with pytest.raises(Aborted, match="client of .* was closed while this call was open"):
+                    await call
+        finally:
+            await client.close()
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+
+    asyncio.run(main())
+
+
 def test_protocol_mismatch_is_refused(tmp_path):
     async def main() -> None:
         fake = FakeTokenizer(f"ipc://{tmp_path}/client.sock", _silent, version=99)
