@@ -252,6 +252,32 @@ def test_closing_the_client_ends_its_open_calls_at_once(tmp_path):
     asyncio.run(main())
 
 
+def test_a_cancel_that_meets_its_reply_is_not_lost():
+    """The reply lands in the call's queue, then the call is cancelled a few loop steps later: every
+    cancel the task accepts ends it cancelled. (Python 3.11's asyncio.wait_for returned the reply and
+    dropped such cancels; a soak's cancelled generate then waited out its whole timeout.)"""
+
+    async def main() -> int:
+        client = AsyncClient("ipc:///nonexistent", timeout=60)  # never connects: only the wait is used
+        accepted = 0
+        for steps in range(8):
+            queue: asyncio.Queue = asyncio.Queue()
+            call = asyncio.ensure_future(client._next(queue, 60))
+            for _ in range(2):
+                await asyncio.sleep(0)  # the call now waits on its queue
+            queue.put_nowait("reply")
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            if not call.cancel():
+                continue  # it had already returned the reply: nothing to cancel
+            accepted += 1
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        return accepted
+
+    assert asyncio.run(main()) >= 1
+
+
 def test_protocol_mismatch_is_refused(tmp_path):
     async def main() -> None:
         fake = FakeTokenizer(f"ipc://{tmp_path}/client.sock", _silent, version=99)

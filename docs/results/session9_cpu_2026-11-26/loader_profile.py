@@ -1,5 +1,6 @@
 """Session 9 (CPU, development machine): where one part-writer's time goes in a load, and how fast torch
-transposes B. Run from the repository root: .venv/bin/python docs/results/session9_cpu_2026-11-26/loader_profile.py
+transposes B. From the repository root:
+    .venv/bin/python docs/results/session9_cpu_2026-11-26/loader_profile.py
 Part 1 times the phases of `block_writer.write_all` (one thread, one intra-op thread, as a writer runs)
 for a generated 1B-shaped bf16 adapter of rank 16 and 64: the header plan, the positioned reads, the value
 checks (aminmax) and the packing copies. Part 2 times the packing copy of a B run ([16 layers, out, r] →
@@ -66,7 +67,8 @@ with tempfile.TemporaryDirectory() as work:
         med = runs[len(runs) // 2]
         mb = block.numel() * 2 / 1e6
         parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in med.items() if k != "total")
-        print(f"rank {r}: {mb:.1f} MB in {med['total'] * 1e3:.2f} ms ({mb / 1e3 / med['total']:.2f} GB/s): {parts}")
+        total = med["total"]
+        print(f"rank {r}: {mb:.1f} MB in {total * 1e3:.2f} ms ({mb / 1e3 / total:.2f} GB/s): {parts}")
 
 
 def bench(f, n=10):
@@ -79,27 +81,32 @@ def bench(f, n=10):
     return sorted(out)[n // 2]
 
 
+def pack_rates(r: int, out: int, layers: int = 16) -> tuple[float, float, float, int, float]:
+    """GB/s of a plain copy, today's transposing copy, the best blocked one (and its chunk), numpy's."""
+    src = torch.randn(layers, out, r).to(torch.bfloat16)
+    dst = torch.empty(layers, r, 100_000, dtype=torch.bfloat16)[:, :, :out]  # rows of a packed block
+    nb = src.numel() * 2
+    flat = torch.empty_like(src)
+    plain = nb / bench(lambda: flat.copy_(src)) / 1e9
+    today = nb / bench(lambda: dst.copy_(src.transpose(1, 2))) / 1e9
+    best = (0.0, 0)
+    for c in (64, 128, 256, 512):
+
+        def chunked(c: int = c) -> None:
+            for o in range(0, out, c):
+                dst[:, :, o : o + c].copy_(src[:, o : o + c, :].transpose(1, 2))
+
+        best = max(best, (nb / bench(chunked) / 1e9, c))
+    s16, d16 = src.view(torch.int16).numpy(), dst.view(torch.int16).numpy()
+    npy = nb / bench(lambda: d16.__setitem__(slice(None), s16.transpose(0, 2, 1))) / 1e9
+    assert torch.equal(dst, src.transpose(1, 2))
+    return plain, today, best[0], best[1], npy
+
+
 print("\n## Part 2: packing one B run of 16 layers, GB/s (median of 10)")
-print("| r | out | plain copy | transposing copy (today) | best blocked (out in chunks of C) | numpy transpose |")
+print("| r | out | plain copy | transposing copy (today) | best blocked (out in chunks of C) | numpy |")
 print("| --- | --- | --- | --- | --- | --- |")
-P = 16
 for r in (16, 32, 64):
     for out in (2048, 8192):
-        src = torch.randn(P, out, r).to(torch.bfloat16)
-        dst = torch.empty(P, r, 100_000, dtype=torch.bfloat16)[:, :, :out]  # rows of a packed block
-        nb = src.numel() * 2
-        flat = torch.empty_like(src)
-        plain = nb / bench(lambda: flat.copy_(src)) / 1e9
-        today = nb / bench(lambda: dst.copy_(src.transpose(1, 2))) / 1e9
-        best = (0.0, 0)
-        for c in (64, 128, 256, 512):
-
-            def chunked(c=c):
-                for o in range(0, out, c):
-                    dst[:, :, o : o + c].copy_(src[:, o : o + c, :].transpose(1, 2))
-
-            best = max(best, (nb / bench(chunked) / 1e9, c))
-        s16, d16 = src.view(torch.int16).numpy(), dst.view(torch.int16).numpy()
-        npy = nb / bench(lambda: d16.__setitem__(slice(None), s16.transpose(0, 2, 1))) / 1e9
-        assert torch.equal(dst, src.transpose(1, 2))
-        print(f"| {r} | {out} | {plain:.1f} | {today:.2f} | {best[0]:.2f} (C={best[1]}) | {npy:.2f} |")
+        plain, today, blocked, c, npy = pack_rates(r, out)
+        print(f"| {r} | {out} | {plain:.1f} | {today:.2f} | {blocked:.2f} (C={c}) | {npy:.2f} |")
