@@ -54,7 +54,8 @@ class GatewayCollector:
         waiting = _names(r.adapter for r in p.waiting) if p else _names(self.early_adapters())
         info = GaugeMetricFamily(
             LORA_INFO,
-            "LoRA adapters of running and waiting requests, and the GPU slots (vLLM's label format)",
+            "LoRA adapters of running and waiting requests, and how many distinct adapters a step may use "
+            "(vLLM's label format)",
             labels=["stage", "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
         )
         max_lora = str(self.max_lora())
