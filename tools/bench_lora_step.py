@@ -28,17 +28,18 @@ from kernels.batch_info import plan_runs, plan_tiles  # noqa: E402
 from kernels.lora_expand import ExpandConfig  # noqa: E402
 from kernels.lora_shrink import ShrinkConfig  # noqa: E402
 from runtime.common.lora_layout import LoraLayout  # noqa: E402
+from runtime.common.model_config import ModelConfig  # noqa: E402
+from runtime.synthetic.model import PRESETS, build_config  # noqa: E402
 from stages.worker.lora.backend import PADDED_BLOCK_M  # noqa: E402
 from stages.worker.lora.pool import LoraPool, pool_geometry  # noqa: E402
 from stages.worker.lora.triton_backend import TritonLoraBackend, padded_tile_bound, workspace_rows  # noqa: E402
 from stages.worker.step_graphs import lora_block_m  # noqa: E402
 from stages.worker.step_inputs import token_buckets  # noqa: E402
 
-SHAPES = {  # hidden, q_out, kv_out, intermediate, layers (the make_tiny_model presets)
-    "1b": (2048, 2048, 512, 8192, 16),
-    "8b": (4096, 4096, 1024, 14336, 32),
-    "smoke": (64, 64, 32, 96, 2),
-}
+
+def layout_for(preset: str, max_rank: int) -> LoraLayout:
+    """The LoRA layout of a make_tiny_model preset's Llama shapes."""
+    return LoraLayout.for_model(ModelConfig.from_dict(build_config("llama", preset)), max_rank)
 
 
 def make_pool(
@@ -162,7 +163,7 @@ def check(backend, info, configs, xs, outs, layout, pool, indptr, slots) -> floa
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="1b")
     p.add_argument("--pool-gb", type=float, default=4.0)
     p.add_argument("--adapters", type=int, default=80, help="distinct adapters in the step")
     p.add_argument("--decodes", type=int, default=190, help="one-token sequences")
@@ -182,13 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     a = p.parse_args(argv)
     if a.smoke:
-        a.preset, a.pool_gb = "smoke", 0.002
+        a.preset, a.pool_gb = "tiny", 0.002
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    hidden, q_out, kv_out, inter, layers = SHAPES[a.preset]
     cycle = [int(r) for r in a.ranks.split(",")]
-    layout = LoraLayout.build(
-        num_layers=layers, hidden=hidden, q_out=q_out, kv_out=kv_out, intermediate=inter, max_rank=max(cycle)
-    )
+    layout = layout_for(a.preset, max(cycle))
+    layers = layout.num_layers
     pool, ranks = make_pool(layout, int(a.pool_gb * 2**30), a.adapters, cycle, device, a.seed)
     prefill = [int(n) for n in a.prefill.split(",") if n]
     indptr, slots = make_step(a.adapters, a.decodes, prefill, a.seed)

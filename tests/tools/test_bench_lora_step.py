@@ -14,7 +14,6 @@ import torch
 
 from kernels.batch_info import plan_runs, plan_tiles
 from kernels.lora_shrink import ShrinkConfig
-from runtime.common.lora_layout import LoraLayout
 from stages.worker.lora.triton_backend import TritonLoraBackend
 from tools import bench_lora_step as bls
 
@@ -22,10 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _setup(ranks=(1, 5, 16, 3), n_ad=5, decodes=9, prefill=(20, 7)):
-    hidden, q_out, kv_out, inter, layers = bls.SHAPES["smoke"]
-    layout = LoraLayout.build(
-        num_layers=layers, hidden=hidden, q_out=q_out, kv_out=kv_out, intermediate=inter, max_rank=max(ranks)
-    )
+    layout = bls.layout_for("tiny", max(ranks))
     device = torch.device("cpu")
     pool, adapter_ranks = bls.make_pool(layout, 1 << 20, n_ad, list(ranks), device, seed=3)
     indptr, slots = bls.make_step(n_ad, decodes, list(prefill), seed=3)
