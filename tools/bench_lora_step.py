@@ -33,7 +33,6 @@ from runtime.synthetic.model import PRESETS, build_config  # noqa: E402
 from stages.worker.lora.backend import PADDED_BLOCK_M  # noqa: E402
 from stages.worker.lora.pool import LoraPool, pool_geometry  # noqa: E402
 from stages.worker.lora.triton_backend import TritonLoraBackend, padded_tile_bound, workspace_rows  # noqa: E402
-from stages.worker.step_graphs import lora_block_m  # noqa: E402
 from stages.worker.step_inputs import token_buckets  # noqa: E402
 
 
@@ -239,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
 
     variants = {"eager (real tiles)": prepared()}
     real_tiles = prepared()()[0].num_tiles
-    for bm in sorted({lora_block_m(bucket), PADDED_BLOCK_M, 32, 64}):
+    for bm in sorted({PADDED_BLOCK_M, 32, 64}):
         own = plan_tiles(plan_runs(indptr, slots), bm).shape[0]  # the tiles this step has at this tile
         bound = padded_tile_bound(bucket, bm, pool.num_ids, None)
         variants[f"graphed bm{bm} (bound {bound})"] = prepared(bucket, bm)

@@ -31,16 +31,6 @@ from stages.worker.seq_input import fill_pending
 from stages.worker.step_inputs import StagedStep, StepInputs, token_buckets
 
 
-def lora_block_m(padded: int) -> int:
-    """LoRA token tile of a bucket: 16 tokens at every size. A graph serves every adapter mix, and a
-    step with many adapters has mostly short runs (one-token decodes), each a tile of its own: at 64
-    such a tile wastes 63 rows of work. Measured on the H100 (tools/bench_lora_step.py, 1B shapes): a
-    step of 80 adapters (190 decodes, 768 prefill tokens) 4.9 ms at 64 against 3.1 ms at 16; a step
-    of 32 rank-16 adapters in 256-token prefill chunks 7.0 against 6.3 ms; 4,700 tokens in 1,024-token
-    chunks 7.6 against 6.6 ms (each with the tile bound of `triton_backend.padded_tile_bound`)."""
-    return PADDED_BLOCK_M
-
-
 class StepGraphs:
     def __init__(
         self,
@@ -96,7 +86,7 @@ class StepGraphs:
 
     def padded_lora_configs(self) -> tuple[tuple[int, int], ...]:
         """(padded tokens, LoRA token tile) of every bucket whose graphs run LoRA kernels."""
-        return tuple((b, lora_block_m(b)) for b in self.buckets) if self.lora is not None else ()
+        return tuple((b, PADDED_BLOCK_M) for b in self.buckets) if self.lora is not None else ()
 
     def supports(self, seqs: Sequence[DecodeSeq]) -> bool:
         """True for 1..max_seqs sequences of together at most max_tokens tokens within the page table's
@@ -120,7 +110,7 @@ class StepGraphs:
         fill_pending(self.inputs.ids[:padded], pending)
         has_lora = any(s.slot >= 0 for s in seqs)
         if has_lora:
-            self.lora.prepare(*slot_segments(seqs), pad_to=padded, block_m=lora_block_m(padded))
+            self.lora.prepare(*slot_segments(seqs), pad_to=padded, block_m=PADDED_BLOCK_M)
         if self.piecewise:
             self._run_pieces(step, has_lora)
         else:
@@ -171,7 +161,7 @@ class StepGraphs:
         """An all-padding step (it touches only the scratch page), for capture."""
         step = self.inputs.stage([], padded)
         if has_lora:
-            self.lora.prepare([0], [], pad_to=padded, block_m=lora_block_m(padded))
+            self.lora.prepare([0], [], pad_to=padded, block_m=PADDED_BLOCK_M)
         return step
 
     def _splits(self, step: StagedStep) -> int:
