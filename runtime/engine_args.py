@@ -29,7 +29,6 @@ class EngineArgs:
     page_size: int = 16
     num_pages: int | None = None
     lora_backend: str | None = None  # None: triton on cuda, torch on cpu
-    lora_shrink_stream: bool = False
     attention_backend: str | None = None  # None: triton on cuda, torch on cpu
     pointwise_backend: str | None = None  # norms, rotary, activation; None: triton on cuda, torch on cpu
     pinned_adapters: tuple[str, ...] = ()
@@ -118,7 +117,6 @@ def runner_config(e: EngineArgs, model_cfg: ModelConfig) -> RunnerConfig:
         max_lora_rank=e.max_lora_rank,
         lora_gpu_memory_gb=e.lora_gpu_memory_gb,
         lora_backend=e.lora_backend,
-        lora_shrink_stream=e.lora_shrink_stream,
         attention_backend=e.attention_backend,
         pointwise_backend=e.pointwise_backend,
         page_size=e.page_size,

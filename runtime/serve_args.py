@@ -129,12 +129,6 @@ def _adapter_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         help="LoRA kernels (default: triton on cuda, torch on cpu)",
     )
     g.add_argument(
-        "--lora-shrink-stream",
-        action=argparse.BooleanOptionalAction,
-        default=d.lora_shrink_stream,
-        help="in CUDA-graphed steps, run each LoRA shrink on a side stream beside its base projection",
-    )
-    g.add_argument(
         "--attention-backend",
         choices=("torch", "triton"),
         default=None,

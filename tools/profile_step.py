@@ -71,7 +71,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slots", type=int, default=32, help="adapters resident in the GPU pool")
     p.add_argument("--max-lora-rank", type=int, default=16, help="the pool's largest rank")
     p.add_argument("--lora-gpu-memory-gb", type=float, default=None, help="the pool's size (default 10%%)")
-    p.add_argument("--lora-shrink-stream", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument(
         "--mix-prefill", type=int, default=0, metavar="N",
         help="add N prefill tokens to each decode step, in chunks of 256, each chunk its own adapter",
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
                        max_lora_rank=a.max_lora_rank, lora_gpu_memory_gb=a.lora_gpu_memory_gb,
                        num_pages=(a.batch + len(chunks)) * pages_per + 16, max_model_len=pages_per * 16,
                        max_tokens_per_step=max(2048, step_tokens), max_running_requests=a.batch + len(chunks),
-                       cuda_graph_max_batch=a.batch, lora_shrink_stream=a.lora_shrink_stream,
+                       cuda_graph_max_batch=a.batch,
                        cuda_graph_max_tokens=step_tokens if a.prefill or a.mix_prefill else 0)  # fmt: skip
     runner = ModelRunner(cfg)
     dirs = sorted(d for d in Path(a.adapter_dir).iterdir() if d.is_dir())[: a.slots]

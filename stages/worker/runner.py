@@ -36,7 +36,6 @@ class RunnerConfig:
     # (CUDA), 64 MiB elsewhere; at least one adapter of max_lora_rank (stages/worker/lora/pool.py)
     lora_gpu_memory_gb: float | None = None
     lora_backend: str | None = None  # None: triton on CUDA, torch elsewhere
-    lora_shrink_stream: bool = False
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
     pointwise_backend: str | None = None  # norms, rotary, activation; None: triton on CUDA, torch elsewhere
     page_size: int = 16
@@ -114,9 +113,7 @@ class ModelRunner:
         rows, ids = pool_geometry(self.lora_layout, self.dtype, nbytes)
         self.pool = LoraPool(self.lora_layout, rows, ids, self.dtype, self.device)
         name = self.cfg.lora_backend or ("triton" if self.device.type == "cuda" else "torch")
-        self.lora = make_backend(
-            name, self.pool, self.cfg.max_tokens_per_step, self.max_seqs, self.cfg.lora_shrink_stream
-        )
+        self.lora = make_backend(name, self.pool, self.cfg.max_tokens_per_step, self.max_seqs)
 
     def _init_kv_cache(self) -> None:
         m, ps = self.model_cfg, self.cfg.page_size

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -49,16 +49,6 @@ class LoraBackend(ABC):
     @abstractmethod
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:
         """out[T, group.out_total] += scaling * (x[T, group.in_dim] @ A^T) @ B^T, per token's adapter."""
-
-    def linear(
-        self, x: torch.Tensor, base: Callable[[], torch.Tensor], layer: int, group: GroupLayout
-    ) -> torch.Tensor:
-        """`base()` (the group's base projection of `x`, [T, group.out_total]) plus every token's adapter
-        delta. Here the base projection, then `apply`; a backend may run its own work beside the base
-        projection's."""
-        out = base()
-        self.apply(x, out, layer, group)
-        return out
 
 
 def slot_segments(seqs: Sequence) -> tuple[list[int], list[int]]:

@@ -10,13 +10,11 @@ from stages.worker.lora.torch_backend import TorchLoraBackend
 BACKENDS = ("torch", "triton")
 
 
-def make_backend(
-    name: str, pool: LoraPool, max_tokens: int, max_seqs: int | None = None, shrink_stream: bool = False
-) -> LoraBackend:
+def make_backend(name: str, pool: LoraPool, max_tokens: int, max_seqs: int | None = None) -> LoraBackend:
     if name == "torch":
         return TorchLoraBackend(pool, max_tokens, max_seqs)
     if name == "triton":
         from stages.worker.lora.triton_backend import TritonLoraBackend  # triton: a Linux-only dependency
 
-        return TritonLoraBackend(pool, max_tokens, max_seqs, shrink_stream)
+        return TritonLoraBackend(pool, max_tokens, max_seqs)
     raise ValueError(f"unknown lora backend {name!r} (choose one of {', '.join(BACKENDS)})")

@@ -69,13 +69,15 @@ class LlamaModel:
         """Layer i up to attention: norm, QKV (+ LoRA), rotary, the K/V write. Returns q [T, heads, D]."""
         cfg, lw = self.cfg, self.w.layers[i]
         x = self.ops.norm(h, lw.input_norm, cfg.rms_norm_eps)
-        qkv = self._linear(lora, x, lw.qkv, lw.qkv_bias, i, "qkv")  # [T, q + 2 kv]
+        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, q + 2 kv]
+        self._lora(lora, x, qkv, i, "qkv")
         return self.ops.rope_kv(qkv, cos, sin, kv_rows, kv, i, cfg.num_heads, cfg.num_kv_heads)  # [T, H, D]
 
     def post_attention(self, i: int, h, attn, lora) -> torch.Tensor:
         """Layer i after attention: O (+ LoRA) and the residual, then the MLP block. Returns h [T, H]."""
         lw = self.w.layers[i]
-        o = self._linear(lora, attn, lw.o, lw.o_bias, i, "o")  # [T, H]
+        o = F.linear(attn, lw.o, lw.o_bias)  # [T, H]
+        self._lora(lora, attn, o, i, "o")
         h, x = self.ops.add_norm(h, o, lw.post_norm, self.cfg.rms_norm_eps)  # h + o and its norm
         return h + self._mlp(i, lw, x, lora)
 
@@ -83,12 +85,14 @@ class LlamaModel:
         last = self.ops.norm(h[logits_indices], self.w.norm, self.cfg.rms_norm_eps)  # [B, H]
         return F.linear(last, self.w.lm_head).float()  # [B, V]
 
-    def _linear(self, lora: LoraBackend | None, x, w, bias, layer: int, group: str) -> torch.Tensor:
-        if lora is None:
-            return F.linear(x, w, bias)
-        return lora.linear(x, lambda: F.linear(x, w, bias), layer, self.lora_layout.group(group))
+    def _lora(self, lora: LoraBackend | None, x, out, layer: int, group: str) -> None:
+        if lora is not None:
+            lora.apply(x, out, layer, self.lora_layout.group(group))
 
     def _mlp(self, i, lw: LayerWeights, x, lora) -> torch.Tensor:
-        gate_up = self._linear(lora, x, lw.gate_up, lw.gate_up_bias, i, "gate_up")  # [T, 2I]
+        gate_up = F.linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2I]
+        self._lora(lora, x, gate_up, i, "gate_up")
         act = self.ops.act(gate_up)  # silu(gate) * up, [T, I]
-        return self._linear(lora, act, lw.down, lw.down_bias, i, "down")  # [T, H]
+        down = F.linear(act, lw.down, lw.down_bias)  # [T, H]
+        self._lora(lora, act, down, i, "down")
+        return down
