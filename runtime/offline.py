@@ -64,6 +64,7 @@ class LLM:
         cuda_graph_max_batch: int | None = None,
         cuda_graph_max_tokens: int | None = None,
         max_adapter_bypass: int = 16,
+        adapter_affinity_steps: int = 200,
         overlap_min_mb: float = 128.0,
         warmup: bool = False,
         compile_cache_dir: str | None = None,
@@ -71,10 +72,11 @@ class LLM:
     ):
         """`overlap_loading` and `prefetch_depth` drive the same planner logic as `lorapipe serve`;
         here copies are synchronous, and a load is reported ready in the result of its step.
-        `lora_gpu_memory_gb`, `max_loras_per_batch`, `max_adapter_bypass` and `overlap_min_mb` mean what
-        the `serve` flags of those names do (the GPU adapter pool; distinct adapters in one step, default
-        as many as the pool holds; the bypass bound of churn-aware admission; smaller adapters are not
-        prefetched); both derive their configs in runtime/engine_args.py.
+        `lora_gpu_memory_gb`, `max_loras_per_batch`, `max_adapter_bypass`, `adapter_affinity_steps` and
+        `overlap_min_mb` mean what the `serve` flags of those names do (the GPU adapter pool; distinct
+        adapters in one step, default as many as the pool holds; the bypass bound of churn-aware
+        admission; the age bound of adapter affinity; smaller adapters are not prefetched); both derive
+        their configs in runtime/engine_args.py.
         `cuda_graph_max_batch`: decode batches up to this size replay CUDA graphs on CUDA (default
         min(max_running_requests, 256); 0: always eager); `cuda_graph_max_tokens`: steps with prefill
         tokens up to this many tokens replay CUDA graphs per token bucket (default
@@ -96,6 +98,7 @@ class LLM:
             max_loras_per_batch=max_loras_per_batch,
             lora_gpu_memory_gb=lora_gpu_memory_gb,
             max_adapter_bypass=max_adapter_bypass,
+            adapter_affinity_steps=adapter_affinity_steps,
             max_lora_rank=max_lora_rank,
             max_running_requests=max_running_requests,
             max_tokens_per_step=max_tokens_per_step,

@@ -14,6 +14,7 @@ from runtime.base.sockets import MAX_CLIENT_MSG_BYTES
 from runtime.common.names import adapter_name_problem
 from runtime.engine_args import EngineArgs
 from runtime.host_cache_size import DEFAULT_CPU_LORA_CACHE_GB
+from runtime.serve_loading_args import add_loading_arguments
 from runtime.serve_security import add_security_arguments
 
 DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"
@@ -80,7 +81,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         ("adapters", _adapter_arguments),
         ("memory", _memory_arguments),
         ("batching", _batching_arguments),
-        ("loading", _loading_arguments),
+        ("loading", add_loading_arguments),
         ("endpoints", _endpoint_arguments),
         ("start-up and logs", _process_arguments),
     ):
@@ -229,56 +230,6 @@ def _batching_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         default=d.overlap_schedule,
         help="launch the next step before reading the tokens of the one on the GPU, with one more plan "
         "queued at the worker (off: the serial path, each step's tokens read before the next launch)",
-    )
-
-
-def _loading_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
-    g.add_argument(
-        "--overlap-loading",
-        action=argparse.BooleanOptionalAction,
-        default=d.overlap_loading,
-        help="copy adapters into the pool beside steps that do not use them (off: the step waits)",
-    )
-    g.add_argument(
-        "--prefetch-depth",
-        type=int,
-        metavar="N",
-        default=d.prefetch_depth,
-        help="waiting requests looked ahead at for pool loads (0: off)",
-    )
-    g.add_argument(
-        "--overlap-min-mb",
-        type=float,
-        metavar="MB",
-        default=d.overlap_min_mb,
-        help="smaller adapters are not prefetched into the pool, only copied whole for the step that needs "
-        "them (which keeps its CUDA graph); larger ones are prefetched and copied layer by layer "
-        "(0: prefetch all)",
-    )
-    g.add_argument(
-        "--max-adapter-bypass",
-        type=int,
-        metavar="N",
-        default=d.max_adapter_bypass,
-        help="steps in which later requests may be admitted before one whose adapter is staged; then "
-        "the scheduler reserves room for its adapter (bounds every adapter wait)",
-    )
-    g.add_argument(
-        "--loader-threads",
-        type=int,
-        metavar="N",
-        default=None,
-        help="adapter loads at once; without writer processes, also the threads that read and pack them "
-        "(default: cores / 2, 2 to 8)",
-    )
-    g.add_argument(
-        "--loader-writers",
-        type=int,
-        metavar="N",
-        default=None,
-        help="processes that read and pack adapter files, one adapter's parts spread over all, each with its "
-        "own interpreter (no shared GIL); 0: the loader's threads do it (default: cores / 2 up to 8 with 8 "
-        "cores or more, else 0)",
     )
 
 

@@ -86,6 +86,9 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
             raise ServeArgsError(f"{flag} must be positive, got {value}")
     if problem := host_cache_problem(args, model_cfg):
         raise ServeArgsError(problem)
+    if args.adapter_affinity_steps < 0:
+        n = args.adapter_affinity_steps
+        raise ServeArgsError(f"--adapter-affinity-steps must not be negative, got {n}")
     if args.overlap_min_mb < 0:
         raise ServeArgsError(f"--overlap-min-mb must not be negative, got {args.overlap_min_mb}")
     if args.loader_writers is not None and args.loader_writers < 0:

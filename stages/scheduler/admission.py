@@ -6,7 +6,7 @@ code; the planner owns the queues, this decides what the due request needs."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from stages.scheduler.pool_table import PoolTable
@@ -21,6 +21,26 @@ class Reservation:
     request_id: str
     adapter: str
     blocked: frozenset[str]
+
+
+def admission_order(waiting: Iterable, step: int, step_adapters: set[str], affinity_steps: int) -> list:
+    """The waiting queue in the order admission considers it. With adapter affinity (`affinity_steps` >
+    0): requests queued `affinity_steps` planner steps ago or more (preempted ones among them) in queue
+    order, then those whose adapter is already in the step (or that have none), then the rest, each
+    part in queue order. A request's adapter rows are read once per step whatever the number of its
+    requests there, so each admission that joins an adapter already in the step adds no adapter bytes
+    to the steps that follow; the age bound keeps every other request's extra wait to that many steps."""
+    if affinity_steps <= 0:
+        return list(waiting)
+    old, affine, rest = [], [], []
+    for r in waiting:
+        if step - r.queued_step >= affinity_steps:
+            old.append(r)
+        elif r.adapter is None or r.adapter in step_adapters:
+            affine.append(r)
+        else:
+            rest.append(r)
+    return old + affine + rest
 
 
 class Admission:

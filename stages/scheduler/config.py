@@ -7,7 +7,7 @@ import msgspec
 
 from runtime.base.actor import StageConfig
 from runtime.base.endpoints import Endpoints
-from stages.scheduler.planner import PlannerPolicy
+from stages.scheduler.planner_config import PlannerPolicy
 
 
 class SchedulerConfig(StageConfig, frozen=True, kw_only=True):

@@ -8,105 +8,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgspec
-
 from proto.base import TokenIds
 from proto.plan import BatchPlan, CachedRequestData, NewRequestData, SlotLoad, StepResult
 from proto.sampling import SamplingParams
-from stages.scheduler.admission import Admission
+from stages.scheduler.admission import Admission, admission_order
 from stages.scheduler.page_allocator import PageAllocator
+from stages.scheduler.planner_config import PlannerConfig
 from stages.scheduler.pool_table import PoolTable
 from stages.scheduler.residency import Place, Residency
-
-
-class PlannerPolicy(msgspec.Struct, frozen=True, kw_only=True):
-    """The planner's settings known before the worker starts (the launcher's and the offline engine's
-    one derivation: `runtime/engine_args.py`); `PlannerConfig.from_policy` adds what the worker reports."""
-
-    max_loras_per_batch: int | None = None  # None: as many as the pool has adapter ids
-    max_running_requests: int = 64
-    max_tokens_per_step: int = 2048
-    pinned_adapters: tuple[str, ...] = ()
-    overlap_loading: bool = True
-    prefetch_depth: int = 8
-    overlap_min_bytes: int = 128 << 20
-    bypass_limit: int = 16
-
-
-@dataclass(frozen=True)
-class PlannerConfig:
-    num_pages: int
-    page_size: int
-    pool_rows: int  # rank rows of the worker's GPU adapter pool (an adapter of rank r takes r)
-    pool_ids: int  # adapter ids of the pool (resident adapters at most)
-    pool_row_bytes: int = 0  # bytes of one rank row over all layers (for the pool's byte gauges)
-    max_lora_rank: int = 64  # the largest adapter rank: pinned adapters always leave room for one
-    max_loras_per_batch: int = 8  # distinct adapters in one step (every running request's counts)
-    max_running_requests: int = 64
-    max_tokens_per_step: int = 2048
-    max_model_len: int = 4096
-    pinned_adapters: tuple[str, ...] = ()
-    # A load marks its slot loading (never a victim) until the worker reports it ready; requests that
-    # need it are admitted at once (the worker gates each layer on its copy). Off: the synchronous
-    # baseline, where the step that carries a load waits for all of it.
-    overlap_loading: bool = False
-    prefetch_depth: int = 0  # waiting requests looked ahead at for slot loads (0: off)
-    # Adapters smaller than this are neither marked loading nor prefetched into slots: evicting for a
-    # load that cheap only churns slots (measured: 32 adapters of 11 MB in 8 slots ran 17% slower).
-    overlap_min_bytes: int = 0
-    # Steps in which later requests may be admitted before one whose adapter is staged; then it is due
-    # and the planner reserves what it needs (stages/scheduler/admission.py). Bounds every adapter wait.
-    bypass_limit: int = 16
-
-    @classmethod
-    def from_policy(
-        cls,
-        policy: PlannerPolicy,
-        *,
-        num_pages: int,
-        page_size: int,
-        pool_rows: int,
-        pool_ids: int,
-        pool_row_bytes: int,
-        max_lora_rank: int,
-        max_model_len: int,
-    ) -> PlannerConfig:
-        """The config for a worker's KV cache and adapter pool (what `WorkerStarted` reports)."""
-        return cls(
-            num_pages=num_pages,
-            page_size=page_size,
-            pool_rows=pool_rows,
-            pool_ids=pool_ids,
-            pool_row_bytes=pool_row_bytes,
-            max_lora_rank=max_lora_rank,
-            max_loras_per_batch=policy.max_loras_per_batch or pool_ids,
-            max_running_requests=policy.max_running_requests,
-            max_tokens_per_step=policy.max_tokens_per_step,
-            max_model_len=max_model_len,
-            pinned_adapters=policy.pinned_adapters,
-            overlap_loading=policy.overlap_loading,
-            prefetch_depth=policy.prefetch_depth,
-            overlap_min_bytes=policy.overlap_min_bytes,
-            bypass_limit=policy.bypass_limit,
-        )
-
-    def __post_init__(self):
-        if self.max_model_len > self.num_pages * self.page_size:
-            # One request must always fit alone, or preemption could cycle forever.
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the KV cache's "
-                f"{self.num_pages * self.page_size} tokens; lower max_model_len or give the cache more pages"
-            )
-        if self.pool_rows < self.max_lora_rank:
-            raise ValueError(
-                f"the adapter pool's {self.pool_rows} rank rows do not hold an adapter of rank "
-                f"{self.max_lora_rank}"
-            )
-        if self.max_tokens_per_step < self.max_running_requests:
-            raise ValueError(
-                "max_tokens_per_step must be >= max_running_requests (every running request "
-                "gets at least one token per step)"
-            )
 
 
 @dataclass
@@ -133,6 +42,7 @@ class PlannedRequest:
     arrival: float = 0.0  # when it entered the waiting queue (clock of the planner)
     waited_for_adapter: bool = False  # its adapter was not resident when it was first considered
     bypassed: int = 0  # steps in which a later request was admitted while its adapter was staged
+    queued_step: int = 0  # the planner step at which it (re-)entered the waiting queue
 
 
 class Planner:
@@ -184,6 +94,7 @@ class Planner:
         req = PlannedRequest(
             request_id, list(prompt_ids), adapter, sampling, num_tokens=len(prompt_ids), arrival=self.clock()
         )
+        req.queued_step = self._step
         self._by_id[request_id] = req
         self.waiting.append(req)
 
@@ -273,8 +184,8 @@ class Planner:
         """Admit waiting requests in queue order while the token budget, KV pages, running slots and the
         step's distinct-adapter bound allow; those whose adapter cannot be placed yet let others pass,
         up to the bypass limit (admission.py), then prefetch."""
-        order = list(self.waiting)
         step_adapters = {r.adapter for r in self.running if r.adapter is not None}
+        order = admission_order(self.waiting, self._step, step_adapters, self.cfg.affinity_steps)
         res = self.admission.reserve(order, self.running, self.adapter_ready)
         nearer: set[str] = set()  # adapters of waiting requests ahead of the one being considered
         ahead, admitted = True, []
@@ -386,6 +297,7 @@ class Planner:
             req.slot = -1
         req.resumed = req.sent
         req.arrival = self.clock()
+        req.queued_step = -self.cfg.affinity_steps  # first in the queue, and never passed for affinity
         self.waiting.appendleft(req)
         return req.request_id
 

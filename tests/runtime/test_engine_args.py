@@ -24,6 +24,7 @@ SHARED = dict(
     max_loras_per_batch=3,
     lora_gpu_memory_gb=0.01,
     max_adapter_bypass=5,
+    adapter_affinity_steps=9,
     max_lora_rank=16,
     max_running_requests=8,
     max_tokens_per_step=64,
@@ -86,6 +87,7 @@ def test_serve_and_offline_derive_the_same_engine(tiny_llama, llama_adapters, tm
     )
     assert served == llm.planner_cfg
     assert served.overlap_min_bytes == int(0.5 * 2**20) and served.max_loras_per_batch == 3
+    assert served.affinity_steps == 9
 
 
 def test_defaults_agree(tiny_llama):

@@ -77,12 +77,14 @@ def test_mixed_adapters_match_peft_qwen2_tied(tiny_qwen2, qwen2_adapters, record
 
 
 @BACKENDS
+@pytest.mark.parametrize("affinity", [0, 200], ids=["queue-order", "affinity"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync-load", "overlap-prefetch"])
 def test_more_adapters_than_the_pool_swaps_and_matches(
-    tiny_llama, llama_adapters, recorded_logits, backend, overlap
+    tiny_llama, llama_adapters, recorded_logits, backend, overlap, affinity
 ):
     # A 16-row pool for four adapters of ranks 8, 5, 1 and 12 (26 rows), at most two adapters per step,
-    # small pages and a tight token budget: swaps, chunked prefill, preemption.
+    # small pages and a tight token budget: swaps, chunked prefill, preemption. In queue order the
+    # requests alternate adapters and force swaps; adapter affinity groups them, so fewer are needed.
     stats = check_against_peft(
         tiny_llama,
         llama_adapters,
@@ -96,7 +98,8 @@ def test_more_adapters_than_the_pool_swaps_and_matches(
         lora_backend=backend,
         overlap_loading=overlap,
         prefetch_depth=8 if overlap else 0,
+        adapter_affinity_steps=affinity,
     )
-    # each of the four adapters is loaded at least once; synchronous loading swaps more
-    assert stats.adapter_loads > (4 if not overlap else 2), "adapters were never swapped"
+    # each of the four adapters is loaded at least once; in queue order synchronous loading swaps more
+    assert stats.adapter_loads > (4 if not overlap and not affinity else 2), "adapters were never swapped"
     assert stats.preemptions > 0, "KV pressure never preempted a request"

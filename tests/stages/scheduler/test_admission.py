@@ -1,15 +1,18 @@
 """Churn-aware admission never starves a request: requests whose adapter is resident may pass one whose
 adapter must load, but once its adapter is staged a request waits a bounded number of steps. A stream
 of requests for hot adapters that fill the pool would otherwise keep a cold adapter out for ever (shown
-with the bound off)."""
+with the bound off). Adapter affinity (requests of adapters already in the step first) adds at most its
+own age bound to that wait."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from proto.sampling import SamplingParams
+from stages.scheduler.admission import admission_order
 from stages.scheduler.planner import Planner, PlannerConfig
 from tests.stages.scheduler.pool_worker import PoolWorker, check_pool
 
@@ -87,12 +90,50 @@ def test_without_the_bound_a_cold_adapter_starves():
     assert "cold" in never, "the hot stream let the cold request in (the scenario shows no starvation)"
 
 
+@pytest.mark.parametrize("affinity", [0, 5, 30])
 @pytest.mark.parametrize("limit", [1, 4, 16])
-def test_a_cold_adapter_is_admitted_within_the_bound(limit):
-    waited, never = _run(_cfg(bypass_limit=limit), RANKS, _hot_stream(150), 400)
-    # after `limit` bypassed steps, the hot adapters' running requests (at most 2 prompt + 4 output
-    # steps each) drain, then the cold adapter loads and runs
-    assert not never and waited["cold"] <= limit + 6 + 1, waited["cold"]
+def test_a_cold_adapter_is_admitted_within_the_bound(limit, affinity):
+    waited, never = _run(_cfg(bypass_limit=limit, affinity_steps=affinity), RANKS, _hot_stream(150), 400)
+    # passed for affinity at most `affinity` steps after it was queued (staged at once here); then after
+    # `limit` bypassed steps, the hot adapters' running requests (at most 2 prompt + 4 output steps
+    # each) drain, then the cold adapter loads and runs
+    assert not never and waited["cold"] <= affinity + limit + 6 + 1, waited["cold"]
+
+
+def test_with_affinity_the_hot_stream_passes_the_cold_request_until_its_age_bound():
+    """The other side of the bound above: the affinity order is in force (a cold request that queue order
+    would admit within `limit` + 7 steps waits past that while it is young)."""
+    waited, never = _run(_cfg(bypass_limit=1, affinity_steps=30), RANKS, _hot_stream(150), 400)
+    assert not never and waited["cold"] >= 30 - 1, waited["cold"]
+
+
+class _Req:
+    def __init__(self, rid: str, adapter: str | None, queued_step: int):
+        self.request_id, self.adapter, self.queued_step = rid, adapter, queued_step
+
+
+def test_admission_order_puts_old_then_affine_then_the_rest_each_in_queue_order():
+    waiting = [_Req("y1", "y", 8), _Req("x2", "x", 8), _Req("old3", "z", 0), _Req("b4", None, 9),
+               _Req("y5", "y", 9), _Req("x6", "x", 9), _Req("old7", "x", 1)]  # fmt: skip
+    order = admission_order(waiting, 10, {"x"}, affinity_steps=9)
+    assert [r.request_id for r in order] == ["old3", "old7", "x2", "b4", "x6", "y1", "y5"]
+    assert admission_order(waiting, 10, {"x"}, affinity_steps=0) == waiting
+
+
+def test_affinity_admits_waiting_requests_of_adapters_in_the_step_first():
+    """x runs; the queue holds y, x, y, x requests and the step has room for two: queue order admits y
+    and x, affinity both x requests (the y adapter stays out of the step)."""
+    for affinity, want in ((0, {"y1", "x2"}), (50, {"x2", "x4"})):
+        cfg = _cfg(affinity_steps=affinity, max_running_requests=3)
+        planner = Planner(cfg, adapter_rows={"x": 4, "y": 4}.__getitem__)
+        worker = PoolWorker(planner, {"x": 4, "y": 4}, overlap=False)
+        planner.add("x0", [1, 1], "x", SamplingParams(max_tokens=50))
+        planner.update(worker.run(planner.schedule()))
+        for rid in ("y1", "x2", "y3", "x4"):
+            planner.add(rid, [1, 1], rid[0], SamplingParams(max_tokens=4))
+        plan = planner.schedule()
+        assert {n.request_id for n in plan.new_requests} == want
+        check_pool(planner)
 
 
 def _hot_phases(seed: int):
@@ -118,14 +159,17 @@ def _hot_phases(seed: int):
     return cfg, ranks, arrivals
 
 
+@pytest.mark.parametrize("affinity", [0, 12])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_bursty_churn_bounds_every_wait(seed):
+def test_random_bursty_churn_bounds_every_wait(seed, affinity):
     cfg, ranks, arrivals = _hot_phases(seed)
+    cfg = dataclasses.replace(cfg, affinity_steps=affinity)
     waited, never = _run(cfg, ranks, arrivals, 3000, seed=seed, max_delay=3)
     assert not never
-    # Passed in at most `limit` steps; then the adapters it needs drain (their requests run at most one
-    # prompt step and 5 decode steps, D = 6) and it loads; a cold request due behind another due one
-    # waits for that one's drain too (at most three at once in these workloads).
-    bound = cfg.bypass_limit + 3 * (6 + 2)
+    # Passed for affinity for at most `affinity` steps after it was queued, then in at most `limit`
+    # steps; then the adapters it needs drain (their requests run at most one prompt step and 5 decode
+    # steps, D = 6) and it loads; a cold request due behind another due one waits for that one's drain
+    # too (at most three at once in these workloads).
+    bound = affinity + cfg.bypass_limit + 3 * (6 + 2)
     worst = max(waited.values())
     assert worst <= bound, (worst, sorted(waited.items(), key=lambda kv: -kv[1])[:5])
