@@ -1,7 +1,8 @@
 """On a GPU: steps with prefill tokens replay real CUDA graphs (captured at start-up, sharing the decode
 graphs' pool) and give the plain path's float32 logits, in full mode (Triton attention) and piecewise
-mode (the torch attention loop between graph pieces), with no host-device sync in a replayed step.
-Runs only where CUDA is available (the GPU machine)."""
+mode (the torch attention loop between graph pieces), with no host-device sync in a replayed step;
+and a decode-sized batch replays a decode graph of the same runner with the same logits. Runs only
+where CUDA is available (the GPU machine)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,19 @@ def test_replayed_step_equals_plain_path(engine, name):
     replays = runner.step_graphs.replays
     got = runner.execute(seqs)
     assert runner.step_graphs.replays == replays + 1, "the step did not replay a graph"
+    err = _rel_err(got, want)
+    assert err < TOL, f"relative error {err:.2e}"
+
+
+def test_replayed_decode_graph_equals_plain_path(engine):
+    runner, torch_lora, torch_model = engine
+    if runner.graphs is None:
+        pytest.skip("decode graphs need the Triton attention")
+    seqs = _batch(runner, [(6 + i, 1, i % 5 - 1) for i in range(7)], seed=11)  # 7 decodes: a decode graph
+    want = _reference(runner, torch_model, torch_lora, seqs)
+    replays = runner.graphs.replays
+    got = runner.execute(seqs)
+    assert runner.graphs.replays == replays + 1, "the step did not replay a decode graph"
     err = _rel_err(got, want)
     assert err < TOL, f"relative error {err:.2e}"
 
