@@ -142,7 +142,7 @@ class Planner:
 
     def schedule(self) -> BatchPlan:
         """The next step's plan. Every running request runs at least one token; the rest of the token
-        budget extends prefill chunks, then admits waiting requests in arrival order."""
+        budget extends prefill chunks, then admits waiting requests in admission order (admission.py)."""
         self._step += 1
         self.stats.steps += 1
         budget = self.cfg.max_tokens_per_step - len(self.running)  # one token each is reserved
@@ -181,9 +181,10 @@ class Planner:
         )
 
     def _admit_waiting(self, budget: int, new: list, cached: list, loads: list[SlotLoad]) -> None:
-        """Admit waiting requests in queue order while the token budget, KV pages, running slots and the
-        step's distinct-adapter bound allow; those whose adapter cannot be placed yet let others pass,
-        up to the bypass limit (admission.py), then prefetch."""
+        """Admit waiting requests in admission order (queue order, or adapter affinity within its age
+        bound: `admission_order`) while the token budget, KV pages, running slots and the step's
+        distinct-adapter bound allow; those whose adapter cannot be placed yet let others pass, up to
+        the bypass limit (admission.py), then prefetch."""
         step_adapters = {r.adapter for r in self.running if r.adapter is not None}
         order = admission_order(self.waiting, self._step, step_adapters, self.cfg.affinity_steps)
         res = self.admission.reserve(order, self.running, self.adapter_ready)
