@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepared for the next session, not run: is the large-adapter overlap run's slowdown (session 10 call 5:
 # overlap TTFT P50 61.6-63.5 ms against 45.7-47.0 in session 8 call 9, synchronous unchanged) the code or
-# the machine? The overlap mode only, bc5b3a4 (session 8's B) against this tree, A-B-B-A on one machine.
+# the machine? The 'large' part (both modes), bc5b3a4 (session 8's B) against this tree, A-B-B-A on one machine.
 # Before the call: mkdir -p .base/bc5b3a4 && git archive bc5b3a4 | tar -x -C .base/bc5b3a4; carry .whl and
 # .base/bc5b3a4. run_overlap_bench.sh runs both modes; SYNC_ONLY is not a knob, so each run is the whole
 # 'large' part with 60 requests a mode (two servers a run; the 8B model and adapters take about 100 s
