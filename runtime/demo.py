@@ -1,6 +1,6 @@
 """`lorapipe demo`: makes a tiny model and a few adapters if absent, launches the pipeline (more adapters
-than GPU slots), streams a mixed-adapter set of requests through the SDK, prints the completions and a
-per-stage metrics summary read from `/metrics`, and shuts down."""
+than its GPU adapter pool holds), streams a mixed-adapter set of requests through the SDK, prints the
+completions and a per-stage metrics summary read from `/metrics`, and shuts down."""
 
 from __future__ import annotations
 

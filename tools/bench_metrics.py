@@ -20,7 +20,7 @@ COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
     "bytes_loaded": ("lorapipe_adapter_load_bytes", {}),
     "host_cache_hits": ("lorapipe_host_cache_hits", {}),
     "host_cache_misses": ("lorapipe_host_cache_misses", {}),
-    "slot_loads": ("lorapipe_slot_loads", {}),  # host → GPU slot copies the scheduler issued
+    "slot_loads": ("lorapipe_slot_loads", {}),  # host → GPU pool copies the scheduler issued
     "slot_copies": ("lorapipe_slot_copies", {"result": "ok"}),
     "slot_hits": ("lorapipe_slot_lookups", {"result": "hit"}),  # absent until the scheduler has it
     "slot_misses": ("lorapipe_slot_lookups", {"result": "miss"}),
@@ -135,7 +135,7 @@ def _rate(hits: float | None, misses: float | None) -> float | None:
 
 
 def derive(d: dict[str, float | None], adapter_requests: int) -> dict[str, Any]:
-    """Summary entries from counter deltas. The GPU-slot hit rate comes from the scheduler's
+    """Summary entries from counter deltas. The GPU-pool hit rate comes from the scheduler's
     `lorapipe_slot_lookups_total{result}` when it exists; otherwise it is estimated as
     1 - slot loads / requests with an adapter (exact unless requests were preempted and re-admitted)."""
     out: dict[str, Any] = {

@@ -53,7 +53,7 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
         t = [p["t"] for p in timeline]
         for key, color, name in (
             ("adapter_loads", "tab:red", "adapter loads, disk→host"),
-            ("slot_loads", "tab:green", "copies into GPU slots"),
+            ("slot_loads", "tab:green", "copies into the GPU pool"),
         ):
             if timeline[0].get(key) is not None:
                 base = timeline[0][key]

@@ -180,8 +180,8 @@ def format_table(report: dict[str, Any]) -> str:
         ("adapter_loads", "Adapter loads, disk→host"),
         ("bytes_loaded", "Bytes loaded, disk→host"),
         ("host_cache_hit_rate", "Host-cache hit rate"),
-        ("slot_loads", "Adapter copies into GPU slots"),
-        ("gpu_slot_hit_rate", "GPU-slot hit rate"),
+        ("slot_loads", "Adapter copies into the GPU pool"),
+        ("gpu_slot_hit_rate", "GPU-pool hit rate"),
     ):
         if key in s:
             rows.append((name, _num(s[key], "{:.3f}" if "rate" in key else "{:.0f}")))
@@ -215,7 +215,7 @@ MD_COLUMNS = (
     "ITL P50/P95 (ms)",
     "E2E P50/P95 (ms)",
     "host hit",
-    "slot hit",
+    "pool hit",
 )
 
 

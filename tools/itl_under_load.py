@@ -50,7 +50,7 @@ def run_summary(report: dict[str, Any], adapters: Collection[str], name: str) ->
         "failed": n_failed,
         "itl_samples": len(itls),
         "itl": percentiles(itls),
-        "slot_loads": s.get("slot_loads"),  # copies into GPU slots during the run (server counter)
+        "slot_loads": s.get("slot_loads"),  # copies into the GPU pool during the run (server counter)
         "samples": itls,
     }
 

@@ -65,7 +65,7 @@ class SchedulerMetrics:
             (),
             [0, 1, 2, 4, 8, 16, 32, 64, 128, 256],
         )
-        self.slot_loads = m.counter("lorapipe_slot_loads", "Adapter copies into GPU slots issued")
+        self.slot_loads = m.counter("lorapipe_slot_loads", "Adapter copies into the GPU adapter pool issued")
         self.preemptions = m.counter("lorapipe_preemptions", "Requests preempted for KV pages")
         self.lookups = m.counter(
             "lorapipe_slot_lookups",

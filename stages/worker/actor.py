@@ -69,7 +69,7 @@ class WorkerActor(Actor[WorkerConfig]):
         )
         self.m_batch = m.histogram("lorapipe_batch_size", "Requests per step", (), [2**i for i in range(10)])
         self.m_tokens = m.counter("lorapipe_step_tokens", "Tokens computed (prefill + decode)")
-        self.m_loads = m.counter("lorapipe_slot_copies", "Adapter copies into GPU slots", ["result"])
+        self.m_loads = m.counter("lorapipe_slot_copies", "Adapter copies into the GPU pool", ["result"])
         self.m_load_s = m.histogram(
             "lorapipe_slot_copy_seconds", "Host-to-device adapter copy (issue to done)"
         )
