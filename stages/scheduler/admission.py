@@ -1,7 +1,8 @@
 """Churn-aware admission: requests whose adapter is resident may pass one whose adapter must load, but a
 request whose adapter is staged is passed in at most `bypass_limit` steps. After that it is *due*: the
-planner reserves for it what it needs and lets others pass only where they take none of that. Plain CPU
-code; the planner owns the queues, this decides what the due request needs."""
+planner reserves for it what it needs and lets others pass only where they take none of that. The queue
+is considered in `admission_order`: requests of adapters already in the step first, within an age bound.
+Plain CPU code; the planner owns the queues, this decides their order and what the due request needs."""
 
 from __future__ import annotations
 
