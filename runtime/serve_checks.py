@@ -86,21 +86,17 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
             raise ServeArgsError(f"{flag} must be positive, got {value}")
     if problem := host_cache_problem(args, model_cfg):
         raise ServeArgsError(problem)
-    if args.adapter_affinity_steps < 0:
-        n = args.adapter_affinity_steps
-        raise ServeArgsError(f"--adapter-affinity-steps must not be negative, got {n}")
-    if args.overlap_min_mb < 0:
-        raise ServeArgsError(f"--overlap-min-mb must not be negative, got {args.overlap_min_mb}")
-    if args.loader_writers is not None and args.loader_writers < 0:
-        raise ServeArgsError(f"--loader-writers must not be negative, got {args.loader_writers}")
-    if args.cuda_graph_max_batch is not None and args.cuda_graph_max_batch < 0:
-        raise ServeArgsError(f"--cuda-graph-max-batch must not be negative, got {args.cuda_graph_max_batch}")
-    if (n := args.cuda_graph_max_tokens) is not None and n < 0:
-        raise ServeArgsError(f"--cuda-graph-max-tokens must not be negative, got {n}")
-    if args.prefetch_depth < 0:
-        raise ServeArgsError(f"--prefetch-depth must not be negative, got {args.prefetch_depth}")
-    if args.drain_timeout_s < 0:
-        raise ServeArgsError(f"--drain-timeout must not be negative, got {args.drain_timeout_s}")
+    for flag, value in [
+        ("--adapter-affinity-steps", args.adapter_affinity_steps),
+        ("--overlap-min-mb", args.overlap_min_mb),
+        ("--loader-writers", args.loader_writers),
+        ("--cuda-graph-max-batch", args.cuda_graph_max_batch),
+        ("--cuda-graph-max-tokens", args.cuda_graph_max_tokens),
+        ("--prefetch-depth", args.prefetch_depth),
+        ("--drain-timeout", args.drain_timeout_s),
+    ]:
+        if value is not None and value < 0:
+            raise ServeArgsError(f"{flag} must not be negative, got {value}")
     http_args.check(args.port, args.served_model_name, ServeArgsError)
     if not -1 <= args.metrics_port <= 65535:
         raise ServeArgsError(f"--metrics-port {args.metrics_port}: not a port (0: any free port, -1: none)")
