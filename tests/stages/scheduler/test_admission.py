@@ -13,7 +13,7 @@ import pytest
 
 from proto.sampling import SamplingParams
 from stages.scheduler.admission import admission_order
-from stages.scheduler.planner import Planner, PlannerConfig
+from stages.scheduler.planner import PlannedRequest, Planner, PlannerConfig
 from tests.stages.scheduler.pool_worker import PoolWorker, check_pool
 
 pytestmark = pytest.mark.timeout(60)
@@ -107,14 +107,13 @@ def test_with_affinity_the_hot_stream_passes_the_cold_request_until_its_age_boun
     assert not never and waited["cold"] >= 30 - 1, waited["cold"]
 
 
-class _Req:
-    def __init__(self, rid: str, adapter: str | None, queued_step: int):
-        self.request_id, self.adapter, self.queued_step = rid, adapter, queued_step
+def _req(rid: str, adapter: str | None, queued_step: int) -> PlannedRequest:
+    return PlannedRequest(rid, [1], adapter, SamplingParams(max_tokens=1), queued_step=queued_step)
 
 
 def test_admission_order_puts_old_then_affine_then_the_rest_each_in_queue_order():
-    waiting = [_Req("y1", "y", 8), _Req("x2", "x", 8), _Req("old3", "z", 0), _Req("b4", None, 9),
-               _Req("y5", "y", 9), _Req("x6", "x", 9), _Req("old7", "x", 1)]  # fmt: skip
+    waiting = [_req("y1", "y", 8), _req("x2", "x", 8), _req("old3", "z", 0), _req("b4", None, 9),
+               _req("y5", "y", 9), _req("x6", "x", 9), _req("old7", "x", 1)]  # fmt: skip
     order = admission_order(waiting, 10, {"x"}, affinity_steps=9)
     assert [r.request_id for r in order] == ["old3", "old7", "x2", "b4", "x6", "y1", "y5"]
     assert admission_order(waiting, 10, {"x"}, affinity_steps=0) == waiting
