@@ -131,6 +131,7 @@ def runner_config(e: EngineArgs, model_cfg: ModelConfig) -> RunnerConfig:
         cuda_graph_max_tokens=graph_tokens(e),
         max_running_requests=e.max_running_requests,
         warmup=e.warmup,
+        layered_min_bytes=int(e.overlap_min_mb * 2**20) if e.overlap_loading else None,
     )
 
 

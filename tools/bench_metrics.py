@@ -44,6 +44,7 @@ GAUGES: dict[str, tuple[str, dict[str, str]]] = {
     "step_seconds_sum": ("lorapipe_step_seconds_sum", {}),
     "decode_graph_replays": ("lorapipe_decode_graph_replays", {}),
     "step_graph_replays": ("lorapipe_step_graph_replays", {}),
+    "gated_step_graph_replays": ("lorapipe_gated_step_graph_replays", {}),
     # seconds the busiest host handlers spent (their difference over a run against its duration shows
     # whether a stage's event loop, rather than the GPU, limits throughput)
     "tokenizer_output_busy_s": (

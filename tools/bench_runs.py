@@ -39,6 +39,8 @@ def run_line(name: str, report: dict[str, Any]) -> str:
         parts.append(f"step_s {n('step_seconds_sum'):.1f}")
     if n("decode_graph_replays") is not None and n("step_graph_replays") is not None:
         parts.append(f"graphs {n('decode_graph_replays'):.0f}+{n('step_graph_replays'):.0f}")
+    if n("gated_step_graph_replays"):
+        parts.append(f"layer-gated {n('gated_step_graph_replays'):.0f}")
     return f"{name}: " + ", ".join(parts)
 
 

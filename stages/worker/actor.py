@@ -91,6 +91,10 @@ class WorkerActor(Actor[WorkerConfig]):
         m.gauge(
             "lorapipe_step_graph_replays", "Steps with prefill tokens replayed as CUDA graphs"
         ).set_function(self._step_graph_replays)
+        m.gauge(
+            "lorapipe_gated_step_graph_replays",
+            "Of them, steps that waited layer by layer for adapter copies in flight (overlapped loading)",
+        ).set_function(self._gated_step_replays)
         m.gauge("lorapipe_adapters_resident", "Adapters resident in the GPU adapter pool").set_function(
             lambda: self.runner.pool.resident() if self.runner is not None else 0
         )
@@ -106,6 +110,10 @@ class WorkerActor(Actor[WorkerConfig]):
         graphs = self.runner.step_graphs if self.runner is not None else None
         return graphs.replays if graphs is not None else 0
 
+    def _gated_step_replays(self) -> int:
+        graphs = self.runner.step_graphs if self.runner is not None else None
+        return graphs.gated_runs if graphs is not None else 0
+
     async def setup(self) -> None:
         cfg, ep = self.config, self.config.endpoints
         self.runner = await asyncio.get_running_loop().run_in_executor(self.thread, ModelRunner, cfg.runner)
@@ -116,9 +124,10 @@ class WorkerActor(Actor[WorkerConfig]):
             )
         if steps is not None:
             self.log.info(
-                "captured %d %s step CUDA graphs (token buckets %s) in %.1f s",
+                "captured %d %s step CUDA graphs (%d layer-gated; token buckets %s) in %.1f s",
                 steps.num_graphs,
                 "piecewise" if steps.piecewise else "full",
+                steps.num_gated,
                 ",".join(map(str, steps.buckets)),
                 steps.capture_seconds,
             )

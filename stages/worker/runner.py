@@ -52,6 +52,10 @@ class RunnerConfig:
     max_running_requests: int = 64  # sequences one step can hold (bounds the attention blocks)
     # Compile every kernel variant serving can reach before the first step (CUDA only; see warmup.py)
     warmup: bool = False
+    # Adapters of at least this many bytes may be copied layer by layer beside the steps that use them
+    # (overlapped loading, --overlap-min-mb); None: never. Where the pool's largest adapter reaches it,
+    # full step graphs get layer-gated twins so that such steps replay too (step_graphs.py).
+    layered_min_bytes: int | None = None
 
 
 def graph_pool_bytes(pool: tuple[int, int]) -> int:
@@ -66,7 +70,7 @@ def whole_copy_waits(layer_waits: list[list] | None) -> list | None:
     """The events of `layer_waits` when all of them are due before layer 0 (copies without per-layer
     events): the stream can wait on them before the step, graphed or not. None otherwise."""
     if layer_waits is None or not layer_waits[0] or any(layer_waits[1:]):
-        return None  # nothing to wait for (an empty list forces the eager path), or per-layer waits
+        return None  # nothing before layer 0, or per-layer waits
     return layer_waits[0]
 
 
@@ -183,6 +187,7 @@ class ModelRunner:
                 piecewise=not triton_attention,
                 capture=True,
                 pool=self.graphs.pool if self.graphs is not None else None,
+                gated=self.layered_loads,
             )
 
     def _capture_graphs(self) -> None:
@@ -198,6 +203,12 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         pool = self.graphs.pool if self.graphs is not None else self.step_graphs.pool
         self.graph_memory_bytes = graph_pool_bytes(pool)
+
+    @property
+    def layered_loads(self) -> bool:
+        """Whether an adapter of the pool's largest rank is copied layer by layer when overlapped."""
+        least, layout = self.cfg.layered_min_bytes, self.pool.layout
+        return least is not None and layout.block_bytes(layout.max_rank, self.dtype) >= least
 
     @property
     def graph_tokens(self) -> int:
@@ -250,21 +261,25 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits [len(seqs), V] float32, row i for seqs[i]. `layer_waits[i]`: events the compute stream
         waits on before layer i (slot copies still in flight). Whole-copy waits (all before layer 0) are
-        made on the stream, and the step may replay a graph; per-layer waits make the step run eagerly.
+        made on the stream, and the step may replay a graph; per-layer waits replay a step graph that
+        waits between layers (piecewise, or full with gates), else the step runs eagerly.
         `pending`: [B] device tokens of the step still in flight, which placeholder ids (-1 - row) in
         `seqs` stand for (seq_input.fill_pending)."""
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)  # each adapter's tokens contiguous
         ordered = [seqs[i] for i in order]
+        if layer_waits is not None and not any(layer_waits):
+            layer_waits = None  # nothing to wait for
         before = whole_copy_waits(layer_waits)
         if before is not None:
             stream = torch.cuda.current_stream(self.device)
             for event in before:
                 stream.wait_event(event)  # a replayed graph starts after them, in stream order
             layer_waits = None
-        if layer_waits is None and self.graphs is not None and self.graphs.supports(ordered):
+        layered = layer_waits is not None
+        if not layered and self.graphs is not None and self.graphs.supports(ordered):
             logits = self.graphs.run(ordered, pending)  # [B, V] in `order`
-        elif layer_waits is None and self.step_graphs is not None and self.step_graphs.supports(ordered):
-            logits = self.step_graphs.run(ordered, pending)
+        elif self.step_graphs is not None and self.step_graphs.supports(ordered, layered):
+            logits = self.step_graphs.run(ordered, pending, layer_waits)
         else:
             logits = self._forward_eager(ordered, layer_waits, pending)
         if all(i == pos for pos, i in enumerate(order)):

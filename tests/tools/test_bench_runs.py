@@ -21,9 +21,10 @@ def _report(tmp_path, name: str, start: dict, end: dict) -> tuple:
 
 def test_one_line_per_run_with_counters_over_the_run(tmp_path, capsys):
     start = {"plans": 100, "step_adapters_sum": 500, "step_adapters_count": 90, "step_seconds_sum": 1.5,
-             "decode_graph_replays": 40, "step_graph_replays": 7}  # fmt: skip
+             "decode_graph_replays": 40, "step_graph_replays": 7, "gated_step_graph_replays": 2}  # fmt: skip
     end = {"plans": 912, "step_adapters_sum": 500 + 62 * 800, "step_adapters_count": 890,
-           "step_seconds_sum": 15.5, "decode_graph_replays": 440, "step_graph_replays": 407}  # fmt: skip
+           "step_seconds_sum": 15.5, "decode_graph_replays": 440, "step_graph_replays": 407,
+           "gated_step_graph_replays": 9}  # fmt: skip
     path, report = _report(tmp_path, "s2_mix_1", start, end)
     bench_runs.main([str(path)])
     line = capsys.readouterr().out.strip()
@@ -31,7 +32,7 @@ def test_one_line_per_run_with_counters_over_the_run(tmp_path, capsys):
     assert line.startswith("run/s2_mix_1: ")
     assert f"{s['output_throughput']:.0f} tok/s" in line
     assert "plans 812" in line and "distinct/plan 62.0" in line and "step_s 14.0" in line
-    assert "graphs 400+400" in line
+    assert "graphs 400+400" in line and "layer-gated 7" in line
 
 
 def test_strip_drops_only_the_request_list(tmp_path, capsys):

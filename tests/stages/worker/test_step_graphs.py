@@ -154,7 +154,7 @@ def test_forced_key_splits_give_the_same_logits(engine, splits):
     want = _reference(runner, torch_model, torch_lora, seqs)
     step = graphs.inputs.stage(seqs, 16)
     graphs.lora.prepare(*slot_segments(seqs), pad_to=16, block_m=16)
-    graphs._forward_full((step.padded, splits, True))
+    graphs._forward_full((step.padded, splits, True, False))
     err = _rel_err(graphs.out[: len(seqs)], want)
     assert err < TOL, f"relative error {err:.2e}"
 
@@ -188,9 +188,9 @@ def test_unsupported_batches_fall_back(engine):
 
 @pytest.mark.parametrize("sms", [4, 132])  # the CPU's stand-in count and an H100's
 def test_every_step_finds_a_graph_captured_at_start(engine, monkeypatch, sms):
-    """The key of every full-graph step (bucket, key splits, adapters present) is among the keys captured
-    before serving: a step outside them would capture, and compile kernels, while serving. Contexts
-    from 1 key to the page table's reach, so every split count the heuristic picks shows up."""
+    """The key of every full-graph step (bucket, key splits, adapters present, gated) is among the keys
+    captured before serving: a step outside them would capture, and compile kernels, while serving.
+    Contexts from 1 key to the page table's reach, so every split count the heuristic picks shows up."""
     import random
 
     from kernels import paged_attention
@@ -213,7 +213,8 @@ def test_every_step_finds_a_graph_captured_at_start(engine, monkeypatch, sms):
             budget -= n
         seqs.sort(key=lambda s: s.slot)
         padded = graphs.bucket(sum(len(s.token_ids) for s in seqs))
-        key = (padded, graphs._splits(graphs.inputs.stage(seqs, padded)), any(s.slot >= 0 for s in seqs))
+        splits = graphs._splits(graphs.inputs.stage(seqs, padded))
+        key = (padded, splits, any(s.slot >= 0 for s in seqs), False)  # ungated (no copies in flight)
         assert key in keys, f"a step needs graph {key}, not captured at start-up"
         seen.add(key[1])
     assert len(seen) > 1 or sms == 4  # the H100's count makes long contexts split
