@@ -48,6 +48,8 @@ class EngineArgs:
     seed: int = 0
     # launch step N+1 before reading step N's tokens (off: the serial path, kept for comparison)
     overlap_schedule: bool = True
+    # plans the scheduler keeps at the worker; None: 3 overlapped, 2 serial (plans_in_flight)
+    max_plans_in_flight: int | None = None
     warmup: bool = True  # compile every reachable kernel variant before ready (CUDA; nothing on CPU)
 
     def resolved_device(self) -> str:
@@ -99,7 +101,10 @@ def graph_tokens(e: EngineArgs) -> int:
 def plans_in_flight(e: EngineArgs) -> int:
     """Plans the scheduler keeps at the worker: with overlapped scheduling one more than the two steps
     on the device, so that a plan is already queued when a step's result is read and the GPU never
-    waits for the scheduler's round trip."""
+    waits for the scheduler's round trip. Each plan queued ahead of a new request's first plan is a step
+    its first token waits for, so at light load fewer plans mean a shorter TTFT."""
+    if e.max_plans_in_flight is not None:
+        return e.max_plans_in_flight
     return 3 if e.overlap_schedule else 2
 
 

@@ -231,6 +231,15 @@ def _batching_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         help="launch the next step before reading the tokens of the one on the GPU, with one more plan "
         "queued at the worker (off: the serial path, each step's tokens read before the next launch)",
     )
+    g.add_argument(
+        "--max-plans-in-flight",
+        type=int,
+        metavar="N",
+        default=d.max_plans_in_flight,
+        help="plans the scheduler keeps queued or running at the worker (default: 3 with "
+        "--overlap-schedule, 2 without); a new request's first step waits behind them, so fewer cut "
+        "light-load TTFT while more keep the GPU fed when planning is slow",
+    )
 
 
 def _endpoint_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:

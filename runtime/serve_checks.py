@@ -81,6 +81,7 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
         ("--num-pages", args.num_pages),
         ("--max-model-len", args.max_model_len),
         ("--startup-timeout", args.startup_timeout_s),
+        ("--max-plans-in-flight", args.max_plans_in_flight),
     ]:
         if value is not None and value <= 0:
             raise ServeArgsError(f"{flag} must be positive, got {value}")

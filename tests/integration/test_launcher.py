@@ -112,6 +112,7 @@ def test_serve_args_errors(tiny_llama, llama_adapters, tmp_path, capsys):
         (["--pointwise-backend", "triton", "--device", "cpu"], "--pointwise-backend triton needs --device"),
         (["--endpoint", "http://127.0.0.1:80"], "expected tcp://HOST:PORT or ipc:///PATH"),
         (["--max-loras-per-batch", "0"], "--max-loras-per-batch must be positive"),
+        (["--max-plans-in-flight", "0"], "--max-plans-in-flight must be positive"),
         (["--max-model-len", "100000"], "exceeds the model's max_position_embeddings"),
         (["--prefetch-depth", "-1"], "--prefetch-depth must not be negative"),
         (["--cuda-graph-max-batch", "-2"], "--cuda-graph-max-batch must not be negative"),

@@ -100,3 +100,13 @@ def test_defaults_agree(tiny_llama):
     assert differ == set()
     assert planner_policy(offline) == planner_policy(served)
     assert offline.warmup is False and served.warmup is True
+
+
+@pytest.mark.parametrize(
+    ("flags", "want"), [([], 3), (["--no-overlap-schedule"], 2), (["--max-plans-in-flight", "2"], 2)]
+)
+def test_plans_kept_at_the_worker(tiny_llama, tmp_path, flags, want):
+    argv = ["--model", str(tiny_llama), "--device", "cpu", "--metrics-port", "-1", "--port", "0", *flags]
+    args = parse_serve_args(argv)
+    configs = stage_configs(args, validate(args), Endpoints.in_run_dir(tmp_path), "pool-x", 4096)
+    assert configs["scheduler"].max_plans_in_flight == want
