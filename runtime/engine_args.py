@@ -108,6 +108,16 @@ def plans_in_flight(e: EngineArgs) -> int:
     return 3 if e.overlap_schedule else 2
 
 
+def light_plans_in_flight(e: EngineArgs) -> tuple[int | None, int]:
+    """(plans, running below which the load is light): overlapped with the default depth, 2 plans while
+    no request waits and fewer than an eighth of --max-running-requests run. Light-load TTFT then waits
+    behind one step less; a saturated batch keeps the third plan, which fixed at 2 cost up to 22 % of
+    throughput (docs/benchmarks.md, eleventh session). None: always `plans_in_flight`."""
+    if e.max_plans_in_flight is not None or not e.overlap_schedule:
+        return None, 0
+    return 2, max(1, e.max_running_requests // 8)
+
+
 def serving_dtype(e: EngineArgs, model_cfg: ModelConfig) -> str:
     """The dtype every stage uses ("auto": the checkpoint's)."""
     from runtime.common.host_pool import dtype_name

@@ -236,9 +236,9 @@ def _batching_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         type=int,
         metavar="N",
         default=d.max_plans_in_flight,
-        help="plans the scheduler keeps queued or running at the worker (default: 3 with "
-        "--overlap-schedule, 2 without); a new request's first step waits behind them, so fewer cut "
-        "light-load TTFT while more keep the GPU fed when planning is slow",
+        help="plans the scheduler keeps queued or running at the worker, at every load (default: 3 with "
+        "--overlap-schedule, 2 while no request waits and fewer than an eighth of "
+        "--max-running-requests run; 2 without); a new request's first step waits behind them",
     )
 
 

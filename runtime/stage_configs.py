@@ -14,6 +14,7 @@ from runtime import http_args
 from runtime.base.endpoints import Endpoints
 from runtime.engine_args import (
     context_length,
+    light_plans_in_flight,
     planner_policy,
     plans_in_flight,
     runner_config,
@@ -64,6 +65,7 @@ def stage_configs(
         **common,
     )
     runner = runner_config(args, model_cfg)
+    light_plans, light_below = light_plans_in_flight(args)
     return {
         "tokenizer": msgspec.structs.replace(
             tokenizer, max_model_len=context, drain_timeout_s=args.drain_timeout_s
@@ -75,6 +77,8 @@ def stage_configs(
             policy=planner_policy(args),
             adapters=args.adapter_paths,
             max_plans_in_flight=plans_in_flight(args),
+            light_plans_in_flight=light_plans,
+            light_below=light_below,
             **common,
         ),
         "worker": WorkerConfig(

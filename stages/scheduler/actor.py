@@ -47,7 +47,7 @@ from runtime.common.names import adapter_name_problem
 from stages.scheduler.adapter_lifecycle import AdapterLifecycle
 from stages.scheduler.adapter_ops import AdapterOps
 from stages.scheduler.adapters import AdapterRegistry, AdapterState
-from stages.scheduler.config import SchedulerConfig
+from stages.scheduler.config import SchedulerConfig, plan_limit
 from stages.scheduler.gateway_metrics import add_gateway_metrics
 from stages.scheduler.metrics import SchedulerMetrics
 from stages.scheduler.planner import Planner, PlannerConfig
@@ -230,11 +230,13 @@ class SchedulerActor(Actor[SchedulerConfig]):
 
     # --- planning ---------------------------------------------------------------------------------------
     async def _kick(self) -> None:
-        """Send plans until `max_plans_in_flight` are queued at the worker or nothing is left to run."""
+        """Send plans until `plan_limit` are queued at the worker or nothing is left to run."""
         planner = self.planner
         if planner is None:
             await self.lifecycle.warm(None)  # the host pass runs while the worker starts
-        while planner is not None and len(self.in_flight) < self.config.max_plans_in_flight:
+        while planner is not None and len(self.in_flight) < plan_limit(
+            self.config, len(planner.waiting), len(planner.running)
+        ):
             await self.lifecycle.stage_upcoming(planner)
             plan = self.series.schedule(planner)
             loads = [*plan.slot_loads, *await self.lifecycle.warm(planner)]

@@ -21,3 +21,15 @@ class SchedulerConfig(StageConfig, frozen=True, kw_only=True):
     # plan ahead so the worker never waits on us: 3 when it overlaps steps (two on the device, one queued;
     # runtime/engine_args.plans_in_flight), 2 on its serial path
     max_plans_in_flight: int = 3
+    # at light load (no request waiting, fewer than `light_below` running) keep this many instead (None:
+    # the same): a new request's first plan then queues behind one plan less
+    light_plans_in_flight: int | None = None
+    light_below: int = 0
+
+
+def plan_limit(cfg: SchedulerConfig, waiting: int, running: int) -> int:
+    """Plans to keep at the worker now. A request that waits lifts the light-load limit, so its own plan
+    is sent at once, behind the plans already there, instead of after one of them returns."""
+    if cfg.light_plans_in_flight is not None and not waiting and running < cfg.light_below:
+        return cfg.light_plans_in_flight
+    return cfg.max_plans_in_flight

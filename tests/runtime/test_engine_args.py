@@ -14,6 +14,7 @@ from runtime.offline import LLM
 from runtime.serve_args import ServeArgs
 from runtime.serve_checks import parse_serve_args, validate
 from runtime.stage_configs import stage_configs
+from stages.scheduler.config import plan_limit
 from stages.scheduler.planner import PlannerConfig
 from stages.worker.lora.pool import row_bytes
 
@@ -103,10 +104,20 @@ def test_defaults_agree(tiny_llama):
 
 
 @pytest.mark.parametrize(
-    ("flags", "want"), [([], 3), (["--no-overlap-schedule"], 2), (["--max-plans-in-flight", "2"], 2)]
+    ("flags", "want"),
+    [
+        ([], (3, 2, 32)),  # overlapped: 3 plans, 2 while nothing waits and fewer than 256 / 8 run
+        (["--no-overlap-schedule"], (2, None, 0)),
+        (["--max-plans-in-flight", "2"], (2, None, 0)),  # an explicit depth is kept at every load
+    ],
 )
 def test_plans_kept_at_the_worker(tiny_llama, tmp_path, flags, want):
-    argv = ["--model", str(tiny_llama), "--device", "cpu", "--metrics-port", "-1", "--port", "0", *flags]
-    args = parse_serve_args(argv)
-    configs = stage_configs(args, validate(args), Endpoints.in_run_dir(tmp_path), "pool-x", 4096)
-    assert configs["scheduler"].max_plans_in_flight == want
+    argv = ["--model", str(tiny_llama), "--device", "cpu", "--metrics-port", "-1", "--port", "0"]
+    args = parse_serve_args([*argv, "--max-running-requests", "256", *flags])
+    sched = stage_configs(args, validate(args), Endpoints.in_run_dir(tmp_path), "pool-x", 4096)["scheduler"]
+    assert (sched.max_plans_in_flight, sched.light_plans_in_flight, sched.light_below) == want
+    full, light, below = want
+    assert plan_limit(sched, waiting=0, running=0) == (light or full)
+    assert plan_limit(sched, waiting=0, running=max(below - 1, 0)) == (light or full)
+    assert plan_limit(sched, waiting=0, running=below) == full  # a large batch keeps the full depth
+    assert plan_limit(sched, waiting=1, running=0) == full  # a request waits: its plan goes at once
