@@ -33,8 +33,10 @@ def reference(tiny_llama, many_adapters):
         ("--overlap-loading", "--prefetch-depth", "8", "--overlap-min-mb", "0"),  # every load overlapped
         ("--overlap-loading", "--prefetch-depth", "8"),  # tiny adapters: under the threshold, synchronous
         ("--no-overlap-loading", "--prefetch-depth", "0"),
+        ("--max-plans-in-flight", "1"),  # the scheduler waits for each step's result
+        ("--max-plans-in-flight", "5"),  # plans queued at the worker beyond the two it runs
     ],
-    ids=["overlap-all", "overlap-large-only", "sync"],
+    ids=["overlap-all", "overlap-large-only", "sync", "plans-1", "plans-5"],
 )
 def test_pipeline_outputs_equal_the_offline_engine(tiny_llama, many_adapters, reference, flags):
     work = bursty_workload(sorted(many_adapters))
