@@ -39,8 +39,9 @@ class EngineArgs:
     overlap_loading: bool = True  # pool loads run beside steps that do not need them
     prefetch_depth: int = 8  # waiting requests looked ahead at for pool loads (0: off)
     # Smaller adapters are neither prefetched into the pool (that only churns it) nor copied layer by
-    # layer: their copy is waited for whole on the stream, so their step can still replay its graph
-    # (S2's adapters of up to 90 MB: the mix ran 24 % faster at 128 than at 64; docs/benchmarks.md)
+    # layer: their copy is waited for whole on the stream (S2's adapters of up to 90 MB: the mix ran 24 %
+    # faster at 128 than at 64, when a layer-by-layer copy still made its step eager; since the eleventh
+    # session such steps replay gated graphs, and the threshold has not been measured again)
     overlap_min_mb: float = 128.0
     cuda_graph_max_batch: int | None = None  # None: min(max_running_requests, 256); 0: no CUDA graphs
     # steps with prefill tokens up to N tokens replay CUDA graphs; None: min(max_tokens_per_step, 8192)
