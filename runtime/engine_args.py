@@ -49,7 +49,7 @@ class EngineArgs:
     seed: int = 0
     # launch step N+1 before reading step N's tokens (off: the serial path, kept for comparison)
     overlap_schedule: bool = True
-    # plans the scheduler keeps at the worker; None: 3 overlapped, 2 serial (plans_in_flight)
+    # plans the scheduler keeps at the worker at every load; None: the default depths (plan_depths)
     max_plans_in_flight: int | None = None
     warmup: bool = True  # compile every reachable kernel variant before ready (CUDA; nothing on CPU)
 
@@ -99,24 +99,21 @@ def graph_tokens(e: EngineArgs) -> int:
     return min(e.cuda_graph_max_tokens, e.max_tokens_per_step)
 
 
-def plans_in_flight(e: EngineArgs) -> int:
-    """Plans the scheduler keeps at the worker: with overlapped scheduling one more than the two steps
-    on the device, so that a plan is already queued when a step's result is read and the GPU never
-    waits for the scheduler's round trip. Each plan queued ahead of a new request's first plan is a step
-    its first token waits for, so at light load fewer plans mean a shorter TTFT."""
+def plan_depths(e: EngineArgs) -> dict[str, int | None]:
+    """The scheduler's plan-depth settings (SchedulerConfig's fields). With overlapped scheduling it keeps
+    one plan more than the two steps on the device, so that a plan is already queued when a step's result
+    is read and the GPU never waits for the scheduler's round trip; serial, 2. Each plan queued ahead of a
+    new request's first plan is a step its first token waits for, so overlapped with the default depth it
+    keeps 2 while no request waits and fewer than an eighth of --max-running-requests run: light-load
+    TTFT then waits behind one step less, where a saturated batch keeps the third plan, which fixed at 2
+    cost up to 22 % of throughput (docs/benchmarks.md, eleventh session). An explicit
+    --max-plans-in-flight holds at every load."""
     if e.max_plans_in_flight is not None:
-        return e.max_plans_in_flight
-    return 3 if e.overlap_schedule else 2
-
-
-def light_plans_in_flight(e: EngineArgs) -> tuple[int | None, int]:
-    """(plans, running below which the load is light): overlapped with the default depth, 2 plans while
-    no request waits and fewer than an eighth of --max-running-requests run. Light-load TTFT then waits
-    behind one step less; a saturated batch keeps the third plan, which fixed at 2 cost up to 22 % of
-    throughput (docs/benchmarks.md, eleventh session). None: always `plans_in_flight`."""
-    if e.max_plans_in_flight is not None or not e.overlap_schedule:
-        return None, 0
-    return 2, max(1, e.max_running_requests // 8)
+        return dict(max_plans_in_flight=e.max_plans_in_flight, light_plans_in_flight=None, light_below=0)
+    if not e.overlap_schedule:
+        return dict(max_plans_in_flight=2, light_plans_in_flight=None, light_below=0)
+    light_below = max(1, e.max_running_requests // 8)
+    return dict(max_plans_in_flight=3, light_plans_in_flight=2, light_below=light_below)
 
 
 def serving_dtype(e: EngineArgs, model_cfg: ModelConfig) -> str:

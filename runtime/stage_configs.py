@@ -14,9 +14,8 @@ from runtime import http_args
 from runtime.base.endpoints import Endpoints
 from runtime.engine_args import (
     context_length,
-    light_plans_in_flight,
+    plan_depths,
     planner_policy,
-    plans_in_flight,
     runner_config,
     serving_dtype,
 )
@@ -65,7 +64,6 @@ def stage_configs(
         **common,
     )
     runner = runner_config(args, model_cfg)
-    light_plans, light_below = light_plans_in_flight(args)
     return {
         "tokenizer": msgspec.structs.replace(
             tokenizer, max_model_len=context, drain_timeout_s=args.drain_timeout_s
@@ -76,9 +74,7 @@ def stage_configs(
             max_model_len=context,
             policy=planner_policy(args),
             adapters=args.adapter_paths,
-            max_plans_in_flight=plans_in_flight(args),
-            light_plans_in_flight=light_plans,
-            light_below=light_below,
+            **plan_depths(args),
             **common,
         ),
         "worker": WorkerConfig(

@@ -19,7 +19,7 @@ class SchedulerConfig(StageConfig, frozen=True, kw_only=True):
     policy: PlannerPolicy = msgspec.field(default_factory=PlannerPolicy)
     adapters: dict[str, str] = {}  # name → path, registered at start (--adapter NAME=PATH)
     # plan ahead so the worker never waits on us: 3 when it overlaps steps (two on the device, one queued;
-    # runtime/engine_args.plans_in_flight), 2 on its serial path
+    # runtime/engine_args.plan_depths), 2 on its serial path
     max_plans_in_flight: int = 3
     # at light load (no request waiting, fewer than `light_below` running) keep this many instead (None:
     # the same): a new request's first plan then queues behind one plan less
