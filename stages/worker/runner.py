@@ -267,8 +267,6 @@ class ModelRunner:
         `seqs` stand for (seq_input.fill_pending)."""
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)  # each adapter's tokens contiguous
         ordered = [seqs[i] for i in order]
-        if layer_waits is not None and not any(layer_waits):
-            layer_waits = None  # nothing to wait for
         before = whole_copy_waits(layer_waits)
         if before is not None:
             stream = torch.cuda.current_stream(self.device)
