@@ -1,5 +1,6 @@
 """Per-forward LoRA batch metadata for the SGMV kernels: token tiles (start, end, slot) planned on the host,
-written into a pinned ring buffer and moved with one non-blocking copy into a fixed device buffer."""
+written into a pinned ring buffer and uploaded by one small kernel (kernels/host_copy) into a fixed device
+buffer."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from kernels.host_copy import PinnedBuffer
 
 META_COLS = 4  # header row: [num_tiles, num_tokens, max_len, block_m]; tile rows: [start, end, slot, 0]
 MIN_BLOCK = 16  # smallest tl.dot dimension
@@ -98,12 +101,7 @@ class BatchInfoBuilder:
         self.device = torch.device(device)
         self.capacity = max(1, max_tokens)  # a tile holds >= 1 token, so tiles <= tokens
         cuda = self.device.type == "cuda"
-        self._host = [
-            torch.zeros((1 + self.capacity, META_COLS), dtype=torch.int32, pin_memory=cuda)
-            for _ in range(ring)
-        ]
-        self._events = [torch.cuda.Event() if cuda else None for _ in range(ring)]
-        self._recorded = [False] * ring
+        self._host = [PinnedBuffer((1 + self.capacity) * META_COLS, torch.int32, cuda) for _ in range(ring)]
         self._next = 0
         # [1 + capacity, META_COLS] int32, fixed for the builder's lifetime
         self.meta = torch.zeros((1 + self.capacity, META_COLS), dtype=torch.int32, device=self.device)
@@ -115,7 +113,7 @@ class BatchInfoBuilder:
         max_rank: int,
         block_m: int | None = None,
     ) -> BatchInfo:
-        """Plan the tiles on the host and issue the one host-to-device copy (no device reads)."""
+        """Plan the tiles on the host and issue the one upload to the device (no device reads)."""
         num_tokens = int(seg_indptr[-1]) if len(seg_indptr) else 0
         if num_tokens > self.capacity:
             raise ValueError(f"batch has {num_tokens} tokens, more than max_tokens={self.capacity}")
@@ -126,17 +124,12 @@ class BatchInfoBuilder:
         n = tiles.shape[0]
         i = self._next
         self._next = (i + 1) % len(self._host)
-        event = self._events[i]
-        if event is not None and self._recorded[i] and not event.query():
-            event.synchronize()  # only when the ring laps a copy still queued: practically never
-        host = self._host[i]
-        arr = host.numpy()
+        buf = self._host[i]
+        buf.wait_free()
+        arr = buf.host.numpy().reshape(1 + self.capacity, META_COLS)
         arr[0] = (n, num_tokens, max_len, block_m)
         arr[1 : 1 + n] = tiles
-        self.meta[: 1 + n].copy_(host[: 1 + n], non_blocking=event is not None)
-        if event is not None:
-            event.record()
-            self._recorded[i] = True
+        buf.upload(self.meta[: 1 + n].view(-1), (1 + n) * META_COLS)
         return BatchInfo(
             meta=self.meta,
             num_tokens=num_tokens,

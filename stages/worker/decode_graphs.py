@@ -1,12 +1,12 @@
 """Decode steps (one new token per sequence) at fixed batch sizes, replayed as CUDA graphs.
 
 A decode batch of B sequences runs padded to the next bucket size Bp. Its inputs are staged on the host
-(a pinned ring) and moved with two non-blocking copies into fixed device buffers that the graph of that
-bucket reads: token ids, positions, KV rows, the attention block plan and a narrow page table. Padding
-tokens are one-token sequences on the cache's scratch page (they write and read only there) with no
-adapter. Graphs are keyed by (Bp, attention key splits, adapters present); the LoRA kernels' grids are
-sized for the bucket and stop at the tile count in their device metadata, so one graph serves every
-adapter mix.
+(a pinned ring) and uploaded by two small kernels (kernels/host_copy) into fixed device buffers that the
+graph of that bucket reads: token ids, positions, KV rows, the attention block plan and a narrow page
+table. Padding tokens are one-token sequences on the cache's scratch page (they write and read only
+there) with no adapter. Graphs are keyed by (Bp, attention key splits, adapters present); the LoRA
+kernels' grids are sized for the bucket and stop at the tile count in their device metadata, so one graph
+serves every adapter mix.
 Without capture (CPU, tests) the same padded forward runs eagerly."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kernels.host_copy import mapped, upload
 from kernels.paged_attention import (
     META_COLS,
     AttentionPlan,
@@ -55,12 +56,24 @@ class HostStaging:
     def __init__(self, n64: int, n32: int, pin: bool):
         self.i64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
         self.i32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
+        self.i64_mapped = mapped(self.i64) if pin else None
+        self.i32_mapped = mapped(self.i32) if pin else None
         self.event = torch.cuda.Event() if pin else None
         self.used = False
 
     def wait_free(self) -> None:
         if self.event is not None and self.used and not self.event.query():
             self.event.synchronize()  # the ring lapped an upload still queued: practically never
+
+    def upload(self, d64: torch.Tensor, d32: torch.Tensor, end32: int) -> None:
+        """d64 ← i64 and d32[:end32] ← i32[:end32] by kernels reading this pinned copy (kernels/host_copy:
+        a copy engine would queue them behind the adapter copies in flight), then the event."""
+        upload(d64, self.i64, self.i64_mapped)
+        m32 = None if self.i32_mapped is None else self.i32_mapped[:end32]
+        upload(d32[:end32], self.i32[:end32], m32)
+        if self.event is not None:
+            self.event.record()
+            self.used = True
 
 
 class DecodeGraphs:
@@ -198,12 +211,7 @@ class DecodeGraphs:
         h32[: blocks * META_COLS] = meta.reshape(-1)
         if splits is None:
             splits = choose_splits(blocks, self.num_kv_heads, most_keys, self.device)
-        self._i64.copy_(st.i64, non_blocking=True)
-        end = self._meta_len + padded * self.max_pages
-        self._i32[:end].copy_(st.i32[:end], non_blocking=True)
-        if st.event is not None:
-            st.event.record()
-            st.used = True
+        st.upload(self._i64, self._i32, self._meta_len + padded * self.max_pages)
         has_lora = any(s.slot >= 0 for s in seqs) if with_lora is None else with_lora
         if has_lora:
             self.lora.prepare(*slot_segments(seqs), pad_to=padded)

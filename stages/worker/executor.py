@@ -98,7 +98,7 @@ class StepExecutor:
         if rows:
             reqs = [step.scheduled[i][0] for i in rows]
             if len(rows) < len(step.scheduled):
-                logits = _take_rows(logits, rows)
+                logits = logits[self.runner.index_uploads(rows)]
             step.sampled = self.sampler.issue(
                 logits, [r.request_id for r in reqs], [r.sampling for r in reqs]
             )
@@ -297,10 +297,3 @@ class StepExecutor:
         if length - req.prompt_len >= p.max_tokens or length >= self.max_model_len:
             return "length"
         return None
-
-
-def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """logits[rows] without a blocking host-to-device copy of the index (which would wait for the
-    steps already queued on the device)."""
-    index = torch.tensor(rows, dtype=torch.int64, pin_memory=logits.is_cuda)
-    return logits[index.to(logits.device, non_blocking=True)]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.host_copy import IndexUploads
 from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig, parse_dtype
 from runtime.common.packed import PackedAdapter
@@ -89,6 +90,8 @@ class ModelRunner:
         self.dtype = parse_dtype(cfg.dtype, self.model_cfg.dtype)
         self.attention_backend = resolve_backend(cfg.attention_backend, self.device)
         self.pointwise_backend = resolve_pointwise(cfg.pointwise_backend, self.device)
+        # gather indices of a step's logits rows, uploaded without queueing behind adapter copies
+        self.index_uploads = IndexUploads(self.max_seqs, self.device)
         self._init_model()
         self._init_lora()
         self._init_kv_cache()
@@ -285,10 +288,7 @@ class ModelRunner:
         inverse = [0] * len(order)
         for pos, i in enumerate(order):
             inverse[i] = pos
-        index = torch.tensor(inverse, dtype=torch.int64)
-        if logits.is_cuda:  # a pageable source would make the copy synchronous
-            index = index.pin_memory()
-        return logits[index.to(logits.device, non_blocking=True)]
+        return logits[self.index_uploads(inverse)]
 
     def _forward_eager(
         self, seqs: list[SeqInput], layer_waits: list[list] | None = None, pending: torch.Tensor | None = None

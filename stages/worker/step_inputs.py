@@ -1,7 +1,7 @@
 """The fixed device inputs of a step padded to a token-count bucket (what the step CUDA graphs read):
 token ids, positions, KV rows, logits rows, the page table and the attention block plan, staged in a
-pinned host ring and moved with two non-blocking copies. Padding tokens form sequences of at most one
-page on the KV cache's scratch page (they write and read only there) with no adapter."""
+pinned host ring and uploaded by two small kernels (HostStaging.upload). Padding tokens form sequences of
+at most one page on the KV cache's scratch page (they write and read only there) with no adapter."""
 
 from __future__ import annotations
 
@@ -139,11 +139,6 @@ class StepInputs:
         assert nb <= cap, (nb, cap)
         h32[: nb * META_COLS] = meta.reshape(-1)
         h32[nb * META_COLS : cap * META_COLS] = 0  # empty blocks: no query rows
-        self._i64.copy_(st.i64, non_blocking=True)
-        end = self.meta_len + len(q_starts) * self.max_pages
-        self._i32[:end].copy_(st.i32[:end], non_blocking=True)
-        if st.event is not None:
-            st.event.record()
-            st.used = True
+        st.upload(self._i64, self._i32, self.meta_len + len(q_starts) * self.max_pages)
         extents = tuple(SeqExtent(q, n, c) for q, n, c in zip(q_starts, q_lens, ctx, strict=True))
         return StagedStep(padded, n_seqs, extents, nb, most_keys)
