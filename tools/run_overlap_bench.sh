@@ -40,6 +40,7 @@ itl_long=${ITL_LONG_REQUESTS:-8} itl_long_out=${ITL_LONG_OUTPUT:-192}
 itl_short_out=${ITL_SHORT_OUTPUT:-16} itl_rate=${ITL_RATE:-12} itl_start=${ITL_START:-0.5}
 itl_tolerance=${ITL_TOLERANCE:-0.05}
 itl_repeats=${ITL_REPEATS:-2}              # runs with loads (and as many without), A-B-B-A, pooled
+itl_pool_gb=${ITL_POOL_GB:-}               # GPU adapter pool of the itl server (default: all adapters + 10 %)
 # COMMIT: the commit named in results.md (default: git's HEAD; set it where the tree is a copy)
 small_num=${SMALL_NUM_PROMPTS:-200}        # small: as docs/benchmarks.md runs 4-6 (256 in / 128 out, r=inf)
 small_min=${SMALL_MIN_RATIO:-0.95}         # small: overlap/sync output tok/s must be >= this (run spread ~10%)
@@ -139,9 +140,12 @@ run_itl() { # MODE
   evict_loading() { "${ops[@]}" unload "${load[@]}" && "${ops[@]}" load "${specs[@]}"; }
   # every adapter fits a slot, so a run without loads follows one with; only the resident ones are
   # registered at start-up, the loading ones are registered (staged in host memory) by adapter_ops
+  # every adapter must fit the pool at once, or the resident runs copy too (the default pool, a share of
+  # free memory, held fewer than 32 of 335 MB in session 12); after server_flags, so it wins over theirs
+  local pool_gb=${itl_pool_gb:-$(du -sb "$adir" | awk '{v = $1 * 1.1 / 2^30; printf "%.4f", v < 0.01 ? 0.01 : v}')}
   # shellcheck disable=SC2086
   start_server "$out/server_itl_$mode.log" --max-loras-per-batch "$nad" --max-cpu-loras "$nad" \
-    --max-lora-rank "$rank" $server_flags "${extra[@]}" "${args[@]}"
+    --max-lora-rank "$rank" $server_flags --lora-gpu-memory-gb "$pool_gb" "${extra[@]}" "${args[@]}"
   local ops=("$py" -m tools.adapter_ops --endpoint "$endpoint") k loads=() quiet=()
   # warm-up: the workload itself, so every kernel variant its batches need is compiled (a first-time
   # compile stalls every request for up to seconds)
