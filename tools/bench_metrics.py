@@ -61,6 +61,7 @@ GAUGES: dict[str, tuple[str, dict[str, str]]] = {
 # report key -> histogram family; scraped as {upper bound: cumulative count} (summed over stages)
 HISTOGRAMS: dict[str, str] = {
     "adapter_wait": "lorapipe_adapter_wait_seconds",  # arrival to admission of requests that waited
+    "queue_wait": "lorapipe_request_queue_seconds",  # arrival to first admission, every request
 }
 
 
@@ -147,11 +148,12 @@ def derive(d: dict[str, float | None], adapter_requests: int) -> dict[str, Any]:
         "slot_loads": d["slot_loads"],
         "server_output_tokens": d["output_tokens"],
     }
-    waits = d.get("adapter_wait")
-    if waits:
-        out["adapter_waits"] = waits.get(float("inf"), 0.0)
-        for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
-            out[f"adapter_wait_{name}_s"] = bucket_quantile(waits, q)
+    for key, count in (("adapter_wait", "adapter_waits"), ("queue_wait", "queue_waits")):
+        waits = d.get(key)
+        if waits:
+            out[count] = waits.get(float("inf"), 0.0)
+            for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
+                out[f"{key}_{name}_s"] = bucket_quantile(waits, q)
     if d["slot_hits"] is not None and d["slot_misses"] is not None:
         out["gpu_slot_hit_rate"] = _rate(d["slot_hits"], d["slot_misses"])
         out["gpu_slot_hit_rate_source"] = "lorapipe_slot_lookups_total"

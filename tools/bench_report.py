@@ -187,9 +187,10 @@ def format_table(report: dict[str, Any]) -> str:
             rows.append((name, _num(s[key], "{:.3f}" if "rate" in key else "{:.0f}")))
     if (s.get("gpu_slot_hit_rate_source") or "").startswith("estimate"):
         rows[-1] = (rows[-1][0] + " (estimated)", rows[-1][1])
-    if s.get("adapter_waits"):
-        waits = [_num(s.get(f"adapter_wait_{q}_s"), "{:.3f}") for q in ("p50", "p95", "p99")]
-        rows.append((f"Adapter wait P50/P95/P99 (s), {s['adapter_waits']:.0f} waits", " / ".join(waits)))
+    for key, what in (("adapter_wait", "Adapter wait"), ("queue_wait", "Queue wait")):
+        if s.get(f"{key}s"):
+            waits = [_num(s.get(f"{key}_{q}_s"), "{:.3f}") for q in ("p50", "p95", "p99")]
+            rows.append((f"{what} P50/P95/P99 (s), {s[key + 's']:.0f} waits", " / ".join(waits)))
     width = max(len(k) for k, _ in rows) + 4
     title = f" {report['tool']}: {report['label']} "
     lines = [title.center(width + 40, "=")]

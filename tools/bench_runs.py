@@ -32,6 +32,7 @@ def run_line(name: str, report: dict[str, Any]) -> str:
         f"{_f(s.get('output_throughput'), '.0f')} tok/s",
         f"TTFT P50 {_f(ttft.get('p50'), '.3f')} P99 {_f(ttft.get('p99'), '.3f')} s",
         f"wait P99 {_f(s.get('adapter_wait_p99_s'), '.3f')} s",
+        f"queue P50 {_f(s.get('queue_wait_p50_s'), '.3f')} s",
         f"plans {_f(n('plans'), '.0f')}",
         f"distinct/plan {_f(per_plan, '.1f')}",
     ]

@@ -102,6 +102,12 @@ class SchedulerMetrics:
             (),
             WAIT_BUCKETS,
         )
+        self.queue_wait = m.histogram(
+            "lorapipe_request_queue_seconds",
+            "Arrival at the scheduler to first admission into a plan, every request (adapter waits included)",
+            (),
+            WAIT_BUCKETS,
+        )
         self.recent_waits: deque[float] = deque(maxlen=RECENT_WAITS)
         waits = m.gauge(
             "lorapipe_adapter_wait_quantile_seconds",
@@ -139,7 +145,8 @@ class SchedulerMetrics:
         )
 
     def schedule(self, planner: Planner) -> BatchPlan:
-        """`planner.schedule()`, counting the preemptions, pool lookups and adapter waits it caused."""
+        """`planner.schedule()`, counting the preemptions, pool lookups, adapter waits and queue waits it
+        caused."""
         st = planner.stats
         before = (st.preemptions, st.gpu_hits, st.gpu_misses)
         plan = planner.schedule()
@@ -150,4 +157,7 @@ class SchedulerMetrics:
             self.adapter_wait.observe(waited)
             self.recent_waits.append(waited)
         planner.adapter_waits.clear()
+        for waited in planner.queue_waits:
+            self.queue_wait.observe(waited)
+        planner.queue_waits.clear()
         return plan

@@ -17,6 +17,8 @@ from stages.scheduler.planner_config import PlannerConfig
 from stages.scheduler.pool_table import PoolTable
 from stages.scheduler.residency import Place, Residency
 
+WAITS_KEPT = 65536  # wait samples kept until read (a plan admits at most --max-running-requests)
+
 
 @dataclass
 class PlannerStats:
@@ -72,7 +74,10 @@ class Planner:
             cfg.prefetch_depth,
         )
         self.admission = Admission(self.pool, adapter_rows, cfg.max_loras_per_batch, cfg.bypass_limit)
-        self.adapter_waits: list[float] = []  # seconds admitted requests waited for their adapter
+        # seconds admitted requests waited for their adapter, and from arrival to first admission (every
+        # request): the scheduler's metrics drain them after each plan; bounded for callers that never do
+        self.adapter_waits: deque[float] = deque(maxlen=WAITS_KEPT)
+        self.queue_waits: deque[float] = deque(maxlen=WAITS_KEPT)
         self.waiting: deque[PlannedRequest] = deque()
         self.running: list[PlannedRequest] = []
         self._by_id: dict[str, PlannedRequest] = {}
@@ -245,6 +250,8 @@ class Planner:
                 self._finish(req)
 
     def _admit(self, req: PlannedRequest, lora_id: int) -> None:
+        if not req.sent:  # its first admission (a preempted request comes back already sent)
+            self.queue_waits.append(self.clock() - req.arrival)
         if lora_id >= 0:
             self.pool.acquire(lora_id)
             if req.waited_for_adapter:

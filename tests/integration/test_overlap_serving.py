@@ -1,7 +1,7 @@
 """The pipeline with overlapped loading and prefetch on and off (`lorapipe serve` as a subprocess, CPU,
 tiny model): greedy outputs equal the offline engine's on a bursty workload with about three times more
-adapter rows than the GPU pool holds, and the residency, pool, copy and adapter-wait metrics are
-exported."""
+adapter rows than the GPU pool holds, and the residency, pool, copy, adapter-wait and queue-wait metrics
+are exported."""
 
 from __future__ import annotations
 
@@ -66,3 +66,8 @@ def test_pipeline_outputs_equal_the_offline_engine(tiny_llama, many_adapters, re
         assert server.metric("lorapipe_lora_pool_rows_capacity", "scheduler") == POOL_ROWS
         assert server.metric("lorapipe_lora_pool_rows_used", "scheduler") <= POOL_ROWS
         assert server.metric("lorapipe_adapter_wait_quantile_seconds", "scheduler") > 0
+        # every request admitted once (a preempted one is not counted again); a request that waited for its
+        # adapter waited at least that long in the queue
+        assert server.metric("lorapipe_request_queue_seconds_count", "scheduler") == len(work)
+        queued = server.metric("lorapipe_request_queue_seconds_sum", "scheduler")
+        assert queued >= server.metric("lorapipe_adapter_wait_seconds_sum", "scheduler") > 0

@@ -1,5 +1,6 @@
-"""bench_metrics against a real prometheus_client exposition: counters and the adapter-wait histogram
-parsed, differenced over a run, and quantiles within the bucket that holds the exact sample quantile."""
+"""bench_metrics against a real prometheus_client exposition: counters and the adapter-wait and queue-wait
+histograms parsed, differenced over a run, and quantiles within the bucket that holds the exact sample
+quantile."""
 
 from __future__ import annotations
 
@@ -14,16 +15,23 @@ from tools import bench_metrics
 BUCKETS = [2 ** (i / 4) / 1000 for i in range(64)]  # 1 ms .. ~55 s, 4 per doubling
 
 
-def _registry():
+def _registry(name: str = "lorapipe_adapter_wait_seconds"):
     reg = CollectorRegistry()
-    hist = Histogram("lorapipe_adapter_wait_seconds", "wait", buckets=BUCKETS, registry=reg)
+    hist = Histogram(name, "wait", buckets=BUCKETS, registry=reg)
     loads = Counter("lorapipe_adapter_loads", "loads", ["result"], registry=reg)
     return reg, hist, loads
 
 
-def test_run_deltas_and_quantiles_match_the_samples():
+FAMILIES = [
+    ("lorapipe_adapter_wait_seconds", "adapter_wait"),
+    ("lorapipe_request_queue_seconds", "queue_wait"),
+]
+
+
+@pytest.mark.parametrize("family, key", FAMILIES)
+def test_run_deltas_and_quantiles_match_the_samples(family, key):
     rng = random.Random(7)
-    reg, hist, loads = _registry()
+    reg, hist, loads = _registry(family)
     for _ in range(500):  # before the run: must not count
         hist.observe(rng.uniform(5, 50))
     loads.labels(result="staged").inc(3)
@@ -36,10 +44,11 @@ def test_run_deltas_and_quantiles_match_the_samples():
     d = bench_metrics.delta(start, end)
     assert d["adapter_loads"] == 11
     out = bench_metrics.derive(d, adapter_requests=3000)
-    assert out["adapter_waits"] == 3000
+    assert out[f"{key}s"] == 3000
+    assert not any(k.startswith("queue_wait" if key == "adapter_wait" else "adapter_wait") for k in out)
     qs = statistics.quantiles(waits, n=100, method="inclusive")
     for name, exact in (("p50", statistics.median(waits)), ("p99", qs[98])):
-        got = out[f"adapter_wait_{name}_s"]
+        got = out[f"{key}_{name}_s"]
         lo = max([b for b in BUCKETS if b < exact], default=0.0)
         hi = min(b for b in BUCKETS if b >= exact)
         assert lo <= got <= hi, f"{name}: {got} outside the bucket ({lo}, {hi}] of the exact {exact}"
@@ -56,7 +65,7 @@ def test_quantile_edge_cases():
 
 def test_missing_histogram_is_none():
     start = bench_metrics.parse("")
-    assert start["adapter_wait"] is None
+    assert start["adapter_wait"] is None and start["queue_wait"] is None
     assert bench_metrics.delta(start, start)["adapter_wait"] is None
 
 

@@ -140,3 +140,44 @@ def test_a_request_preempted_by_a_plan_made_before_its_end_finishes_cleanly():
     assert [r.request_id for r in p.waiting] == [] and [r.request_id for r in p.running] == ["B"]
     assert p.schedule().finished_request_ids == ["A"]
     assert p.pages.num_free + len(p.running[0].pages) == cfg.num_pages
+
+
+def test_queue_waits_count_each_request_once_from_its_arrival():
+    """Arrival to first admission, for every request (base-only and adapter ones): a request that waits
+    for a running one's KV pages is counted when admitted, and a preempted one is not counted again."""
+    now = [0.0]
+    cfg = PlannerConfig(
+        num_pages=2, page_size=2, pool_rows=64, pool_ids=4, max_lora_rank=8,
+        max_running_requests=1, max_tokens_per_step=8, max_model_len=4,
+    )  # fmt: skip
+    p = Planner(cfg, adapter_rows=lambda name: 8, clock=lambda: now[0])
+    p.add("A", [5, 6], "a", SamplingParams(max_tokens=2))
+    now[0] = 1.0
+    p.add("B", [7], None, SamplingParams(max_tokens=1))
+    now[0] = 2.5
+    plan = p.schedule()  # A runs; B waits (one running request at most)
+    assert [r.request_id for r in plan.new_requests] == ["A"] and list(p.queue_waits) == [2.5]
+    p.queue_waits.clear()
+    now[0] = 4.0
+    done = [FinishedRequest(request_id="A", reason="length", num_output_tokens=2)]
+    p.update(StepResult(step=plan.step, finished=done))
+    plan = p.schedule()
+    assert [r.request_id for r in plan.new_requests] == ["B"] and list(p.queue_waits) == [3.0]
+
+
+def test_a_preempted_request_is_not_counted_again():
+    cfg = PlannerConfig(
+        num_pages=2, page_size=2, pool_rows=64, pool_ids=4, max_lora_rank=8,
+        max_running_requests=4, max_tokens_per_step=8, max_model_len=4,
+    )  # fmt: skip
+    p = Planner(cfg, adapter_rows=lambda name: 8)
+    p.add("B", [5, 6], None, SamplingParams(max_tokens=2))
+    p.add("A", [7], None, SamplingParams(max_tokens=3))
+    p.schedule()
+    assert len(p.queue_waits) == 2
+    assert p.schedule().preempted_request_ids == ["A"]  # B needs A's page
+    done = [FinishedRequest(request_id="B", reason="length", num_output_tokens=2)]
+    p.update(StepResult(step=1, finished=done))
+    plan = p.schedule()
+    assert [r.request_id for r in plan.cached_requests] == ["A"]  # resumed
+    assert len(p.queue_waits) == 2
