@@ -122,13 +122,16 @@ def test_rejects_configs_and_prompts_that_cannot_fit():
         planner.add("empty", [], None, SamplingParams())
 
 
+def _two_pages(max_running_requests: int = 4) -> PlannerConfig:
+    """Two KV pages of 2 tokens: a 2-token prompt growing by one token takes the other request's page."""
+    return _cfg(num_pages=2, page_size=2, pool_rows=64, pool_ids=4, max_lora_rank=8, max_tokens_per_step=8,
+                max_model_len=4, max_running_requests=max_running_requests)  # fmt: skip
+
+
 def test_a_request_preempted_by_a_plan_made_before_its_end_finishes_cleanly():
     """With plans in flight, a plan may preempt a request whose last token the worker already sampled;
     its end then arrives while it waits: it leaves the queue and frees nothing twice."""
-    cfg = PlannerConfig(
-        num_pages=2, page_size=2, pool_rows=64, pool_ids=4, max_lora_rank=8,
-        max_running_requests=4, max_tokens_per_step=8, max_model_len=4,
-    )  # fmt: skip
+    cfg = _two_pages()
     p = Planner(cfg, adapter_rows=lambda name: 8)
     p.add("B", [5, 6], None, SamplingParams(max_tokens=2))
     p.add("A", [7], None, SamplingParams(max_tokens=1))
@@ -146,10 +149,7 @@ def test_queue_waits_count_each_request_once_from_its_arrival():
     """Arrival to first admission, for every request (base-only and adapter ones): a request that waits
     for a running one's KV pages is counted when admitted, and a preempted one is not counted again."""
     now = [0.0]
-    cfg = PlannerConfig(
-        num_pages=2, page_size=2, pool_rows=64, pool_ids=4, max_lora_rank=8,
-        max_running_requests=1, max_tokens_per_step=8, max_model_len=4,
-    )  # fmt: skip
+    cfg = _two_pages(max_running_requests=1)
     p = Planner(cfg, adapter_rows=lambda name: 8, clock=lambda: now[0])
     p.add("A", [5, 6], "a", SamplingParams(max_tokens=2))
     now[0] = 1.0
@@ -166,10 +166,7 @@ def test_queue_waits_count_each_request_once_from_its_arrival():
 
 
 def test_a_preempted_request_is_not_counted_again():
-    cfg = PlannerConfig(
-        num_pages=2, page_size=2, pool_rows=64, pool_ids=4, max_lora_rank=8,
-        max_running_requests=4, max_tokens_per_step=8, max_model_len=4,
-    )  # fmt: skip
+    cfg = _two_pages()
     p = Planner(cfg, adapter_rows=lambda name: 8)
     p.add("B", [5, 6], None, SamplingParams(max_tokens=2))
     p.add("A", [7], None, SamplingParams(max_tokens=3))
