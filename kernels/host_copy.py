@@ -34,7 +34,8 @@ class _DeviceAddress:
 
 def mapped(host: torch.Tensor) -> torch.Tensor | None:
     """A CUDA tensor aliasing the pinned, contiguous CPU tensor `host` (same address, same shape and dtype;
-    reads go over PCIe), or None where there is none: no CUDA, not pinned, or torch would not alias it."""
+    reads go over PCIe), or None where there is none: no CUDA, not pinned, or torch would not alias it.
+    It is on the device the memory was pinned against; `upload` to another device copies instead."""
     if host.device.type != "cpu" or not torch.cuda.is_available() or host.numel() == 0:
         return None
     if not host.is_contiguous() or not host.is_pinned():
@@ -55,7 +56,7 @@ def upload(dst: torch.Tensor, src: torch.Tensor, src_mapped: torch.Tensor | None
     """dst ← src (same shape and dtype; `dst` on the device, `src` on the host). With `src_mapped`, the
     device mapping of `src` (or of the same slice of it), a kernel on the current stream reads it; else a
     non-blocking copy, which a copy engine serves in its queue's order."""
-    if src_mapped is None or dst.device.type != "cuda":
+    if src_mapped is None or src_mapped.device != dst.device:
         dst.copy_(src, non_blocking=True)
         return
     if src_mapped.shape != dst.shape or src_mapped.dtype != dst.dtype:
