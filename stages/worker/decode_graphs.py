@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kernels.host_copy import mapped, upload
+from kernels.host_copy import PinnedBuffer
 from kernels.paged_attention import (
     META_COLS,
     AttentionPlan,
@@ -51,29 +51,23 @@ class DecodeSeq(Protocol):
 
 
 class HostStaging:
-    """One pinned host copy of the fixed device inputs, with the event of its last upload."""
+    """One pinned host copy of the fixed device inputs (int64 and int32 parts), each with the event of its
+    last upload."""
 
     def __init__(self, n64: int, n32: int, pin: bool):
-        self.i64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
-        self.i32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
-        self.i64_mapped = mapped(self.i64) if pin else None
-        self.i32_mapped = mapped(self.i32) if pin else None
-        self.event = torch.cuda.Event() if pin else None
-        self.used = False
+        self._b64 = PinnedBuffer(n64, torch.int64, pin)
+        self._b32 = PinnedBuffer(n32, torch.int32, pin)
+        self.i64, self.i32 = self._b64.host, self._b32.host
 
     def wait_free(self) -> None:
-        if self.event is not None and self.used and not self.event.query():
-            self.event.synchronize()  # the ring lapped an upload still queued: practically never
+        self._b64.wait_free()
+        self._b32.wait_free()
 
     def upload(self, d64: torch.Tensor, d32: torch.Tensor, end32: int) -> None:
         """d64 ← i64 and d32[:end32] ← i32[:end32] by kernels reading this pinned copy (kernels/host_copy:
-        a copy engine would queue them behind the adapter copies in flight), then the event."""
-        upload(d64, self.i64, self.i64_mapped)
-        m32 = None if self.i32_mapped is None else self.i32_mapped[:end32]
-        upload(d32[:end32], self.i32[:end32], m32)
-        if self.event is not None:
-            self.event.record()
-            self.used = True
+        a copy engine would queue them behind the adapter copies in flight)."""
+        self._b64.upload(d64)
+        self._b32.upload(d32[:end32], end32)
 
 
 class DecodeGraphs:
