@@ -32,7 +32,11 @@ from runtime.common.model_config import ModelConfig  # noqa: E402
 from runtime.synthetic.model import PRESETS, build_config  # noqa: E402
 from stages.worker.lora.backend import PADDED_BLOCK_M  # noqa: E402
 from stages.worker.lora.pool import LoraPool, pool_geometry  # noqa: E402
-from stages.worker.lora.triton_backend import TritonLoraBackend, padded_tile_bound, workspace_rows  # noqa: E402
+from stages.worker.lora.triton_backend import (  # noqa: E402
+    TritonLoraBackend,
+    padded_tile_bound,
+    workspace_rows,
+)
 from stages.worker.step_inputs import token_buckets  # noqa: E402
 
 
@@ -118,8 +122,9 @@ def with_configs(info, sc, ec, v, shrink, expand):
     return sc, ec, v
 
 
-def step_graph_us(backend: TritonLoraBackend, info, configs, xs, outs, layout, device) -> float:
-    """Median µs of one replay of every layer's and group's shrink + expand, as one CUDA graph."""
+def step_graph_us(backend: TritonLoraBackend, info, configs, xs, outs, layout, device, ref=None):
+    """Median µs of one replay of every layer's and group's shrink + expand, as one CUDA graph, and the
+    relative error of one more replay's layer-0 gate_up delta against `ref` (from `check`), if given."""
 
     def launches():
         for layer in range(layout.num_layers):
@@ -130,18 +135,26 @@ def step_graph_us(backend: TritonLoraBackend, info, configs, xs, outs, layout, d
     if device.type != "cuda":
         t0 = time.perf_counter()
         launches()
-        return (time.perf_counter() - t0) * 1e6
+        return (time.perf_counter() - t0) * 1e6, None
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         launches()
     ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    err = None
+    if ref is not None:
+        out = outs[0][layout.group("gate_up").name]
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        err = float((out.double() - ref).norm() / ref.norm())
     del graph
-    return ms * 1e3
+    return ms * 1e3, err
 
 
-def check(backend, info, configs, xs, outs, layout, pool, indptr, slots) -> float:
-    """Relative error of layer 0's gate_up against a float64 torch reference (gathered pool rows)."""
+def check(backend, info, configs, xs, outs, layout, pool, indptr, slots) -> tuple[float, torch.Tensor]:
+    """Relative error of layer 0's gate_up against a float64 torch reference (gathered pool rows), and
+    that reference delta."""
     g = layout.group("gate_up")
     x, out = xs[0][g.name], outs[0][g.name]
     out.zero_()  # the delta alone: bf16 rounding of a large `out` would hide it
@@ -157,7 +170,7 @@ def check(backend, info, configs, xs, outs, layout, pool, indptr, slots) -> floa
         for s, (off, w) in enumerate(zip(g.out_offsets, g.out_dims, strict=True)):
             v = x[lo:hi].double() @ a[rows, s].double().t()
             delta[lo:hi, off : off + w] = 2.0 * v @ b[rows, off : off + w].double()
-    return float((out.double() - before - delta).norm() / delta.norm())
+    return float((out.double() - before - delta).norm() / delta.norm()), delta
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -271,20 +284,24 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, make in variants.items():
         info, configs = make()
-        err = check(backend, info, configs, xs, outs, layout, pool, indptr, slots)
-        us = step_graph_us(backend, info, configs, xs, outs, layout, device)
+        err, ref = check(backend, info, configs, xs, outs, layout, pool, indptr, slots)
+        us, graph_err = step_graph_us(backend, info, configs, xs, outs, layout, device, ref)
         rows.append(
             dict(
                 variant=name,
                 us=us,
                 pct_floor=100 * floor_us / us,
                 err=err,
+                graph_err=graph_err,
                 tiles=info.num_tiles,
                 block_m=info.block_m,
                 block_rank=info.block_rank,
             )
         )
-        print(f"{name:45s} {us:9.1f} us  {100 * floor_us / us:5.1f} % of floor  err {err:.1e}", flush=True)
+        ge = "" if graph_err is None else f", graphed {graph_err:.1e}"
+        print(
+            f"{name:45s} {us:9.1f} us  {100 * floor_us / us:5.1f} % of floor  err {err:.1e}{ge}", flush=True
+        )
     summary = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
         copy_tbps=copy_tbps,
