@@ -23,16 +23,26 @@ def _row_gather(t_ptrs, k, offs_r, table_width):
 
 
 @triton.jit
-def _b_chunk(b_cols, prow, k, r, n_ok, offs_r, stride_br):
-    """B rows k..k+BLOCK_K of the chunk (gathered pool rows `prow`), zeros past the rank: pool weights,
-    written before the step began, so this load need not wait for the shrink."""
+def _rank_step(
+    v_ptrs,
+    b_cols,
+    prow,
+    k,
+    r,
+    r16,
+    m_ok,
+    n_ok,
+    offs_r,
+    stride_br,
+    stride_vp,
+    NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One rank chunk: v[:, k:k+BLOCK_K] (summed over the split-K partials) @ B[prow, :] (the chunk's
+    BLOCK_K pool rows)."""
     k_ok = (k + offs_r) < r
-    return tl.load(b_cols + (prow * stride_br)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _chunk_dot(v_ptrs, bt, k, r16, m_ok, offs_r, stride_vp, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
-    """v[:, k:k+BLOCK_K] (summed over the split-K partials) @ bt, the chunk's B rows."""
+    b_ptrs = b_cols + (prow * stride_br)[:, None]
+    bt = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
     v_ok = m_ok[:, None] & ((k + offs_r) < r16)[None, :]
     vt = tl.load(v_ptrs, mask=v_ok, other=0.0)  # [BLOCK_M, BLOCK_K] fp32
     for p in tl.static_range(1, NUM_SPLITS):
@@ -78,12 +88,8 @@ def _lora_expand_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     META: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    # Grid: (tiles, column blocks of all slices; a block never straddles two slices). With PDL (launched
-    # as a programmatic dependent of the shrink) everything up to the B rows of the first chunk is read
-    # while the shrink still runs: metadata, tables and pool weights all predate the step. v (the
-    # shrink's output) and out (the base GEMM's, finished before the shrink began) only after the wait.
+    # Grid: (tiles, column blocks of all slices; a block never straddles two slices).
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_t >= tl.load(meta_ptr):
@@ -117,6 +123,7 @@ def _lora_expand_kernel(
     n_ok = offs_n < width
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + (off + offs_n)[None, :]
     o_mask = m_ok[:, None] & n_ok[None, :]
+    o = tl.load(o_ptrs, mask=o_mask, other=0.0)  # issued early: its latency hides behind the rank loop
 
     # The shrink wrote v in whole 16-column groups (zeros past the rank), so v loads need no rank mask
     # below r16; B rows past the real rank are stale and are never read.
@@ -124,20 +131,16 @@ def _lora_expand_kernel(
     b_cols = b_ptr + (off + offs_n)[None, :]  # [1, BLOCK_N]; each chunk adds its gathered row offsets
     v_ptrs = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + s * stride_vi + offs_r[None, :]
     if BLOCK_K == BLOCK_R and NUM_SPLITS == 1:  # one step, loads straight to registers (no pipeline)
-        bt = _b_chunk(b_cols, prow0, 0, r, n_ok, offs_r, stride_br)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        o = tl.load(o_ptrs, mask=o_mask, other=0.0)
-        acc = _chunk_dot(v_ptrs, bt, 0, r16, m_ok, offs_r, stride_vp, NUM_SPLITS, UPCAST)
+        acc = _rank_step(
+            v_ptrs, b_cols, prow0, 0, r, r16, m_ok, n_ok, offs_r, stride_br, stride_vp, NUM_SPLITS, UPCAST
+        )
     else:
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        o = tl.load(o_ptrs, mask=o_mask, other=0.0)  # issued early: its latency hides behind the rank loop
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, r, BLOCK_K):
             prow = _row_gather(t_ptrs, k, offs_r, table_width)
-            bt = _b_chunk(b_cols, prow, k, r, n_ok, offs_r, stride_br)
-            acc += _chunk_dot(v_ptrs, bt, k, r16, m_ok, offs_r, stride_vp, NUM_SPLITS, UPCAST)
+            acc += _rank_step(
+                v_ptrs, b_cols, prow, k, r, r16, m_ok, n_ok, offs_r, stride_br, stride_vp, NUM_SPLITS, UPCAST
+            )
             v_ptrs += BLOCK_K
     tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=o_mask)
 
@@ -211,15 +214,12 @@ def lora_expand(
     *,
     config: ExpandConfig | None = None,
     check: bool = True,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """v [splits, T, num_slices, block_rank] fp32 partials (from `lora_shrink`); b [pool_rows, D] (one
     layer's B^T rows of the rank-row pool, strided view, last dim contiguous); ranks/scalings [num_ids,
     num_slices] int32/fp32; rows [num_ids, width] int32 (as for `lora_shrink`); all on the device. out
     [T, D] updated in place, only at adapter tokens and slices of nonzero rank. `check=False` skips
-    validating the arguments (the backend's hot path). `pdl=True` (CUDA, compute capability 9.0 and up)
-    launches it as a programmatic dependent of the kernel before it, which must be this expand's
-    `lora_shrink(pdl=True)`: its B rows are fetched while the shrink runs."""
+    validating the arguments (the backend's hot path)."""
     if check:
         splits, num_slices = _check(v, b, ranks, scalings, rows, out, out_offsets, out_dims, info)
     else:
@@ -261,10 +261,8 @@ def lora_expand(
         BLOCK_K=cfg.block_k,
         UPCAST=interpreting(),
         META=META_COLS,
-        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if pdl else {}),
     )
     return out
 

@@ -41,14 +41,11 @@ def _lora_shrink_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     META: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     # Grid: (tiles, column blocks of the flattened (slice, rank) space, K splits).
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if PDL:  # the expand launched after this may start its own loads now (it waits for v itself)
-        tl.extra.cuda.gdc_launch_dependents()
     if pid_t >= tl.load(meta_ptr):
         return
     row = meta_ptr + (pid_t + 1) * META
@@ -194,7 +191,6 @@ def lora_shrink(
     out: torch.Tensor | None = None,
     config: ShrinkConfig | None = None,
     check: bool = True,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """x [T, K]; a [pool_rows, num_slices, K] (one layer's A rows of the rank-row pool, strided view,
     last dim contiguous); ranks [num_ids, num_slices] int32; rows [num_ids, width] int32, rows[id, k] =
@@ -202,8 +198,7 @@ def lora_shrink(
     partial sums v [split_k, T, num_slices, block_rank] whose sum over dim 0 is x @ A^T per slice. Only
     rows of adapter tokens are written, in whole 16-column groups (zeros past each rank); everything
     else is left untouched. `check=False` skips validating the arguments (the backend's hot path, whose
-    views are built once). `pdl=True` lets a `lora_expand(pdl=True)` launched next start before this
-    kernel ends (it is itself launched in full stream order)."""
+    views are built once)."""
     T, K = x.shape
     num_slices = a.shape[1]
     br = info.block_rank
@@ -243,7 +238,6 @@ def lora_shrink(
         BLOCK_K=cfg.block_k,
         UPCAST=interpreting(),
         META=META_COLS,
-        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -35,7 +35,6 @@ from stages.worker.lora.pool import LoraPool, pool_geometry  # noqa: E402
 from stages.worker.lora.triton_backend import (  # noqa: E402
     TritonLoraBackend,
     padded_tile_bound,
-    pdl_available,
     workspace_rows,
 )
 from stages.worker.step_inputs import token_buckets  # noqa: E402
@@ -190,12 +189,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep", action="store_true", help="also time kernel configs on the 16-token tile")
     p.add_argument("--only", default=None, metavar="TEXT", help="time only the variants whose name has TEXT")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--pdl-ab",
-        action="store_true",
-        help="time each variant with the expand launched in stream order and as a programmatic dependent"
-        " of its shrink, in the order off, on, on, off",
-    )
     p.add_argument("--out")
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes and pool, to check the script on the CPU"
@@ -288,33 +281,27 @@ def main(argv: list[str] | None = None) -> None:
         variants = {k: v for k, v in variants.items() if a.only in k}
         if not variants:
             raise SystemExit(f"--only {a.only!r} matches no variant")
-    if a.pdl_ab and not pdl_available(device):
-        raise SystemExit(f"--pdl-ab needs a CUDA device of compute capability 9.0 or more, not {device}")
     rows = []
-    modes = (False, True, True, False) if a.pdl_ab else (backend.pdl,)
     for name, make in variants.items():
         info, configs = make()
-        for pdl in modes:
-            backend.pdl = pdl
-            err, ref = check(backend, info, configs, xs, outs, layout, pool, indptr, slots)
-            us, graph_err = step_graph_us(backend, info, configs, xs, outs, layout, device, ref)
-            label = f"{name}{' pdl' if pdl else ''}"
-            rows.append(
-                dict(
-                    variant=label,
-                    pdl=pdl,
-                    us=us,
-                    pct_floor=100 * floor_us / us,
-                    err=err,
-                    graph_err=graph_err,
-                    tiles=info.num_tiles,
-                    block_m=info.block_m,
-                    block_rank=info.block_rank,
-                )
+        err, ref = check(backend, info, configs, xs, outs, layout, pool, indptr, slots)
+        us, graph_err = step_graph_us(backend, info, configs, xs, outs, layout, device, ref)
+        rows.append(
+            dict(
+                variant=name,
+                us=us,
+                pct_floor=100 * floor_us / us,
+                err=err,
+                graph_err=graph_err,
+                tiles=info.num_tiles,
+                block_m=info.block_m,
+                block_rank=info.block_rank,
             )
-            ge = "" if graph_err is None else f", graphed {graph_err:.1e}"
-            pct = 100 * floor_us / us
-            print(f"{label:49s} {us:9.1f} us  {pct:5.1f} % of floor  err {err:.1e}{ge}", flush=True)
+        )
+        ge = "" if graph_err is None else f", graphed {graph_err:.1e}"
+        print(
+            f"{name:45s} {us:9.1f} us  {100 * floor_us / us:5.1f} % of floor  err {err:.1e}{ge}", flush=True
+        )
     summary = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
         copy_tbps=copy_tbps,

@@ -4,8 +4,6 @@ runs of rows), the tile planner, and (GPU only) a mixed batch with sync debug on
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -14,7 +12,6 @@ from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
 from runtime.common.packed import PackedAdapter
 from stages.worker.lora.factory import make_backend
 from stages.worker.lora.pool import LoraPool
-from stages.worker.lora.triton_backend import TritonLoraBackend
 from tests.kernels.conftest import (
     MIXED_LENGTHS,
     MIXED_SLOTS,
@@ -214,49 +211,3 @@ def compare_backends_big(slots: LoraPool, indptr: list[int], seg_slots: list[int
         ref_backend.apply(x, want, 0, g)
         tri_backend.apply(x, got, 0, g)
         assert rel_err(got - out0, want - out0) < 2 * TOL[slots.dtype], g.name
-
-
-@pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
-    reason="needs a CUDA device of compute capability 9.0 or more (programmatic dependent launch)",
-)
-def test_pdl_expand_reads_its_shrinks_output_and_the_base_output_in_a_graph():
-    """With the expand launched as a programmatic dependent of its shrink, it must still see v from this
-    shrink and `out` as the kernel before the shrink left it: fresh inputs before every replay of a
-    captured graph, each replay against the torch backend (Llama-3-8B widths, rank 64, a decode batch)."""
-    layout = LoraLayout.build(
-        num_layers=1, hidden=4096, q_out=4096, kv_out=1024, intermediate=14336, max_rank=64
-    )
-    slots = LoraPool(layout, 8 * 64, 8, torch.bfloat16, torch.device("cuda"))
-    gen = torch.Generator().manual_seed(7)
-    for slot in range(8):
-        block = (torch.randn((1, 64, layout.row_elems), generator=gen) * 0.05).to(torch.bfloat16)
-        ranks = torch.full((1, NUM_SLICES), 64, dtype=torch.int32)
-        slots.load(
-            slot, PackedAdapter(f"a{slot}", block, ranks, torch.full((1, NUM_SLICES), 2.0)), [(slot * 64, 64)]
-        )
-    indptr, seg_slots = indptr_of([1] * 48), [i % 8 for i in range(48)]
-    ref_backend = make_backend("torch", slots, max_tokens=64)
-    tri_backend = TritonLoraBackend(slots, max_tokens=64, pdl=True)
-    ref_backend.prepare(indptr, seg_slots)
-    tri_backend.prepare(indptr, seg_slots)
-    for g in layout.groups:
-        x_src = torch.empty((48, g.in_dim), device="cuda", dtype=slots.dtype)
-        out_src = torch.empty((48, g.out_total), device="cuda", dtype=slots.dtype)
-        x, got = torch.empty_like(x_src), torch.empty_like(out_src)
-        graph = torch.cuda.CUDAGraph()
-
-        for capture in (False, True):  # compile outside the capture, then capture
-            with torch.cuda.graph(graph) if capture else contextlib.nullcontext():
-                x.copy_(x_src)
-                got.copy_(out_src)  # stands in for the base GEMM that writes the expand's output
-                tri_backend.apply(x, got, 0, g)
-            torch.cuda.synchronize()
-        for _ in range(3):
-            x_src.normal_()
-            out_src.normal_()
-            want = out_src.clone()
-            ref_backend.apply(x_src, want, 0, g)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert rel_err(got - out_src, want - out_src) < 2 * TOL[slots.dtype], g.name

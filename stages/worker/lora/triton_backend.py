@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.batch_info import BatchInfo, BatchInfoBuilder, block_rank_for, interpreting
+from kernels.batch_info import BatchInfo, BatchInfoBuilder, block_rank_for
 from kernels.lora_expand import ExpandConfig, expand_config, lora_expand
 from kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
 from runtime.common.lora_layout import GroupLayout, LoraLayout
@@ -17,14 +17,6 @@ from stages.worker.lora.backend import PADDED_BLOCK_M, LoraBackend
 from stages.worker.lora.pool import LoraPool
 
 MAX_SPLIT_K = 16
-PDL_DEFAULT = False
-
-
-def pdl_available(device: torch.device) -> bool:
-    """Programmatic dependent launch: CUDA devices of compute capability 9.0 and up, not the interpreter."""
-    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 Configs = tuple[ShrinkConfig, ExpandConfig, torch.Tensor]  # per group: kernel configs, shrink output view
 
 
@@ -61,15 +53,8 @@ class TritonLoraBackend(LoraBackend):
 
     name = "triton"
 
-    def __init__(self, pool: LoraPool, max_tokens: int, max_seqs: int | None = None, pdl: bool | None = None):
+    def __init__(self, pool: LoraPool, max_tokens: int, max_seqs: int | None = None):
         super().__init__(pool, max_tokens, max_seqs)
-        # Each expand as a programmatic dependent of its shrink (fetches its B rows while the shrink
-        # runs): None = where the device has it.
-        if pdl and not pdl_available(pool.device):
-            raise ValueError(
-                f"programmatic dependent launch needs CUDA compute capability 9.0+, not {pool.device}"
-            )
-        self.pdl = pdl_available(pool.device) and PDL_DEFAULT if pdl is None else pdl
         self._init_metadata()
         self._init_workspace()
         self._init_views()
@@ -197,7 +182,7 @@ class TritonLoraBackend(LoraBackend):
         a, b, ranks, scalings = self._views[layer, group.name]
         # The views and configs were made here, once; the kernels' argument checks would cost a
         # measurable share of an eager step's host time (128 launches per forward of a 16-layer model).
-        lora_shrink(x, a, ranks, self.pool.rows, info, out=v, config=shrink_cfg, check=False, pdl=self.pdl)
+        lora_shrink(x, a, ranks, self.pool.rows, info, out=v, config=shrink_cfg, check=False)
         lora_expand(
             v,
             b,
@@ -210,5 +195,4 @@ class TritonLoraBackend(LoraBackend):
             info,
             config=expand_cfg,
             check=False,
-            pdl=self.pdl,
         )
