@@ -11,7 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import lora_shrink
 from kernels.batch_info import META_COLS, BatchInfo, interpreting, read_tiles
 from kernels.lora_shrink import check_row_table
 
@@ -56,90 +55,6 @@ def _rank_step(
 
 
 @triton.jit
-def _expand_tile(
-    pid_t,
-    v_ptr,
-    b_cols,
-    out_ptr,
-    ranks_ptr,
-    scal_ptr,
-    rows_ptr,
-    meta_ptr,
-    table_width,
-    s,
-    off,
-    offs_n,
-    n_ok,
-    stride_vp,
-    stride_vt,
-    stride_vi,
-    stride_br,
-    stride_rs,
-    stride_ri,
-    stride_ss,
-    stride_si,
-    stride_ts,
-    stride_ot,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-    META: tl.constexpr,
-):
-    """Token tile `pid_t`'s delta on one column block of slice `s`."""
-    row = meta_ptr + (pid_t + 1) * META
-    start = tl.load(row)
-    end = tl.load(row + 1)
-    slot = tl.load(row + 2).to(tl.int64)  # adapter id: its row of the ranks, scalings and row tables
-    offs_r = tl.arange(0, BLOCK_K)
-    t_ptrs = rows_ptr + slot * stride_ts + offs_r  # [BLOCK_K] row table entries of the first chunk
-    r = tl.load(ranks_ptr + slot * stride_rs + s * stride_ri)
-    if BLOCK_K == BLOCK_R and NUM_SPLITS == 1:  # single step: its gather in flight with the rank load
-        prow0 = _row_gather(t_ptrs, 0, offs_r, table_width)
-    # A rank past the table would index the next adapter's entries.
-    r = tl.minimum(tl.minimum(r, BLOCK_R), table_width)
-    if r > 0:
-        scale = tl.load(scal_ptr + slot * stride_ss + s * stride_si)
-        offs_m = start + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < end
-        o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + (off + offs_n)[None, :]
-        o_mask = m_ok[:, None] & n_ok[None, :]
-        o = tl.load(o_ptrs, mask=o_mask, other=0.0)  # issued early: its latency hides behind the rank loop
-
-        # The shrink wrote v in whole 16-column groups (zeros past the rank), so v loads need no rank mask
-        # below r16; B rows past the real rank are stale and are never read.
-        r16 = tl.cdiv(r, 16) * 16
-        v_ptrs = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + s * stride_vi + offs_r[None, :]
-        if BLOCK_K == BLOCK_R and NUM_SPLITS == 1:  # one step, loads straight to registers (no pipeline)
-            acc = _rank_step(
-                v_ptrs, b_cols, prow0, 0, r, r16, m_ok, n_ok, offs_r, stride_br, stride_vp, NUM_SPLITS, UPCAST
-            )
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k in range(0, r, BLOCK_K):
-                prow = _row_gather(t_ptrs, k, offs_r, table_width)
-                acc += _rank_step(
-                    v_ptrs,
-                    b_cols,
-                    prow,
-                    k,
-                    r,
-                    r16,
-                    m_ok,
-                    n_ok,
-                    offs_r,
-                    stride_br,
-                    stride_vp,
-                    NUM_SPLITS,
-                    UPCAST,
-                )
-                v_ptrs += BLOCK_K
-        tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=o_mask)
-
-
-@triton.jit
 def _lora_expand_kernel(
     v_ptr,
     b_ptr,
@@ -174,13 +89,15 @@ def _lora_expand_kernel(
     UPCAST: tl.constexpr,
     META: tl.constexpr,
 ):
-    # Grid: (tile programs, column blocks of all slices; a block never straddles two slices). Program p
-    # of a column block takes tiles p, p + P, p + 2P, ... below the device header's tile count (P =
-    # grid dim 0): a grid of fewer programs than a padded graph's tile bound then launches no program
-    # that only finds it has no tile.
-    pid_p = tl.program_id(0)
+    # Grid: (tiles, column blocks of all slices; a block never straddles two slices).
+    pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    num_tiles = tl.load(meta_ptr)
+    if pid_t >= tl.load(meta_ptr):
+        return
+    row = meta_ptr + (pid_t + 1) * META
+    start = tl.load(row)
+    end = tl.load(row + 1)
+    slot = tl.load(row + 2).to(tl.int64)  # adapter id: its row of the ranks, scalings and row tables
 
     # Which slice this column block belongs to (absent slices have width 0, so no block maps there).
     nb0 = tl.cdiv(d0, BLOCK_N)
@@ -189,42 +106,43 @@ def _lora_expand_kernel(
     n0 = (pid_n - tl.where(s == 0, 0, tl.where(s == 1, nb0, nb1))) * BLOCK_N
     width = tl.where(s == 0, d0, tl.where(s == 1, d1, d2))
     off = tl.where(s == 0, o0, tl.where(s == 1, o1, o2))
+    offs_r = tl.arange(0, BLOCK_K)
+    t_ptrs = rows_ptr + slot * stride_ts + offs_r  # [BLOCK_K] row table entries of the first chunk
+    r = tl.load(ranks_ptr + slot * stride_rs + s * stride_ri)
+    if BLOCK_K == BLOCK_R and NUM_SPLITS == 1:  # single step: its gather in flight with the rank load
+        prow0 = _row_gather(t_ptrs, 0, offs_r, table_width)
+    # A rank past the table would index the next adapter's entries.
+    r = tl.minimum(tl.minimum(r, BLOCK_R), table_width)
+    if r == 0:
+        return
+    scale = tl.load(scal_ptr + slot * stride_ss + s * stride_si)
+
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < end
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < width
+    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + (off + offs_n)[None, :]
+    o_mask = m_ok[:, None] & n_ok[None, :]
+    o = tl.load(o_ptrs, mask=o_mask, other=0.0)  # issued early: its latency hides behind the rank loop
+
+    # The shrink wrote v in whole 16-column groups (zeros past the rank), so v loads need no rank mask
+    # below r16; B rows past the real rank are stale and are never read.
+    r16 = tl.cdiv(r, 16) * 16
     b_cols = b_ptr + (off + offs_n)[None, :]  # [1, BLOCK_N]; each chunk adds its gathered row offsets
-    for pid_t in range(pid_p, num_tiles, tl.num_programs(0)):
-        _expand_tile(
-            pid_t,
-            v_ptr,
-            b_cols,
-            out_ptr,
-            ranks_ptr,
-            scal_ptr,
-            rows_ptr,
-            meta_ptr,
-            table_width,
-            s,
-            off,
-            offs_n,
-            n_ok,
-            stride_vp,
-            stride_vt,
-            stride_vi,
-            stride_br,
-            stride_rs,
-            stride_ri,
-            stride_ss,
-            stride_si,
-            stride_ts,
-            stride_ot,
-            NUM_SPLITS,
-            BLOCK_R,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            UPCAST,
-            META,
+    v_ptrs = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + s * stride_vi + offs_r[None, :]
+    if BLOCK_K == BLOCK_R and NUM_SPLITS == 1:  # one step, loads straight to registers (no pipeline)
+        acc = _rank_step(
+            v_ptrs, b_cols, prow0, 0, r, r16, m_ok, n_ok, offs_r, stride_br, stride_vp, NUM_SPLITS, UPCAST
         )
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, r, BLOCK_K):
+            prow = _row_gather(t_ptrs, k, offs_r, table_width)
+            acc += _rank_step(
+                v_ptrs, b_cols, prow, k, r, r16, m_ok, n_ok, offs_r, stride_br, stride_vp, NUM_SPLITS, UPCAST
+            )
+            v_ptrs += BLOCK_K
+    tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=o_mask)
 
 
 @dataclass(frozen=True)
@@ -233,24 +151,6 @@ class ExpandConfig:
     block_k: int  # rank rows per step of the rank loop
     num_warps: int = 4
     num_stages: int = 2
-    # Tile programs per column block (grid dim 0), each looping over every P-th tile; 0: one a tile.
-    tile_programs: int = 0
-
-
-# Programs a launch aims at when a step has more tiles than that (per SM; 0: one program per tile).
-PROGRAMS_PER_SM = 0
-
-
-def col_blocks(out_dims: Sequence[int], block_n: int) -> int:
-    """Column blocks of a group's slices (grid dim 1): a block never straddles two slices."""
-    return sum(triton.cdiv(w, block_n) for w in out_dims)
-
-
-def tile_programs_for(num_tiles: int, blocks: int, target: int) -> int:
-    """Tile programs per column block for about `target` programs in all; 0 (one per tile) where the
-    tiles are fewer anyway or `target` is 0."""
-    p = triton.cdiv(target, blocks) if target > 0 else 0
-    return p if 0 < p < num_tiles else 0
 
 
 def expand_config(info: BatchInfo, out_dims: Sequence[int], split_k: int = 1) -> ExpandConfig:
@@ -262,9 +162,7 @@ def expand_config(info: BatchInfo, out_dims: Sequence[int], split_k: int = 1) ->
     if split_k * bm * block_k * 4 > 32 * 1024:
         block_k = 16
     block_n = 256 if bm <= 16 and br <= 16 else 128
-    target = PROGRAMS_PER_SM * lora_shrink._num_sms(info.meta.device)  # one SM count for both kernels
-    programs = tile_programs_for(info.num_tiles, col_blocks(out_dims, block_n), target)
-    return ExpandConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=2, tile_programs=programs)
+    return ExpandConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=2)
 
 
 def _check(v, b, ranks, scalings, rows, out, out_offsets, out_dims, info) -> tuple[int, int]:
@@ -333,7 +231,7 @@ def lora_expand(
         return out
     d = list(out_dims) + [0] * (3 - num_slices)
     o = list(out_offsets) + [0] * (3 - num_slices)
-    grid = (min(info.num_tiles, cfg.tile_programs or info.num_tiles), col_blocks(out_dims, cfg.block_n))
+    grid = (info.num_tiles, sum(triton.cdiv(w, cfg.block_n) for w in out_dims))
     _lora_expand_kernel[grid](
         v,
         b,

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 
 from kernels.batch_info import plan_runs, plan_tiles  # noqa: E402
-from kernels.lora_expand import ExpandConfig, col_blocks, tile_programs_for  # noqa: E402
+from kernels.lora_expand import ExpandConfig  # noqa: E402
 from kernels.lora_shrink import ShrinkConfig  # noqa: E402
 from runtime.common.lora_layout import LoraLayout  # noqa: E402
 from runtime.common.model_config import ModelConfig  # noqa: E402
@@ -122,24 +122,6 @@ def with_configs(info, sc, ec, v, shrink, expand):
     return sc, ec, v
 
 
-def with_expand_programs(make, target: int, layout: LoraLayout):
-    """`make` with every group's expand grid capped at about `target` programs (tiles looped over)."""
-
-    def made():
-        info, configs = make()
-        out = {}
-        for name, (sc, ec, v) in configs.items():
-            blocks = col_blocks(layout.group(name).out_dims, ec.block_n)
-            out[name] = (
-                sc,
-                dataclasses.replace(ec, tile_programs=tile_programs_for(info.num_tiles, blocks, target)),
-                v,
-            )
-        return info, out
-
-    return made
-
-
 def step_graph_us(backend: TritonLoraBackend, info, configs, xs, outs, layout, device, ref=None):
     """Median µs of one replay of every layer's and group's shrink + expand, as one CUDA graph, and the
     relative error of one more replay's layer-0 gate_up delta against `ref` (from `check`), if given."""
@@ -207,12 +189,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep", action="store_true", help="also time kernel configs on the 16-token tile")
     p.add_argument("--only", default=None, metavar="TEXT", help="time only the variants whose name has TEXT")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--expand-programs",
-        default=None,
-        metavar="N,N,...",
-        help="also time each chosen variant with the expand grid capped at about N programs (0: one a tile)",
-    )
     p.add_argument("--out")
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes and pool, to check the script on the CPU"
@@ -305,12 +281,6 @@ def main(argv: list[str] | None = None) -> None:
         variants = {k: v for k, v in variants.items() if a.only in k}
         if not variants:
             raise SystemExit(f"--only {a.only!r} matches no variant")
-    if a.expand_programs is not None:
-        variants = {
-            f"{name}, expand programs {n}": with_expand_programs(make, int(n), layout)
-            for name, make in variants.items()
-            for n in a.expand_programs.split(",")
-        }
     rows = []
     for name, make in variants.items():
         info, configs = make()

@@ -147,8 +147,6 @@ def test_expand_large_ranks(device, tables, pool):
         (16, ExpandConfig(block_n=32, block_k=32, num_warps=2), 3),  # split-K partials summed
         (32, ExpandConfig(block_n=64, block_k=16, num_stages=3), 2),  # a block wider than the k/v slices
         (64, ExpandConfig(block_n=16, block_k=32), 1),
-        (16, ExpandConfig(block_n=16, block_k=16, tile_programs=2), 1),  # each program loops over tiles
-        (16, ExpandConfig(block_n=32, block_k=32, tile_programs=3), 2),  # a ragged last round, split-K
     ],
 )
 def test_expand_block_shapes(device, block_m, config, splits, pool):
