@@ -122,6 +122,20 @@ def with_configs(info, sc, ec, v, shrink, expand):
     return sc, ec, v
 
 
+def shrink_as_for(make, tiles: int, backend: TritonLoraBackend):
+    """`make` with every group's kernel configs (and partials view) chosen as if the step had `tiles`
+    tiles (the shrink's split-K and column block depend on it); the grids still cover the variant's own
+    tile count."""
+
+    def made():
+        info, configs = make()
+        if tiles:  # the expand's rank step follows the shrink's split-K
+            configs = backend.configs_for(dataclasses.replace(info, num_tiles=tiles))
+        return info, configs
+
+    return made
+
+
 def step_graph_us(backend: TritonLoraBackend, info, configs, xs, outs, layout, device, ref=None):
     """Median µs of one replay of every layer's and group's shrink + expand, as one CUDA graph, and the
     relative error of one more replay's layer-0 gate_up delta against `ref` (from `check`), if given."""
@@ -189,6 +203,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep", action="store_true", help="also time kernel configs on the 16-token tile")
     p.add_argument("--only", default=None, metavar="TEXT", help="time only the variants whose name has TEXT")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--config-tiles",
+        default=None,
+        metavar="N,N,...",
+        help="also time each chosen variant with its kernel configs chosen as for N tiles (0: its own count)",
+    )
     p.add_argument("--out")
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes and pool, to check the script on the CPU"
@@ -281,6 +301,12 @@ def main(argv: list[str] | None = None) -> None:
         variants = {k: v for k, v in variants.items() if a.only in k}
         if not variants:
             raise SystemExit(f"--only {a.only!r} matches no variant")
+    if a.config_tiles is not None:
+        variants = {
+            f"{name}, configs as for {int(n) or 'its'} tiles": shrink_as_for(make, int(n), backend)
+            for name, make in variants.items()
+            for n in a.config_tiles.split(",")
+        }
     rows = []
     for name, make in variants.items():
         info, configs = make()

@@ -4,9 +4,9 @@ A decode batch of B sequences runs padded to the next bucket size Bp. Its inputs
 (a pinned ring) and uploaded by two small kernels (kernels/host_copy) into fixed device buffers that the
 graph of that bucket reads: token ids, positions, KV rows, the attention block plan and a narrow page
 table. Padding tokens are one-token sequences on the cache's scratch page (they write and read only
-there) with no adapter. Graphs are keyed by (Bp, attention key splits, adapters present); the LoRA
-kernels' grids are sized for the bucket and stop at the tile count in their device metadata, so one graph
-serves every adapter mix.
+there) with no adapter. Graphs are keyed by (Bp, attention key splits, LoRA tile class: 0 without
+adapters); the LoRA kernels' grids are sized for the bucket and stop at the tile count in their device
+metadata, and their configs follow the class, so one graph serves every adapter mix of its class.
 Without capture (CPU, tests) the same padded forward runs eagerly."""
 
 from __future__ import annotations
@@ -152,29 +152,30 @@ class DecodeGraphs:
         """Capture every bucket's graphs ahead of serving (largest first, so the pool's memory is reused).
         Returns graphs captured."""
         before = len(self.graphs)
-        for padded, s, lora in self.graph_keys():
-            if (padded, s, lora) not in self.graphs:
-                self._stage([], padded, splits=s, with_lora=lora)  # all padding: touches only scratch
-                self._capture((padded, s, lora))
+        for key in self.graph_keys():
+            if key not in self.graphs:
+                padded, s, lora = key
+                self._stage([], padded, splits=s, lora_class=lora)  # all padding: touches only scratch
+                self._capture(key)
         return len(self.graphs) - before
 
-    def graph_keys(self) -> list[tuple[int, int, bool]]:
-        """(bucket, key splits, adapters present) of every graph a batch can need, largest bucket first:
-        each split count a context up to max_model_len can choose."""
+    def graph_keys(self) -> list[tuple[int, int, int]]:
+        """(bucket, key splits, LoRA tile class or 0) of every graph a batch can need, largest bucket
+        first: each split count a context up to max_model_len can choose, each tile class of the bucket."""
         keys = split_key_counts(self.max_pages * self.kv.page_size)
-        loras = (False, True) if self.lora is not None else (False,)
         out = []
         for padded in reversed(self.buckets):
             blocks = padded * self.blocks_per_seq
             splits = {choose_splits(blocks, self.num_kv_heads, n, self.device) for n in keys}
+            loras = (0, *self.lora.tile_classes(padded)) if self.lora is not None else (0,)
             out.extend((padded, s, lora) for s in sorted(splits) for lora in loras)
         return out
 
     def _stage(
-        self, seqs: Sequence[DecodeSeq], padded: int, splits: int | None = None, with_lora: bool | None = None
-    ) -> tuple[int, int, bool]:
+        self, seqs: Sequence[DecodeSeq], padded: int, splits: int | None = None, lora_class: int | None = None
+    ) -> tuple[int, int, int]:
         """Write the batch into the next staging buffer, upload it, prepare the LoRA metadata; returns the
-        graph key. `splits`/`lora` force the key (warm-up capture of an all-padding batch)."""
+        graph key. `splits`/`lora_class` force the key (warm-up capture of an all-padding batch)."""
         n, mb, ps = len(seqs), self.max_batch, self.kv.page_size
         st = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
@@ -206,13 +207,18 @@ class DecodeGraphs:
         if splits is None:
             splits = choose_splits(blocks, self.num_kv_heads, most_keys, self.device)
         st.upload(self._i64, self._i32, self._meta_len + padded * self.max_pages)
-        has_lora = any(s.slot >= 0 for s in seqs) if with_lora is None else with_lora
-        if has_lora:
-            self.lora.prepare(*slot_segments(seqs), pad_to=padded)
-        return padded, splits, has_lora
+        if lora_class is None:  # the class of this batch's own tiles, 0 without adapters
+            if any(s.slot >= 0 for s in seqs):
+                self.lora.prepare(*slot_segments(seqs), pad_to=padded, tile_class="auto")
+                lora_class = self.lora.tile_class
+            else:
+                lora_class = 0
+        elif lora_class:
+            self.lora.prepare(*slot_segments(seqs), pad_to=padded, tile_class=lora_class)
+        return padded, splits, lora_class
 
-    def _forward(self, key: tuple[int, int, bool]) -> None:
-        padded, splits, has_lora = key
+    def _forward(self, key: tuple[int, int, int]) -> None:
+        padded, splits, lora_class = key
         plan = AttentionPlan(
             meta=self.attn_meta[: padded * self.blocks_per_seq],
             num_tokens=padded,
@@ -230,9 +236,9 @@ class DecodeGraphs:
             seqs=(),  # the attention kernel reads the plan below, never the extents
             attn_plan=plan,
         )
-        self.out[:padded].copy_(self.model.forward(fb, self.kv, self.lora if has_lora else None))
+        self.out[:padded].copy_(self.model.forward(fb, self.kv, self.lora if lora_class else None))
 
-    def _capture(self, key: tuple[int, int, bool]) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: tuple[int, int, int]) -> torch.cuda.CUDAGraph:
         """Run the staged batch once eagerly (compiles kernels; its results equal the replay's), then
         record it. Only the step thread issues CUDA work, so capture errors are thread-local."""
         start = time.perf_counter()

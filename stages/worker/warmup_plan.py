@@ -9,7 +9,8 @@ either not passed or not specialised on). The heuristics see a batch only throug
   Every T in 1..max_tokens is swept, with every longest run (in spans of one `block_m`), every tile
   count a batch of T tokens can have (`tile_range`, the bounds of `kernels.batch_info.plan_tiles`)
   and every rank class; padded batches (CUDA graphs: decode sizes, and the step graphs' token buckets
-  with their token tile) add one configuration each, made by `prepare(pad_to=...)` itself.
+  with their token tile) add their configurations, made by `prepare(pad_to=...)` itself: one for each
+  tile class of a decode size, one (the tile bound's) for a step graph.
 - attention (`kernels.paged_attention`): `block_m` from the rows of the longest query
   (`decode_block_m`) and the key splits (`choose_splits`) over every block count and context length.
 """
@@ -138,10 +139,13 @@ def lora_launches(
                 )
     for spec in padded_sizes:
         size, block_m = spec if isinstance(spec, tuple) else (spec, None)
-        backend.prepare([0], [], pad_to=size, block_m=block_m)
-        padded = backend.batch_info
-        assert padded is not None
-        add(padded)
+        # Decode graphs (a size alone) have a graph per tile class; step graphs use the tile bound.
+        classes = (None,) if isinstance(spec, tuple) else backend.tile_classes(size, block_m)
+        for c in classes:
+            backend.prepare([0], [], pad_to=size, block_m=block_m, tile_class=c)
+            padded = backend.batch_info
+            assert padded is not None
+            add(replace(padded, num_tiles=backend.tile_class))  # the configs of the class's tile count
     backend.prepare([0], [])
     return launches
 

@@ -12,6 +12,7 @@ from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
 from runtime.common.packed import PackedAdapter
 from stages.worker.lora.factory import make_backend
 from stages.worker.lora.pool import LoraPool
+from stages.worker.lora.triton_backend import TritonLoraBackend
 from tests.kernels.conftest import (
     MIXED_LENGTHS,
     MIXED_SLOTS,
@@ -66,7 +67,13 @@ def loaded_pool(layout: LoraLayout, dtype: torch.dtype, device: torch.device, se
 
 
 def compare_backends(
-    slots: LoraPool, indptr: list[int], seg_slots: list[int], seed: int, tri_backend=None, pad_to=None
+    slots: LoraPool,
+    indptr: list[int],
+    seg_slots: list[int],
+    seed: int,
+    tri_backend=None,
+    pad_to=None,
+    tile_class=None,
 ) -> None:
     """`tri_backend` (default: one on the slots themselves) against the torch backend on `slots`."""
     gen = torch.Generator().manual_seed(seed)
@@ -80,7 +87,7 @@ def compare_backends(
         if s >= 0:
             no_adapter[indptr[i] : indptr[i + 1]] = False
     ref_backend.prepare(indptr, seg_slots)
-    tri_backend.prepare(indptr, seg_slots, pad_to=pad_to)
+    tri_backend.prepare(indptr, seg_slots, pad_to=pad_to, tile_class=tile_class)
     T = pad_to or T
     no_adapter = torch.cat([no_adapter, torch.ones(T - no_adapter.shape[0], dtype=torch.bool)])
     for layer in range(layout.num_layers):
@@ -211,3 +218,41 @@ def compare_backends_big(slots: LoraPool, indptr: list[int], seg_slots: list[int
         ref_backend.apply(x, want, 0, g)
         tri_backend.apply(x, got, 0, g)
         assert rel_err(got - out0, want - out0) < 2 * TOL[slots.dtype], g.name
+
+
+def test_decode_batches_take_the_tile_class_of_their_own_tiles(device, monkeypatch):
+    """A padded batch's kernel configs follow its tile class: the first of `tile_classes` with at least
+    2/3 of its tiles, else the bound. Each class computes the same delta as the torch backend, and on an
+    H100's SM count a few-tile class splits the shrink's K where the bound's configs do not."""
+    from kernels import lora_shrink
+
+    monkeypatch.setattr(lora_shrink, "_num_sms", lambda device: 132)  # an H100's count
+    layout = LoraLayout.build(num_layers=1, hidden=512, q_out=512, kv_out=128, intermediate=1024, max_rank=8)
+    pool = LoraPool(layout, 40 * 8, 40, torch.float32, device)
+    gen = torch.Generator().manual_seed(11)
+    for slot in range(6):
+        block = torch.randn((1, 8, layout.row_elems), generator=gen) * 0.1
+        ranks = torch.full((1, NUM_SLICES), 8, dtype=torch.int32)
+        pool.load(
+            slot, PackedAdapter(f"a{slot}", block, ranks, torch.full((1, NUM_SLICES), 2.0)), [(slot * 8, 8)]
+        )
+    tri = TritonLoraBackend(pool, max_tokens=64, max_seqs=64)
+    assert tri.tile_classes(64) == (32, 44)  # bound: 40 ids + 64 // 16 full tiles
+    indptr, seg_slots = indptr_of([1] * 6), list(range(6))
+    tri.prepare(indptr, seg_slots, pad_to=64, tile_class="auto")
+    assert tri.tile_class == 32
+    few = {name: sc for name, (sc, _, _) in tri._configs.items()}
+    tri.prepare(indptr_of([1] * 40), list(range(40)), pad_to=64, tile_class="auto")
+    assert tri.tile_class == 32  # 40 tiles <= 48
+    tri.prepare(indptr_of([1] * 44), list(range(40)) + [0] * 4, pad_to=64, tile_class="auto")
+    assert tri.tile_class == 32  # adjacent tokens of one adapter merge: 40 tiles
+    with pytest.raises(ValueError, match="tile class 7"):
+        tri.prepare(indptr, seg_slots, pad_to=64, tile_class=7)
+    tri.prepare(indptr, seg_slots, pad_to=64)  # the bound's configs
+    assert tri.tile_class == 44
+    bound = {name: sc for name, (sc, _, _) in tri._configs.items()}
+    assert any(few[n].split_k > bound[n].split_k for n in few)
+    for tile_class in (32, 44):
+        compare_backends(
+            pool, indptr, seg_slots, seed=tile_class, tri_backend=tri, pad_to=64, tile_class=tile_class
+        )

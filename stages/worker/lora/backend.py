@@ -33,6 +33,7 @@ class LoraBackend(ABC):
         self.layout = pool.layout
         self.max_tokens = max_tokens
         self.max_seqs = max_seqs
+        self.tile_class = 0  # the prepared padded batch's tile class (0: the backend has none)
 
     @abstractmethod
     def prepare(
@@ -41,10 +42,18 @@ class LoraBackend(ABC):
         seg_slots: Sequence[int],
         pad_to: int | None = None,
         block_m: int | None = None,
+        tile_class: int | str | None = None,
     ) -> None:
         """Build this forward's batch metadata (host-side lists in, no device reads). `pad_to`: the
         forward runs that many tokens, real ones first (padding has no adapter); `block_m`: the token
-        tile of such a padded batch (None: the decode tile)."""
+        tile of such a padded batch (None: the decode tile); `tile_class`: what its kernel configs are
+        chosen for, one of `tile_classes` (an int), "auto" (the class of the batch's own tile count,
+        left in `self.tile_class`) or None (the tile bound)."""
+
+    def tile_classes(self, pad_to: int, block_m: int | None = None) -> tuple[int, ...]:
+        """The tile classes a padded batch of `pad_to` tokens can be prepared for: one CUDA graph each.
+        A backend whose launches do not depend on the tile count has one, 0."""
+        return (0,)
 
     @abstractmethod
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:

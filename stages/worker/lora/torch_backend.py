@@ -21,6 +21,7 @@ class TorchLoraBackend(LoraBackend):
         seg_slots: Sequence[int],
         pad_to: int | None = None,
         block_m: int | None = None,
+        tile_class: int | str | None = None,
     ) -> None:
         # Merge runs of one adapter; drop base-only segments.
         segs: list[tuple[int, int, int]] = []

@@ -6,6 +6,7 @@ fixed tables (no host-device sync)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -17,6 +18,14 @@ from stages.worker.lora.backend import PADDED_BLOCK_M, LoraBackend
 from stages.worker.lora.pool import LoraPool
 
 MAX_SPLIT_K = 16
+# A padded (graphed) batch's kernel configs follow its tile count (the shrink's split-K and column block
+# fill the GPU from it), which its graph cannot know. Configs chosen for the tile bound starve a step of
+# few tiles: on the H100 (docs/benchmarks.md, session 13, call 3), 256 decodes over 8 or 32 adapters
+# (21, 37 tiles) took 1.28 and 1.38 ms of LoRA kernels with the bound's configs, 0.83 and 1.04 ms with
+# configs for 32 tiles; 80 adapters (82 tiles) 2.38 against 2.26 ms with configs for 128. So a padded
+# size has a graph per class: configs for min(bound, c) tiles for each c here, and for the bound; a batch
+# takes the first class c with tiles <= 1.5 c.
+TILE_CLASSES = (32, 128)
 Configs = tuple[ShrinkConfig, ExpandConfig, torch.Tensor]  # per group: kernel configs, shrink output view
 
 
@@ -83,7 +92,7 @@ class TritonLoraBackend(LoraBackend):
         self._builder = BatchInfoBuilder(self.max_tokens, self.pool.device)
         self._info: BatchInfo | None = None
         self._configs: dict[str, Configs] = {}
-        self._padded_configs: dict[tuple[int, int], dict[str, Configs]] = {}  # by (pad_to, block_m)
+        self._padded_configs: dict[tuple[int, int, int], dict[str, Configs]] = {}  # (pad_to, block_m, class)
 
     def _init_workspace(self) -> None:
         # Shrink output (split-K fp32 partials), reused by every apply: allocated once, fixed address.
@@ -102,13 +111,15 @@ class TritonLoraBackend(LoraBackend):
         seg_slots: Sequence[int],
         pad_to: int | None = None,
         block_m: int | None = None,
+        tile_class: int | str | None = None,
     ) -> None:
         """`pad_to`: a fixed-shape batch of that many tokens (the real ones first): the kernels' grids,
-        split-K and rank tile then depend on (`pad_to`, `block_m`) alone, so one CUDA graph serves every
-        batch of that size. Tiles of at most `block_m` tokens (PADDED_BLOCK_M unless given) number at
-        most one partial tile per adapter run plus pad_to // block_m full ones, whatever the runs."""
+        split-K and rank tile then depend on (`pad_to`, `block_m`, tile class) alone, so one CUDA graph
+        serves every batch of that size and class. Tiles of at most `block_m` tokens (PADDED_BLOCK_M
+        unless given) number at most one partial tile per adapter run plus pad_to // block_m full ones,
+        whatever the runs: the grids cover that bound, whatever the class."""
         if pad_to is not None:
-            self._prepare_padded(seg_indptr, seg_slots, pad_to, block_m or PADDED_BLOCK_M)
+            self._prepare_padded(seg_indptr, seg_slots, pad_to, block_m or PADDED_BLOCK_M, tile_class)
             return
         used = sorted({s for s in seg_slots if s >= 0})
         max_rank = int(self.pool.host_ranks[used].max()) if used else 0
@@ -116,8 +127,17 @@ class TritonLoraBackend(LoraBackend):
         self._configs = self._make_configs(info)
         self._info = info
 
+    def tile_classes(self, pad_to: int, block_m: int | None = None) -> tuple[int, ...]:
+        bound = padded_tile_bound(pad_to, block_m or PADDED_BLOCK_M, self.pool.num_ids, self.max_seqs)
+        return tuple(sorted({min(bound, c) for c in TILE_CLASSES} | {bound}))
+
     def _prepare_padded(
-        self, seg_indptr: Sequence[int], seg_slots: Sequence[int], pad_to: int, block_m: int
+        self,
+        seg_indptr: Sequence[int],
+        seg_slots: Sequence[int],
+        pad_to: int,
+        block_m: int,
+        tile_class: int | str | None,
     ) -> None:
         if seg_indptr[-1] > pad_to:
             raise ValueError(f"batch has {seg_indptr[-1]} tokens, more than pad_to={pad_to}")
@@ -125,6 +145,13 @@ class TritonLoraBackend(LoraBackend):
         bound = padded_tile_bound(pad_to, block_m, self.pool.num_ids, self.max_seqs)
         if real.num_tiles > bound:
             raise ValueError(f"{real.num_tiles} LoRA tiles exceed the padded bound {bound}")
+        classes = self.tile_classes(pad_to, block_m)
+        if tile_class == "auto":
+            tile_class = next(c for c in classes if real.num_tiles <= c * 3 // 2 or c == bound)
+        elif tile_class is None:
+            tile_class = bound
+        elif tile_class not in classes:
+            raise ValueError(f"tile class {tile_class!r} is not one of {classes} (pad_to={pad_to})")
         info = BatchInfo(
             meta=real.meta,
             num_tokens=pad_to,
@@ -134,10 +161,11 @@ class TritonLoraBackend(LoraBackend):
             block_rank=real.block_rank,
             num_slots_used=real.num_slots_used,
         )
-        cached = self._padded_configs.get((pad_to, block_m))
-        if cached is None:
-            cached = self._padded_configs[pad_to, block_m] = self._make_configs(info)
-        self._configs, self._info = cached, info
+        key = (pad_to, block_m, tile_class)
+        cached = self._padded_configs.get(key)
+        if cached is None:  # configs as for the class's tile count; the grids cover the bound
+            cached = self._padded_configs[key] = self._make_configs(replace(info, num_tiles=tile_class))
+        self._configs, self._info, self.tile_class = cached, info, tile_class
 
     def _make_configs(self, info: BatchInfo) -> dict[str, tuple[ShrinkConfig, ExpandConfig, torch.Tensor]]:
         max_split = split_cap(info.num_tokens, self._ws_rows)
