@@ -3,10 +3,8 @@ tokens) replayed as CUDA graphs per token-count bucket, in the manner of vLLM V1
 
 A step of T tokens runs padded to the next bucket Tp with fixed-shape inputs in fixed device buffers
 (`step_inputs.py`); the LoRA kernels' grids are sized for the bucket and stop at the tile count in
-their device metadata, and their configs follow the step's LoRA tile class (`TritonLoraBackend.
-tile_classes`), so one graph serves every adapter mix of its class. Two modes:
-- full: the whole forward is one graph per (Tp, attention key splits, LoRA tile class: 0 without
-  adapters). The Triton
+their device metadata, so one graph serves every adapter mix. Two modes:
+- full: the whole forward is one graph per (Tp, attention key splits, adapters present). The Triton
   attention kernel reads its block plan from a device buffer; its grid is the bucket's block capacity,
   the rows past the step's own blocks empty (they return at once).
 - piecewise (attention that reads each batch's extents on the host, the torch loop): per layer, the
@@ -83,8 +81,8 @@ class StepGraphs:
             self.attn = torch.zeros((mt, cfg.num_heads * cfg.head_dim), dtype=dtype, device=dev)
             self.cos = torch.zeros((mt, 1, cfg.head_dim), dtype=dtype, device=dev)  # [T, 1, D]
             self.sin = torch.zeros((mt, 1, cfg.head_dim), dtype=dtype, device=dev)
-        self.full: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
-        self.pieces: dict[tuple[int, int], list[torch.cuda.CUDAGraph]] = {}
+        self.full: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self.pieces: dict[tuple[int, bool], list[torch.cuda.CUDAGraph]] = {}
         self.pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
         self.capture_seconds = 0.0
         self.runs = 0  # steps run on this path (replayed or, without capture, eager)
@@ -142,15 +140,14 @@ class StepGraphs:
         padded = self.bucket(sum(len(s.token_ids) for s in seqs))
         step = self.inputs.stage(seqs, padded)
         fill_pending(self.inputs.ids[:padded], pending)
-        lora_class = 0  # the LoRA tile class of the step's own tiles, 0 without adapters
-        if any(s.slot >= 0 for s in seqs):
-            self.lora.prepare(*slot_segments(seqs), pad_to=padded, block_m=PADDED_BLOCK_M, tile_class="auto")
-            lora_class = self.lora.tile_class
+        has_lora = any(s.slot >= 0 for s in seqs)
+        if has_lora:
+            self.lora.prepare(*slot_segments(seqs), pad_to=padded, block_m=PADDED_BLOCK_M)
         gated = layer_waits is not None
         if self.piecewise:
-            self._run_pieces(step, lora_class, layer_waits)
+            self._run_pieces(step, has_lora, layer_waits)
         else:
-            key = (padded, self._splits(step), lora_class, gated and self.capture)
+            key = (padded, self._splits(step), has_lora, gated and self.capture)
             if key[3]:
                 self._arm(layer_waits)
             graph = self.full.get(key) if self.capture else None
@@ -171,33 +168,31 @@ class StepGraphs:
         memory). Returns graphs captured."""
         before = self.num_graphs
         for key in self.graph_keys():
-            padded, _, lora_class, _ = key
+            padded, _, has_lora, _ = key
             if self.piecewise:
-                if (padded, lora_class) not in self.pieces:
-                    self._capture_pieces(self._stage_padding(padded, lora_class), lora_class)
+                if (padded, has_lora) not in self.pieces:
+                    self._capture_pieces(self._stage_padding(padded, has_lora), has_lora)
             elif key not in self.full:
-                self._stage_padding(padded, lora_class)
+                self._stage_padding(padded, has_lora)
                 self._capture_full(key)
         return self.num_graphs - before
 
-    def graph_keys(self) -> list[tuple[int, int, int, bool]]:
-        """(bucket, key splits, LoRA tile class or 0, layer-gated) of every graph a step can need, largest
+    def graph_keys(self) -> list[tuple[int, int, bool, bool]]:
+        """(bucket, key splits, adapters present, layer-gated) of every graph a step can need, largest
         bucket first: in full mode each split count a context up to the page table's reach can choose
-        (piecewise graphs hold no attention: splits 0), each tile class of the bucket, and with gates a
-        gated twin of each LoRA key."""
+        (piecewise graphs hold no attention: splits 0), and with gates a gated twin of each LoRA key."""
         kvh = self.model.cfg.num_kv_heads
         keys = split_key_counts(self.max_keys)
         out = []
         for padded in reversed(self.buckets):
-            classes = self.lora.tile_classes(padded, PADDED_BLOCK_M) if self.lora is not None else ()
-            for lora_class in (0, *classes):
+            for has_lora in (False, True) if self.lora is not None else (False,):
                 if self.piecewise:
-                    out.append((padded, 0, lora_class, False))
+                    out.append((padded, 0, has_lora, False))
                     continue
                 cap = self.inputs.block_capacity(padded)
                 splits = sorted({choose_splits(cap, kvh, n, self.device) for n in keys})
-                for gated in (False, True) if lora_class and self.gates else (False,):
-                    out.extend((padded, s, lora_class, gated) for s in splits)
+                for gated in (False, True) if has_lora and self.gates else (False,):
+                    out.extend((padded, s, has_lora, gated) for s in splits)
         return out
 
     def _arm(self, layer_waits: Sequence[Sequence[torch.cuda.Event]]) -> None:
@@ -209,11 +204,11 @@ class StepGraphs:
                 stream.wait_event(event)
             gate.record(stream)
 
-    def _stage_padding(self, padded: int, lora_class: int) -> StagedStep:
+    def _stage_padding(self, padded: int, has_lora: bool) -> StagedStep:
         """An all-padding step (it touches only the scratch page), for capture."""
         step = self.inputs.stage([], padded)
-        if lora_class:
-            self.lora.prepare([0], [], pad_to=padded, block_m=PADDED_BLOCK_M, tile_class=lora_class)
+        if has_lora:
+            self.lora.prepare([0], [], pad_to=padded, block_m=PADDED_BLOCK_M)
         return step
 
     def _splits(self, step: StagedStep) -> int:
@@ -243,21 +238,21 @@ class StepGraphs:
             num_splits=splits,
         )
 
-    def _forward_full(self, key: tuple[int, int, int, bool], layer_waits=None) -> None:
+    def _forward_full(self, key: tuple[int, int, bool, bool], layer_waits=None) -> None:
         """The padded forward of `key`; a gated key waits on the gates (what its graph captures), an
         uncaptured step on its own `layer_waits`."""
-        padded, splits, lora_class, gated = key
+        padded, splits, has_lora, gated = key
         inp = self.inputs
         plan = self._plan(padded, inp.block_capacity(padded), splits)
         fb = self._batch(padded, inp.table_rows(padded), plan)
         waits = [[gate] for gate in self.gates] if gated else layer_waits
-        logits = self.model.forward(fb, self.kv, self.lora if lora_class else None, waits)
+        logits = self.model.forward(fb, self.kv, self.lora if has_lora else None, waits)
         self.out[: inp.out_rows(padded)].copy_(logits)
 
-    def _piece(self, i: int, padded: int, lora_class: int) -> None:
+    def _piece(self, i: int, padded: int, has_lora: bool) -> None:
         """Piece i: the embedding (i = 0) or layer i-1 after attention, then layer i up to attention (the
         last piece: the final norm and logits)."""
-        m, inp, lora = self.model, self.inputs, self.lora if lora_class else None
+        m, inp, lora = self.model, self.inputs, self.lora if has_lora else None
         if i == 0:
             h, cos, sin = m.embed(inp.ids[:padded], inp.positions[:padded])
             self.cos[:padded].copy_(cos)
@@ -282,28 +277,28 @@ class StepGraphs:
         fb = self._batch(t, len(step.extents), plan, step.extents)
         self.attn[:t].copy_(m.attend(self.q[:t], self.kv, i, fb, m.scale, m.cfg.sliding_window))
 
-    def _run_pieces(self, step: StagedStep, lora_class: int, layer_waits=None) -> None:
+    def _run_pieces(self, step: StagedStep, has_lora: bool, layer_waits=None) -> None:
         """The pieces in order, attention between them; piece i (whose second half is layer i up to
         attention) starts after `layer_waits[i]`."""
-        graphs = self.pieces.get((step.padded, lora_class)) if self.capture else None
+        graphs = self.pieces.get((step.padded, has_lora)) if self.capture else None
         stream = torch.cuda.current_stream(self.device) if layer_waits else None
         if graphs is None and self.capture:
             for event in (e for events in layer_waits or () for e in events):
                 stream.wait_event(event)  # every layer's copy before the capture's eager pass
-            self._capture_pieces(step, lora_class)  # computes this step too
+            self._capture_pieces(step, has_lora)  # computes this step too
             return
         for i in range(self.num_layers + 1):
             if stream is not None and i < self.num_layers:
                 for event in layer_waits[i]:
                     stream.wait_event(event)
             if graphs is None:
-                self._piece(i, step.padded, lora_class)
+                self._piece(i, step.padded, has_lora)
             else:
                 graphs[i].replay()
             if i < self.num_layers:
                 self._attend(i, step)
 
-    def _capture_full(self, key: tuple[int, int, int, bool]) -> torch.cuda.CUDAGraph:
+    def _capture_full(self, key: tuple[int, int, bool, bool]) -> torch.cuda.CUDAGraph:
         """Run the staged step once eagerly (compiles kernels; its results equal the replay's), then
         record it. Only the step thread issues CUDA work, so capture errors are thread-local."""
         start = time.perf_counter()
@@ -315,19 +310,19 @@ class StepGraphs:
         self.capture_seconds += time.perf_counter() - start
         return graph
 
-    def _capture_pieces(self, step: StagedStep, lora_class: int) -> None:
+    def _capture_pieces(self, step: StagedStep, has_lora: bool) -> None:
         """Run the staged step eagerly, piece by piece (its results are the step's), then record each
         piece (recording computes nothing, so the buffers keep the eager results)."""
         start = time.perf_counter()
         for i in range(self.num_layers + 1):
-            self._piece(i, step.padded, lora_class)
+            self._piece(i, step.padded, has_lora)
             if i < self.num_layers:
                 self._attend(i, step)
         graphs = []
         for i in range(self.num_layers + 1):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._piece(i, step.padded, lora_class)
+                self._piece(i, step.padded, has_lora)
             graphs.append(graph)
-        self.pieces[step.padded, lora_class] = graphs
+        self.pieces[step.padded, has_lora] = graphs
         self.capture_seconds += time.perf_counter() - start

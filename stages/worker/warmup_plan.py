@@ -10,7 +10,7 @@ either not passed or not specialised on). The heuristics see a batch only throug
   count a batch of T tokens can have (`tile_range`, the bounds of `kernels.batch_info.plan_tiles`)
   and every rank class; padded batches (CUDA graphs: decode sizes, and the step graphs' token buckets
   with their token tile) add their configurations, made by `prepare(pad_to=...)` itself: one for each
-  tile class of the size.
+  tile class of a decode size, one (the tile bound's) for a step graph.
 - attention (`kernels.paged_attention`): `block_m` from the rows of the longest query
   (`decode_block_m`) and the key splits (`choose_splits`) over every block count and context length.
 """
@@ -139,7 +139,9 @@ def lora_launches(
                 )
     for spec in padded_sizes:
         size, block_m = spec if isinstance(spec, tuple) else (spec, None)
-        for c in backend.tile_classes(size, block_m):  # a graph per tile class
+        # Decode graphs (a size alone) have a graph per tile class; step graphs use the tile bound.
+        classes = (None,) if isinstance(spec, tuple) else backend.tile_classes(size, block_m)
+        for c in classes:
             backend.prepare([0], [], pad_to=size, block_m=block_m, tile_class=c)
             padded = backend.batch_info
             assert padded is not None
