@@ -256,3 +256,13 @@ def test_decode_batches_take_the_tile_class_of_their_own_tiles(device, monkeypat
         compare_backends(
             pool, indptr, seg_slots, seed=tile_class, tri_backend=tri, pad_to=64, tile_class=tile_class
         )
+
+
+def test_a_backend_without_tile_classes_never_reports_class_0(device):
+    """Graph keys use class 0 for a batch without adapters: a backend whose launches ignore the tile
+    count reports one class, 1, so a batch with adapters can never be keyed (and run) as adapter-free."""
+    slots = loaded_pool(small_layout(), torch.float32, device, seed=3)
+    backend = make_backend("torch", slots, max_tokens=64)
+    assert backend.tile_classes(48) == (1,)
+    backend.prepare(indptr_of([1] * 4), [0, 1, 2, 3], pad_to=48, tile_class="auto")
+    assert backend.tile_class == 1

@@ -33,7 +33,8 @@ class LoraBackend(ABC):
         self.layout = pool.layout
         self.max_tokens = max_tokens
         self.max_seqs = max_seqs
-        self.tile_class = 0  # the prepared padded batch's tile class (0: the backend has none)
+        # The prepared padded batch's tile class. Never 0, which graph keys use for "no adapters".
+        self.tile_class = 1
 
     @abstractmethod
     def prepare(
@@ -51,9 +52,9 @@ class LoraBackend(ABC):
         left in `self.tile_class`) or None (the tile bound)."""
 
     def tile_classes(self, pad_to: int, block_m: int | None = None) -> tuple[int, ...]:
-        """The tile classes a padded batch of `pad_to` tokens can be prepared for: one CUDA graph each.
-        A backend whose launches do not depend on the tile count has one, 0."""
-        return (0,)
+        """The tile classes a padded batch of `pad_to` tokens can be prepared for: one CUDA graph each
+        (positive integers). A backend whose launches do not depend on the tile count has one, 1."""
+        return (1,)
 
     @abstractmethod
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:
