@@ -22,6 +22,10 @@ import tempfile
 from pathlib import Path
 
 ROW = 1.41e6  # bytes per rank row of the 1B layout
+# Activation bytes the unfused LoRA kernels move per token (bench_lora_step's floor: per layer x read by
+# the shrinks, 2 bytes x 14,336 inputs, and the outputs read and written by the expands, 4 x 23,552),
+# over 16 layers. Counted for prompt tokens only (a decode step's outputs are small enough for L2).
+ACT = 16 * (2 * 14_336 + 4 * 23_552)
 TBPS = (3.0e12, 3.35e12)  # measured copy bandwidth, data sheet
 # Adapter-free throughput of the same requests, tok/s: S1's 8-adapter runs and S2's base-only runs
 # (medians, session 12 calls 6 and 7 and session 13 calls 5 and 6).
@@ -57,10 +61,16 @@ def main() -> None:
                   f"({sum(len(v) == 1 for v in outs.values())} with one request)")  # fmt: skip
             print(f"  adapter-steps at least {steps}; weight bytes at least {shared / 1e12:.2f} TB "
                   f"({alone / 1e12:.2f} TB if no two requests of an adapter ran side by side)")  # fmt: skip
+            act = ACT * sum(r["input_len"] for r in reqs)
             for ref in REFERENCE[name]:
                 t = tokens / ref
                 bounds = ", ".join(f"{t / (t + shared / bw):.3f} at {bw / 1e12:.2f} TB/s" for bw in TBPS)
                 print(f"  adapter-free run at {ref} tok/s takes {t:.2f} s: ratio at most {bounds}")
+                if name == "S2":  # S1's 8-adapter run moves the same activations, so they cancel there
+                    unfused = ", ".join(f"{t / (t + (shared + act) / bw):.3f}" for bw in TBPS)
+                    print(
+                        f"    with the unfused kernels' {act / 1e12:.2f} TB of prompt activations: {unfused}"
+                    )
 
 
 if __name__ == "__main__":
