@@ -207,15 +207,12 @@ class DecodeGraphs:
         if splits is None:
             splits = choose_splits(blocks, self.num_kv_heads, most_keys, self.device)
         st.upload(self._i64, self._i32, self._meta_len + padded * self.max_pages)
-        if lora_class is None:  # the class of this batch's own tiles, 0 without adapters
-            if any(s.slot >= 0 for s in seqs):
-                self.lora.prepare(*slot_segments(seqs), pad_to=padded, tile_class="auto")
-                lora_class = self.lora.tile_class
-            else:
-                lora_class = 0
-        elif lora_class:
-            self.lora.prepare(*slot_segments(seqs), pad_to=padded, tile_class=lora_class)
-        return padded, splits, lora_class
+        # the forced class, else that of this batch's own tiles; 0 without adapters
+        want = lora_class if lora_class is not None else "auto" if any(s.slot >= 0 for s in seqs) else 0
+        if not want:
+            return padded, splits, 0
+        self.lora.prepare(*slot_segments(seqs), pad_to=padded, tile_class=want)
+        return padded, splits, self.lora.tile_class
 
     def _forward(self, key: tuple[int, int, int]) -> None:
         padded, splits, lora_class = key

@@ -52,6 +52,11 @@ def padded_tile_bound(pad_to: int, block_m: int, num_ids: int, max_seqs: int | N
     return min(pad_to, min(num_ids, max_seqs or pad_to) + pad_to // block_m)
 
 
+def classes_of(bound: int) -> tuple[int, ...]:
+    """The tile classes of a padded batch whose tile bound is `bound`, ascending: the bound last."""
+    return tuple(sorted({min(bound, c) for c in TILE_CLASSES} | {bound}))
+
+
 class TritonLoraBackend(LoraBackend):
     """The kernels read adapter weights as rank rows of the pool's layer `l` (`pool.mem[l]`, [total_rows,
     row_elems]) through its row table: adapter id i (the id of the batch segments, and the row of
@@ -128,8 +133,9 @@ class TritonLoraBackend(LoraBackend):
         self._info = info
 
     def tile_classes(self, pad_to: int, block_m: int | None = None) -> tuple[int, ...]:
-        bound = padded_tile_bound(pad_to, block_m or PADDED_BLOCK_M, self.pool.num_ids, self.max_seqs)
-        return tuple(sorted({min(bound, c) for c in TILE_CLASSES} | {bound}))
+        return classes_of(
+            padded_tile_bound(pad_to, block_m or PADDED_BLOCK_M, self.pool.num_ids, self.max_seqs)
+        )
 
     def _prepare_padded(
         self,
@@ -145,7 +151,7 @@ class TritonLoraBackend(LoraBackend):
         bound = padded_tile_bound(pad_to, block_m, self.pool.num_ids, self.max_seqs)
         if real.num_tiles > bound:
             raise ValueError(f"{real.num_tiles} LoRA tiles exceed the padded bound {bound}")
-        classes = self.tile_classes(pad_to, block_m)
+        classes = classes_of(bound)
         if tile_class == "auto":
             tile_class = next(c for c in classes if real.num_tiles <= c * 3 // 2 or c == bound)
         elif tile_class is None:
