@@ -14,8 +14,12 @@ import torch
 
 from kernels.host_copy import PinnedBuffer
 
-META_COLS = 4  # header row: [num_tiles, num_tokens, max_len, block_m]; tile rows: [start, end, slot, 0]
+# Header row: [num_tiles, num_tokens, max_len, block_m]. Row 1 + i: tile i's [start, end, slot] and, in
+# column 3, the adapter id of rows [i * ACT_BLOCK_M, (i + 1) * ACT_BLOCK_M) when they all have that one
+# adapter, else -1 (rows of several adapters, or without one): see kernels/lora_expand_act.py.
+META_COLS = 4
 MIN_BLOCK = 16  # smallest tl.dot dimension
+ACT_BLOCK_M = 16  # rows per block of column 3
 
 
 @functools.cache
@@ -57,6 +61,7 @@ class BatchInfo:
     max_len: int  # longest run of tokens sharing one slot
     block_rank: int  # power of two >= every real rank of the batch's slots
     num_slots_used: int  # distinct adapter slots in the batch
+    row_blocks: int = 0  # blocks of ACT_BLOCK_M rows whose adapter id column 3 holds
 
 
 def plan_runs(seg_indptr: Sequence[int], seg_slots: Sequence[int]) -> tuple[np.ndarray, ...]:
@@ -92,6 +97,20 @@ def plan_tiles(runs: tuple[np.ndarray, ...], block_m: int) -> np.ndarray:
     return tiles
 
 
+def block_slots(runs: tuple[np.ndarray, ...], cover: int) -> np.ndarray:
+    """Per block of ACT_BLOCK_M rows of `cover`: the adapter id all its rows have, else -1 (int32)."""
+    blocks = -(-cover // ACT_BLOCK_M)
+    row = np.full(blocks * ACT_BLOCK_M, -1, dtype=np.int64)
+    start, end, slot = runs
+    length = end - start
+    first = np.repeat(start - np.cumsum(length) + length, length)  # each run row's offset into its run
+    row[first + np.arange(int(length.sum()))] = np.repeat(slot, length)
+    row[cover:] = row[cover - 1] if cover else -1  # rows past `cover` do not exist: no say in the block
+    per = row.reshape(blocks, ACT_BLOCK_M)
+    lo, hi = per.min(axis=1), per.max(axis=1)
+    return np.where((lo == hi) & (lo >= 0), lo, -1).astype(np.int32)
+
+
 class BatchInfoBuilder:
     """Owns the fixed device metadata buffer (allocated once, so graph capture can reuse its address)
     and a small ring of host staging buffers (pinned on CUDA) so that a new forward never overwrites a
@@ -112,16 +131,23 @@ class BatchInfoBuilder:
         seg_slots: Sequence[int],
         max_rank: int,
         block_m: int | None = None,
+        cover: int | None = None,
     ) -> BatchInfo:
-        """Plan the tiles on the host and issue the one upload to the device (no device reads)."""
+        """Plan the tiles on the host and issue the one upload to the device (no device reads). `cover`:
+        the rows the forward runs (padding included; default the batch's tokens), whose blocks get their
+        one adapter id (or -1) in column 3."""
         num_tokens = int(seg_indptr[-1]) if len(seg_indptr) else 0
-        if num_tokens > self.capacity:
-            raise ValueError(f"batch has {num_tokens} tokens, more than max_tokens={self.capacity}")
+        cover = num_tokens if cover is None else cover
+        if max(num_tokens, cover) > self.capacity:
+            raise ValueError(
+                f"batch has {max(num_tokens, cover)} tokens, more than max_tokens={self.capacity}"
+            )
         runs = plan_runs(seg_indptr, seg_slots)
         max_len = int((runs[1] - runs[0]).max()) if runs[0].size else 0
         block_m = block_m or choose_block_m(max_len, num_tokens)
         tiles = plan_tiles(runs, block_m)
         n = tiles.shape[0]
+        blocks = -(-cover // ACT_BLOCK_M)
         i = self._next
         self._next = (i + 1) % len(self._host)
         buf = self._host[i]
@@ -129,7 +155,9 @@ class BatchInfoBuilder:
         arr = buf.host.numpy().reshape(1 + self.capacity, META_COLS)
         arr[0] = (n, num_tokens, max_len, block_m)
         arr[1 : 1 + n] = tiles
-        buf.upload(self.meta[: 1 + n].view(-1), (1 + n) * META_COLS)
+        arr[1 : 1 + blocks, 3] = block_slots(runs, cover)
+        used = 1 + max(n, blocks)
+        buf.upload(self.meta[:used].view(-1), used * META_COLS)
         return BatchInfo(
             meta=self.meta,
             num_tokens=num_tokens,
@@ -138,6 +166,7 @@ class BatchInfoBuilder:
             max_len=max_len,
             block_rank=block_rank_for(max_rank),
             num_slots_used=int(np.unique(runs[2]).size),
+            row_blocks=blocks,
         )
 
 

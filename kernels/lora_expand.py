@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.batch_info import META_COLS, BatchInfo, interpreting, read_tiles
+from kernels.batch_info import ACT_BLOCK_M, META_COLS, BatchInfo, interpreting, read_tiles
 from kernels.lora_shrink import check_row_table
 
 
@@ -88,6 +88,8 @@ def _lora_expand_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     META: tl.constexpr,
+    SKIP_UNIFORM: tl.constexpr,
+    ACT_BM: tl.constexpr,
 ):
     # Grid: (tiles, column blocks of all slices; a block never straddles two slices).
     pid_t = tl.program_id(0)
@@ -119,6 +121,11 @@ def _lora_expand_kernel(
 
     offs_m = start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < end
+    if SKIP_UNIFORM:  # rows of blocks with one adapter get their delta in kernels/lora_expand_act.py
+        blk = tl.load(meta_ptr + (offs_m // ACT_BM + 1) * META + 3, mask=m_ok, other=0)
+        m_ok = m_ok & (blk < 0)
+        if tl.max(m_ok.to(tl.int32), axis=0) == 0:
+            return
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < width
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + (off + offs_n)[None, :]
@@ -214,12 +221,14 @@ def lora_expand(
     *,
     config: ExpandConfig | None = None,
     check: bool = True,
+    skip_uniform: bool = False,
 ) -> torch.Tensor:
     """v [splits, T, num_slices, block_rank] fp32 partials (from `lora_shrink`); b [pool_rows, D] (one
     layer's B^T rows of the rank-row pool, strided view, last dim contiguous); ranks/scalings [num_ids,
     num_slices] int32/fp32; rows [num_ids, width] int32 (as for `lora_shrink`); all on the device. out
     [T, D] updated in place, only at adapter tokens and slices of nonzero rank. `check=False` skips
-    validating the arguments (the backend's hot path)."""
+    validating the arguments (the backend's hot path). `skip_uniform`: leave the rows of ACT_BLOCK_M-row
+    blocks whose rows all have one adapter (the metadata's column 3) to `lora_expand_silu_mul`."""
     if check:
         splits, num_slices = _check(v, b, ranks, scalings, rows, out, out_offsets, out_dims, info)
     else:
@@ -227,6 +236,8 @@ def lora_expand(
     cfg = config or expand_config(info, out_dims)
     if check and (cfg.block_k > info.block_rank or info.block_rank % cfg.block_k):
         raise ValueError(f"block_k={cfg.block_k} must divide block_rank={info.block_rank}")
+    if check and skip_uniform and info.row_blocks * ACT_BLOCK_M < info.num_tokens:
+        raise ValueError(f"skip_uniform needs the metadata's row blocks: {info.row_blocks} of {ACT_BLOCK_M}")
     if info.num_tiles == 0:
         return out
     d = list(out_dims) + [0] * (3 - num_slices)
@@ -261,6 +272,8 @@ def lora_expand(
         BLOCK_K=cfg.block_k,
         UPCAST=interpreting(),
         META=META_COLS,
+        SKIP_UNIFORM=skip_uniform,
+        ACT_BM=ACT_BLOCK_M,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

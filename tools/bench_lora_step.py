@@ -6,7 +6,10 @@ memory floor is the bytes that must move (activations in and out once, each dist
 once) at the measured copy bandwidth.
     python -m tools.bench_lora_step [--preset 1b] [--pool-gb 4] [--adapters 80] [--decodes 190]
         [--prefill 512,256] [--max-seqs 256] [--ranks 8,16,32,64] [--sweep] [--only TEXT] [--out FILE]
-        [--smoke]"""
+        [--act none|unfused|fused|both] [--smoke]
+With --act the gate_up group's activation is part of the step: its expand and then `silu_mul`
+(unfused), or the two as one kernel (fused, `kernels/lora_expand_act.py`); the graphed check is then the
+layer-0 activation's, against float64."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import triton  # noqa: E402
 from kernels.batch_info import plan_runs, plan_tiles  # noqa: E402
 from kernels.lora_expand import ExpandConfig  # noqa: E402
 from kernels.lora_shrink import ShrinkConfig  # noqa: E402
+from kernels.silu_mul import silu_mul  # noqa: E402
 from runtime.common.lora_layout import LoraLayout  # noqa: E402
 from runtime.common.model_config import ModelConfig  # noqa: E402
 from runtime.synthetic.model import PRESETS, build_config  # noqa: E402
@@ -136,14 +140,23 @@ def shrink_as_for(make, tiles: int, backend: TritonLoraBackend):
     return made
 
 
-def step_graph_us(backend: TritonLoraBackend, info, configs, xs, outs, layout, device, ref=None):
+def step_graph_us(backend: TritonLoraBackend, info, configs, xs, outs, layout, device, ref=None, act=False):
     """Median µs of one replay of every layer's and group's shrink + expand, as one CUDA graph, and the
-    relative error of one more replay's layer-0 gate_up delta against `ref` (from `check`), if given."""
+    relative error of one more replay's layer-0 gate_up delta against `ref` (from `check`), if given.
+    `act`: the gate_up group's activation too (fused or not as the backend's `fuse_act` says); the error
+    is then that of layer 0's activation of a zero projection plus the delta."""
 
     def launches():
+        first = None
         for layer in range(layout.num_layers):
             for g in layout.groups:
-                backend.apply_as(info, configs, xs[layer][g.name], outs[layer][g.name], layer, g)
+                x, out = xs[layer][g.name], outs[layer][g.name]
+                if act and g.name == "gate_up":
+                    y = backend.apply_act_as(info, configs, x, out, layer, g, silu_mul)
+                    first = y if first is None else first
+                else:
+                    backend.apply_as(info, configs, x, out, layer, g)
+        return first
 
     launches()
     if device.type != "cuda":
@@ -153,7 +166,7 @@ def step_graph_us(backend: TritonLoraBackend, info, configs, xs, outs, layout, d
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        launches()
+        first = launches()
     ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
     err = None
     if ref is not None:
@@ -161,9 +174,18 @@ def step_graph_us(backend: TritonLoraBackend, info, configs, xs, outs, layout, d
         out.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        err = float((out.double() - ref).norm() / ref.norm())
+        got, want = out.double(), ref
+        if act:
+            got, want = first.double(), act_ref(ref)
+        err = float((got - want).norm() / want.norm())
     del graph
     return ms * 1e3, err
+
+
+def act_ref(delta: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a zero projection plus `delta` [T, 2I], float64."""
+    gate, up = delta.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def check(backend, info, configs, xs, outs, layout, pool, indptr, slots) -> tuple[float, torch.Tensor]:
@@ -208,6 +230,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         metavar="N,N,...",
         help="also time each chosen variant with its kernel configs chosen as for N tiles (0: its own count)",
+    )
+    p.add_argument(
+        "--act",
+        choices=("none", "unfused", "fused", "both"),
+        default="none",
+        help="include the gate_up activation: after the expand, fused into it, or each variant both ways",
     )
     p.add_argument("--out")
     p.add_argument(
@@ -307,11 +335,18 @@ def main(argv: list[str] | None = None) -> None:
             for name, make in variants.items()
             for n in a.config_tiles.split(",")
         }
+    modes = {"none": [None], "unfused": [False], "fused": [True], "both": [False, True]}[a.act]
+    runs = [
+        (name if fuse is None else f"{name}, act {'fused' if fuse else 'unfused'}", make, fuse)
+        for name, make in variants.items()
+        for fuse in modes
+    ]
     rows = []
-    for name, make in variants.items():
+    for name, make, fuse in runs:
+        backend.fuse_act = bool(fuse)  # the configs follow it: made after
         info, configs = make()
         err, ref = check(backend, info, configs, xs, outs, layout, pool, indptr, slots)
-        us, graph_err = step_graph_us(backend, info, configs, xs, outs, layout, device, ref)
+        us, graph_err = step_graph_us(backend, info, configs, xs, outs, layout, device, ref, fuse is not None)
         rows.append(
             dict(
                 variant=name,

@@ -2,14 +2,16 @@
 can reach is compiled, or loaded from Triton's on-disk cache (TRITON_CACHE_DIR, set by the launcher from
 --compile-cache-dir), so that the first burst after "ready" runs at full speed.
 
-Each variant is launched once through the serving code itself (`TritonLoraBackend.apply`, the model's
-`triton_paged_attention`) on real-shaped buffers, with device metadata that says 0 tiles / empty
-queries: the launch compiles the variant and computes nothing. The variants come from the heuristics
-(`warmup_plan.py`) rather than from real forwards over a sweep of batches: a sweep large enough to
-reach every (tokens, tiles, rank class, key splits) combination would run thousands of forwards, while
-the plan needs one launch per variant and one LoRA launch per layer (views of different layers may
-differ in alignment, which Triton specialises on). One real forward at the step-size limit then
-warms the allocator and the matmul libraries. Nothing here runs on the CPU: there is nothing to compile.
+Each variant is launched once through the serving code itself (`TritonLoraBackend.apply`, or
+`apply_act` for the gate_up group fused with the activation; the model's `triton_paged_attention`) on
+real-shaped buffers, with device metadata that says 0 tiles / empty queries: the launch compiles the
+variant and computes nothing (the fused activation computes that of zero rows). The variants come
+from the heuristics (`warmup_plan.py`) rather than from real forwards over a sweep of batches: a sweep
+large enough to reach every (tokens, tiles, rank class, key splits) combination would run thousands
+of forwards, while the plan needs one launch per variant and one LoRA launch per layer (views of
+different layers may differ in alignment, which Triton specialises on). One real forward at the
+step-size limit then warms the allocator and the matmul libraries. Nothing here runs on the CPU:
+there is nothing to compile.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ def warm_up(runner: ModelRunner, say: Callable[[str], None] = log.info) -> Warmu
 
 def _lora(runner: ModelRunner, launches: list, progress: _Progress) -> None:
     from kernels.batch_info import BatchInfo
+    from kernels.lora_expand_act import ExpandActConfig
 
     backend, layout = runner.lora, runner.lora_layout
     empty = backend.batch_info  # lora_launches left an empty batch prepared: its header says 0 tiles
@@ -113,8 +116,12 @@ def _lora(runner: ModelRunner, launches: list, progress: _Progress) -> None:
         group = layout.group(launch.group)
         x = torch.zeros((launch.num_tokens, group.in_dim), dtype=runner.dtype, device=runner.device)
         out = torch.zeros((launch.num_tokens, group.out_total), dtype=runner.dtype, device=runner.device)
+        fused = isinstance(configs[group.name][1], ExpandActConfig)  # expand + activation in one kernel
         for layer in range(layout.num_layers):
-            backend.apply_as(info, configs, x, out, layer, group)
+            if fused:
+                backend.apply_act_as(info, configs, x, out, layer, group, runner.model.ops.act)
+            else:
+                backend.apply_as(info, configs, x, out, layer, group)
         progress.step(f"LoRA {launch.group} block_m={launch.block_m} block_rank={launch.block_rank}")
 
 

@@ -129,3 +129,36 @@ def pool_operands(
 def layer_rows(base: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
     """[P, row] rank rows of `layer`: a row view of slot memory, or the pool's layer."""
     return LoraLayout.slot_rows(base, layer) if kind == "slots" else base[layer]
+
+
+def make_v(gen, indptr, seg_slots, ranks, splits, block_rank):
+    """fp32 partials [splits, T, N, block_rank] as the shrink leaves them: random below the rank, zeros
+    up to the next multiple of 16, NaN (never written) elsewhere."""
+    T, num_slices = indptr[-1], ranks.shape[1]
+    v = torch.full((splits, T, num_slices, block_rank), float("nan"))
+    for i, slot in enumerate(seg_slots):
+        lo, hi = indptr[i], indptr[i + 1]
+        for s in range(num_slices):
+            r = int(ranks[slot, s]) if slot >= 0 else 0
+            v[:, lo:hi, s, :r] = torch.randn((splits, hi - lo, r), generator=gen)
+            v[:, lo:hi, s, r : (r + 15) // 16 * 16] = 0.0
+    return v
+
+
+def expected_expand(out0, v, b, ranks, scalings, offsets, dims, indptr, seg_slots):
+    """float64 result and the mask of output entries the kernel may change."""
+    ref = out0.double().clone()
+    touched = torch.zeros(out0.shape, dtype=torch.bool)
+    vsum = v.sum(0).to(b.dtype).double()  # the kernel feeds v to the dot in the weight dtype
+    for i, slot in enumerate(seg_slots):
+        lo, hi = indptr[i], indptr[i + 1]
+        if slot < 0 or hi == lo:
+            continue
+        for s, (off, w) in enumerate(zip(offsets, dims, strict=True)):
+            r = int(ranks[slot, s])
+            if r == 0:
+                continue
+            delta = vsum[lo:hi, s, :r] @ b[slot, :r, off : off + w].double()
+            ref[lo:hi, off : off + w] += float(scalings[slot, s]) * delta
+            touched[lo:hi, off : off + w] = True
+    return ref, touched

@@ -150,7 +150,9 @@ def test_planner_merges_and_splits():
     assert tiles[:, :3].tolist() == [[0, 9, 3], [10, 26, 0], [26, 30, 0]]
     info = BatchInfoBuilder(64, "cpu").build([0, 2, 2, 5, 9, 10, 30], [3, 1, 3, 3, -1, 0], 5)
     assert (info.num_tiles, info.max_len, info.block_m, info.block_rank) == (3, 20, 16, 16)
-    assert info.meta[:4].tolist() == [[3, 30, 20, 16], [0, 9, 3, 0], [10, 26, 0, 0], [26, 30, 0, 0]]
+    # Column 3 of rows 1-2: the one adapter of rows 0-15 (none: slots 3, base and 0) and 16-29 (slot 0).
+    assert info.meta[:4].tolist() == [[3, 30, 20, 16], [0, 9, 3, -1], [10, 26, 0, 0], [26, 30, 0, 0]]
+    assert info.row_blocks == 2
     assert BatchInfoBuilder(1024, "cpu").build([0, 600, 700], [1, 2], 64).block_m == 64  # prefill-sized
     with pytest.raises(ValueError, match="max_tokens"):
         BatchInfoBuilder(8, "cpu").build([0, 9], [0], 1)
@@ -266,3 +268,39 @@ def test_a_backend_without_tile_classes_never_reports_class_0(device):
     assert backend.tile_classes(48) == (1,)
     backend.prepare(indptr_of([1] * 4), [0, 1, 2, 3], pad_to=48, tile_class="auto")
     assert backend.tile_class == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_apply_act_fuses_batches_of_more_tokens_than_sequences(device, dtype):
+    """`apply_act` against the torch backend's delta then torch's activation: a batch of more tokens than
+    `max_seqs` (eager and padded) runs the fused kernel, a decode batch the plain expand; both give
+    silu(gate + delta) * (up + delta)."""
+    from kernels.lora_expand_act import ExpandActConfig
+    from stages.worker.model.pointwise import TorchPointwise
+
+    pool = loaded_pool(small_layout(), dtype, device, seed=21)
+    layout = pool.layout
+    g = layout.group("gate_up")
+    tri = make_backend("triton", pool, max_tokens=128, max_seqs=8)
+    ref = make_backend("torch", pool, max_tokens=128)
+    gen = torch.Generator().manual_seed(5)
+    cases = [
+        (indptr_of([40, 1, 1, 20, 3]), [0, 1, 2, 3, -1], None, True),
+        (indptr_of([40, 1, 1, 20, 3]), [0, 1, 2, 3, -1], 96, True),  # a step graph's padded batch
+        (indptr_of([1] * 6), [3, 0, -1, 1, 2, 0], 8, False),  # a decode graph's: no more tokens than seqs
+    ]
+    for indptr, seg_slots, pad_to, fused in cases:
+        tri.prepare(indptr, seg_slots, pad_to=pad_to)
+        ref.prepare(indptr, seg_slots)
+        info = tri.batch_info
+        assert isinstance(tri.configs_for(info)["gate_up"][1], ExpandActConfig) == fused
+        T, n = pad_to or indptr[-1], indptr[-1]
+        for layer in range(layout.num_layers):
+            x = torch.randn((T, g.in_dim), generator=gen).to(dtype).to(device)
+            gate_up = torch.randn((T, g.out_total), generator=gen).to(dtype).to(device)
+            want = gate_up.clone()
+            ref.apply(x[:n], want[:n], layer, g)
+            want = TorchPointwise.act(want.double())
+            got = tri.apply_act(x, gate_up.clone(), layer, g, TorchPointwise.act)
+            assert got.shape == want.shape and torch.isfinite(got).all()
+            assert rel_err(got.cpu(), want.cpu()) < 2 * TOL[dtype], (indptr, layer)

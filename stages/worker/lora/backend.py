@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -59,6 +59,19 @@ class LoraBackend(ABC):
     @abstractmethod
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:
         """out[T, group.out_total] += scaling * (x[T, group.in_dim] @ A^T) @ B^T, per token's adapter."""
+
+    def apply_act(
+        self,
+        x: torch.Tensor,
+        gate_up: torch.Tensor,
+        layer: int,
+        group: GroupLayout,
+        act: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """`act(gate_up + delta)` for the gated MLP's gate_up group: the delta added as `apply` adds it,
+        then the activation. `gate_up` may be changed. A backend may fuse the two (same rounding)."""
+        self.apply(x, gate_up, layer, group)
+        return act(gate_up)
 
 
 def slot_segments(seqs: Sequence) -> tuple[list[int], list[int]]:

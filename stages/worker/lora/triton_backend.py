@@ -5,13 +5,15 @@ fixed tables (no host-device sync)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
 
 from kernels.batch_info import BatchInfo, BatchInfoBuilder, block_rank_for
 from kernels.lora_expand import ExpandConfig, expand_config, lora_expand
+from kernels.lora_expand_act import ExpandActConfig, expand_act_config, fusable, lora_expand_silu_mul
 from kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
 from runtime.common.lora_layout import GroupLayout, LoraLayout
 from stages.worker.lora.backend import PADDED_BLOCK_M, LoraBackend
@@ -26,7 +28,14 @@ MAX_SPLIT_K = 16
 # size has a graph per class: configs for min(bound, c) tiles for each c here, and for the bound; a batch
 # takes the first class c with tiles <= 1.5 c.
 TILE_CLASSES = (32, 128)
-Configs = tuple[ShrinkConfig, ExpandConfig, torch.Tensor]  # per group: kernel configs, shrink output view
+# The gate_up group's expand is fused into the activation (kernels/lora_expand_act.py) for batches of more
+# tokens than sequences (`max_seqs`, else this), which hold prefill runs: on the H100 (docs/benchmarks.md,
+# fourteenth session) it cut a step's LoRA and activation time by 24 % at 31 x 256 prefill tokens and 8 %
+# at 4 x 1,024, while 256-decode steps were 2-4 % slower with it.
+FUSE_MIN_TOKENS = 256
+# Per group: kernel configs (the gate_up group's expand config is an ExpandActConfig when it is fused with
+# the activation), shrink output view.
+Configs = tuple[ShrinkConfig, ExpandConfig | ExpandActConfig, torch.Tensor]
 
 
 def workspace_rows(max_tokens: int) -> int:
@@ -67,8 +76,10 @@ class TritonLoraBackend(LoraBackend):
 
     name = "triton"
 
-    def __init__(self, pool: LoraPool, max_tokens: int, max_seqs: int | None = None):
+    def __init__(self, pool: LoraPool, max_tokens: int, max_seqs: int | None = None, fuse_act: bool = True):
+        """`fuse_act`: the gate_up group's expand and the activation in one kernel (`apply_act`)."""
         super().__init__(pool, max_tokens, max_seqs)
+        self.fuse_act = fuse_act
         self._init_metadata()
         self._init_workspace()
         self._init_views()
@@ -147,7 +158,7 @@ class TritonLoraBackend(LoraBackend):
     ) -> None:
         if seg_indptr[-1] > pad_to:
             raise ValueError(f"batch has {seg_indptr[-1]} tokens, more than pad_to={pad_to}")
-        real = self._builder.build(seg_indptr, seg_slots, self.layout.max_rank, block_m=block_m)
+        real = self._builder.build(seg_indptr, seg_slots, self.layout.max_rank, block_m=block_m, cover=pad_to)
         bound = padded_tile_bound(pad_to, block_m, self.pool.num_ids, self.max_seqs)
         if real.num_tiles > bound:
             raise ValueError(f"{real.num_tiles} LoRA tiles exceed the padded bound {bound}")
@@ -166,6 +177,7 @@ class TritonLoraBackend(LoraBackend):
             max_len=pad_to,
             block_rank=real.block_rank,
             num_slots_used=real.num_slots_used,
+            row_blocks=real.row_blocks,
         )
         key = (pad_to, block_m, tile_class)
         cached = self._padded_configs.get(key)
@@ -173,25 +185,43 @@ class TritonLoraBackend(LoraBackend):
             cached = self._padded_configs[key] = self._make_configs(replace(info, num_tiles=tile_class))
         self._configs, self._info, self.tile_class = cached, info, tile_class
 
-    def _make_configs(self, info: BatchInfo) -> dict[str, tuple[ShrinkConfig, ExpandConfig, torch.Tensor]]:
+    def _make_configs(self, info: BatchInfo) -> dict[str, Configs]:
         max_split = split_cap(info.num_tokens, self._ws_rows)
         configs = {}
         for g in self.layout.groups:
             shrink_cfg = shrink_config(info, g.in_dim, g.num_slices, max_split)
             shape = (shrink_cfg.split_k, info.num_tokens, g.num_slices, info.block_rank)
             v = self._workspace[: shape[0] * shape[1] * shape[2] * shape[3]].view(shape)  # shrink partials
-            configs[g.name] = (shrink_cfg, expand_config(info, g.out_dims, shrink_cfg.split_k), v)
+            if self.fuses(g) and info.num_tokens > (self.max_seqs or FUSE_MIN_TOKENS):
+                expand_cfg = expand_act_config(info, g.out_dims, shrink_cfg.split_k)  # both kernels' configs
+            else:
+                expand_cfg = expand_config(info, g.out_dims, shrink_cfg.split_k)
+            configs[g.name] = (shrink_cfg, expand_cfg, v)
         return configs
 
-    def configs_for(self, info: BatchInfo) -> dict[str, tuple[ShrinkConfig, ExpandConfig, torch.Tensor]]:
+    def fuses(self, group: GroupLayout) -> bool:
+        """Whether `apply_act` can fuse this group's expand into the activation (a batch of more tokens
+        than sequences, whose configs then say so)."""
+        return self.fuse_act and group.name == "gate_up" and fusable(group.out_offsets, group.out_dims)
+
+    def configs_for(self, info: BatchInfo) -> dict[str, Configs]:
         """Per group: the kernel configs a forward with `info` runs, and its shrink output view (the
         warm-up plans every variant serving can reach from this)."""
         return self._make_configs(info)
 
+    @contextmanager
+    def _prepared_as(self, info: BatchInfo, configs: dict[str, Configs]):
+        saved = self._info, self._configs
+        self._info, self._configs = info, configs
+        try:
+            yield
+        finally:
+            self._info, self._configs = saved
+
     def apply_as(
         self,
         info: BatchInfo,
-        configs: dict[str, tuple[ShrinkConfig, ExpandConfig, torch.Tensor]],
+        configs: dict[str, Configs],
         x: torch.Tensor,
         out: torch.Tensor,
         layer: int,
@@ -199,12 +229,44 @@ class TritonLoraBackend(LoraBackend):
     ) -> None:
         """`apply` as if `prepare` had made `info` and `configs` (the warm-up's launches); the prepared
         batch is left as it was."""
-        saved = self._info, self._configs
-        self._info, self._configs = info, configs
-        try:
+        with self._prepared_as(info, configs):
             self.apply(x, out, layer, group)
-        finally:
-            self._info, self._configs = saved
+
+    def apply_act_as(
+        self,
+        info: BatchInfo,
+        configs: dict[str, Configs],
+        x: torch.Tensor,
+        gate_up: torch.Tensor,
+        layer: int,
+        group: GroupLayout,
+        act: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """`apply_act` as `apply_as` runs `apply`."""
+        with self._prepared_as(info, configs):
+            return self.apply_act(x, gate_up, layer, group, act)
+
+    def apply_act(
+        self,
+        x: torch.Tensor,
+        gate_up: torch.Tensor,
+        layer: int,
+        group: GroupLayout,
+        act: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        info = self._info
+        if (
+            info is None
+            or info.num_tiles == 0
+            or not isinstance(self._configs[group.name][1], ExpandActConfig)
+        ):
+            return super().apply_act(x, gate_up, layer, group, act)
+        shrink_cfg, act_cfg, v = self._configs[group.name]
+        a, b, ranks, scalings = self._views[layer, group.name]
+        lora_shrink(x, a, ranks, self.pool.rows, info, out=v, config=shrink_cfg, check=False)
+        return lora_expand_silu_mul(
+            v, b, ranks, scalings, self.pool.rows, gate_up, info, config=act_cfg, check=False
+        )
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:
         info = self._info
@@ -213,6 +275,8 @@ class TritonLoraBackend(LoraBackend):
         if info.num_tiles == 0:
             return
         shrink_cfg, expand_cfg, v = self._configs[group.name]
+        if isinstance(expand_cfg, ExpandActConfig):  # a fused group, asked for the delta alone
+            expand_cfg = expand_cfg.expand
         a, b, ranks, scalings = self._views[layer, group.name]
         # The views and configs were made here, once; the kernels' argument checks would cost a
         # measurable share of an eager step's host time (128 launches per forward of a 16-layer model).

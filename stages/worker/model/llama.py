@@ -91,8 +91,10 @@ class LlamaModel:
 
     def _mlp(self, i, lw: LayerWeights, x, lora) -> torch.Tensor:
         gate_up = F.linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2I]
-        self._lora(lora, x, gate_up, i, "gate_up")
-        act = self.ops.act(gate_up)  # silu(gate) * up, [T, I]
+        if lora is None:
+            act = self.ops.act(gate_up)  # silu(gate) * up, [T, I]
+        else:  # the backend may fuse the delta into the activation
+            act = lora.apply_act(x, gate_up, i, self.lora_layout.group("gate_up"), self.ops.act)
         down = F.linear(act, lw.down, lw.down_bias)  # [T, H]
         self._lora(lora, act, down, i, "down")
         return down

@@ -1,0 +1,273 @@
+"""The gate_up group's LoRA expand fused with the gated activation: act[t] = silu(g) * u, where g and u are
+the base projection's gate and up halves plus the token's adapter delta (scaling * v @ B, as `lora_expand`
+adds it), each rounded to the model dtype before the activation, as the unfused path rounds them. The
+[T, 2I] projection is read once and the [T, I] activation written once; unfused, the expand reads and
+writes the projection and the activation reads it again (7I elements a token against 3I).
+
+Programs cover all T rows in blocks of ACT_BLOCK_M, not the adapter tiles, so base-only and padding rows
+get their activation too. A block whose rows all have one adapter (inside prefill runs; the batch
+metadata's column 3 names it, `BatchInfoBuilder`) adds its delta here, one dot per rank chunk. The rows
+of every other block (decodes, run edges) get theirs from the plain expand first (`lora_expand(...,
+skip_uniform=True)`), which skips the uniform blocks: a row of one adapter per program would make a
+fused dot of 16 rows do the work of one, and a loop over a block's adapters serialises their loads (on
+the H100 that made 256-decode steps 36-49 % slower, docs/benchmarks.md, fourteenth session).
+`TritonLoraBackend.apply_act` runs the three kernels: shrink, expand of the mixed blocks, this."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.batch_info import ACT_BLOCK_M, META_COLS, BatchInfo, interpreting
+from kernels.lora_expand import ExpandConfig, expand_config, lora_expand, lora_expand_ref
+from kernels.lora_shrink import check_row_table
+
+
+@triton.jit
+def _partials(v_ptrs, mask, stride_vp, NUM_SPLITS: tl.constexpr):
+    """v summed over the shrink's split-K partials (fp32), zero where masked."""
+    v = tl.load(v_ptrs, mask=mask, other=0.0)
+    for p in tl.static_range(1, NUM_SPLITS):
+        v += tl.load(v_ptrs + p * stride_vp, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
+def _lora_expand_act_kernel(
+    gu_ptr,
+    act_ptr,
+    v_ptr,
+    b_ptr,
+    ranks_ptr,
+    scal_ptr,
+    rows_ptr,
+    meta_ptr,
+    T,
+    inter,
+    table_width,
+    stride_gt,
+    stride_at,
+    stride_vp,
+    stride_vt,
+    stride_vi,
+    stride_br,
+    stride_rs,
+    stride_ri,
+    stride_ss,
+    stride_si,
+    stride_ts,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    META: tl.constexpr,
+):
+    # Grid: (row blocks of BLOCK_M over all T rows, column blocks of the activation's I columns).
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < T
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    io_mask = m_ok[:, None] & n_ok[None, :]
+    g_ptrs = gu_ptr + offs_m[:, None].to(tl.int64) * stride_gt + offs_n[None, :]
+    gate = tl.load(g_ptrs, mask=io_mask, other=0.0)  # issued first: its latency hides behind the tiles
+    up = tl.load(g_ptrs + inter, mask=io_mask, other=0.0)
+
+    # The block's adapter id when all its rows have that one adapter (planned on the host into column 3
+    # of the block's metadata row), else -1: then the plain expand has added the delta of its adapter
+    # rows already (`lora_expand(..., skip_uniform=True)`), and only the activation is left.
+    s = tl.load(meta_ptr + (pid_b + 1) * META + 3).to(tl.int64)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if s >= 0:  # one adapter for every row of the block: a dot per rank chunk
+        cap = tl.minimum(BLOCK_R, table_width)  # a rank past the table would index the next id's rows
+        rg = tl.minimum(tl.load(ranks_ptr + s * stride_rs), cap)
+        ru = tl.minimum(tl.load(ranks_ptr + s * stride_rs + stride_ri), cap)
+        # The shrink wrote v in whole 16-column groups (zeros past the rank); B rows past it are stale.
+        rg16 = tl.cdiv(rg, 16) * 16
+        ru16 = tl.cdiv(ru, 16) * 16
+        offs_k = tl.arange(0, BLOCK_K)
+        t_ptrs = rows_ptr + s * stride_ts + offs_k
+        v_rows = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + offs_k[None, :]
+        for k in range(0, tl.maximum(rg, ru), BLOCK_K):
+            kk = k + offs_k
+            prow = tl.load(t_ptrs + k, mask=kk < table_width, other=0).to(tl.int64)
+            b_rows = b_ptr + (prow * stride_br)[:, None] + offs_n[None, :]
+            bg = tl.load(b_rows, mask=(kk < rg)[:, None] & n_ok[None, :], other=0.0)
+            bu = tl.load(b_rows + inter, mask=(kk < ru)[:, None] & n_ok[None, :], other=0.0)
+            vg = _partials(v_rows + k, m_ok[:, None] & (kk < rg16)[None, :], stride_vp, NUM_SPLITS)
+            vu = _partials(
+                v_rows + stride_vi + k, m_ok[:, None] & (kk < ru16)[None, :], stride_vp, NUM_SPLITS
+            )
+            vg = vg.to(bg.dtype)  # v rounded to the weight dtype, as the unfused expand feeds its dot
+            vu = vu.to(bu.dtype)
+            if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
+                vg, bg, vu, bu = vg.to(tl.float32), bg.to(tl.float32), vu.to(tl.float32), bu.to(tl.float32)
+            acc_g += tl.dot(vg, bg)
+            acc_u += tl.dot(vu, bu)
+        acc_g = acc_g * tl.load(scal_ptr + s * stride_ss)
+        acc_u = acc_u * tl.load(scal_ptr + s * stride_ss + stride_si)
+
+    # As the unfused path: the expand rounds g and u to the model dtype, then the activation rounds
+    # silu(g), then the product (kernels/silu_mul.py).
+    g = (gate.to(tl.float32) + acc_g).to(gate.dtype).to(tl.float32)
+    u = (up.to(tl.float32) + acc_u).to(gate.dtype).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_at + offs_n[None, :]
+    tl.store(a_ptrs, (a * u).to(gate.dtype), mask=io_mask)
+
+
+@dataclass(frozen=True)
+class ExpandActConfig:
+    expand: ExpandConfig  # the plain expand of the rows outside one-adapter blocks
+    act: ExpandConfig  # the fused kernel: activation columns a program, rank rows a dot, warps, stages
+
+
+def expand_act_config(info: BatchInfo, out_dims, split_k: int = 1) -> ExpandActConfig:
+    """The plain expand's heuristic, and for the fused kernel 128 activation columns (256 of the
+    projection) a program, the whole rank (up to 64) per dot unless many split-K partials would make
+    the v tiles large."""
+    block_k = min(info.block_rank, 64)
+    if split_k * ACT_BLOCK_M * block_k * 4 > 32 * 1024:
+        block_k = 16
+    act = ExpandConfig(block_n=128, block_k=block_k, num_warps=4, num_stages=2)
+    return ExpandActConfig(expand=expand_config(info, out_dims, split_k), act=act)
+
+
+def fusable(out_offsets, out_dims) -> bool:
+    """A group the fused kernel serves: two slices of equal width, gate then up, side by side."""
+    return len(out_dims) == 2 and out_dims[0] == out_dims[1] and tuple(out_offsets) == (0, out_dims[0])
+
+
+def _check(v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandConfig) -> None:
+    """The fused kernel's own arguments (`lora_expand` checks the rest)."""
+    if v.dim() != 4 or v.shape[2] != 2 or v.dtype != torch.float32 or not v.is_contiguous():
+        raise ValueError(f"v must be contiguous float32 [P, T, 2, R], got {v.dtype} {tuple(v.shape)}")
+    T, two_i = gate_up.shape
+    if gate_up.dim() != 2 or two_i % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up must be [T, 2I] with contiguous rows, got {tuple(gate_up.shape)}")
+    if v.shape[1] != T or v.shape[3] != info.block_rank or T != info.num_tokens:
+        raise ValueError(
+            f"v {tuple(v.shape)} and gate_up {tuple(gate_up.shape)} do not match the batch "
+            f"({info.num_tokens} tokens, rank tile {info.block_rank})"
+        )
+    if info.row_blocks * ACT_BLOCK_M < T:
+        raise ValueError(
+            f"the batch metadata plans {info.row_blocks} blocks of {ACT_BLOCK_M} rows, too few for {T}"
+        )
+    num_ids = ranks.shape[0]
+    for name, t, dt in (("ranks", ranks, torch.int32), ("scalings", scalings, torch.float32)):
+        if tuple(t.shape) != (num_ids, 2) or t.dtype != dt:
+            raise ValueError(f"{name} must be {dt} [{num_ids}, 2], got {t.dtype} {tuple(t.shape)}")
+    check_row_table(rows, num_ids, info)
+    if b.dim() != 2 or b.dtype != gate_up.dtype or b.stride(1) != 1 or b.shape[1] < two_i:
+        raise ValueError(f"B rows must be [P, >= {two_i}] {gate_up.dtype}, got {b.dtype} {tuple(b.shape)}")
+    if not (v.device == b.device == ranks.device == scalings.device == gate_up.device == info.meta.device):
+        raise ValueError("v, B, ranks, scalings, gate_up and the batch metadata must be on one device")
+    if cfg.block_k > info.block_rank or info.block_rank % cfg.block_k or cfg.block_k < 16:
+        raise ValueError(f"block_k={cfg.block_k} must be >= 16 and divide block_rank={info.block_rank}")
+
+
+def lora_expand_silu_mul(
+    v: torch.Tensor,
+    b: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    rows: torch.Tensor,
+    gate_up: torch.Tensor,
+    info: BatchInfo,
+    *,
+    config: ExpandActConfig | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """v [splits, T, 2, block_rank] fp32 partials of the gate_up group (from `lora_shrink`); b [pool_rows,
+    >= 2I] its B^T rows (gate columns, then up); ranks/scalings [num_ids, 2]; rows the row table; gate_up
+    [T, 2I] the base projection. Returns silu(gate + delta) * (up + delta), [T, I] (a new tensor), for
+    every row (rows without an adapter: the plain activation). gate_up is changed: the rows outside
+    one-adapter blocks get their delta. `check=False` skips validating the arguments (the backend's hot
+    path)."""
+    inter = gate_up.shape[1] // 2
+    cfg = config or expand_act_config(info, (inter, inter), v.shape[0])
+    if check:
+        _check(v, b, ranks, scalings, rows, gate_up, info, cfg.act)
+    if info.num_tiles:
+        lora_expand(
+            v,
+            b,
+            ranks,
+            scalings,
+            rows,
+            gate_up,
+            (0, inter),
+            (inter, inter),
+            info,
+            config=cfg.expand,
+            check=check,
+            skip_uniform=True,
+        )
+    return _act(v, b, ranks, scalings, rows, gate_up, info, cfg.act)
+
+
+def _act(v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandConfig) -> torch.Tensor:
+    T, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    act = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if T == 0:
+        return act
+    grid = (triton.cdiv(T, ACT_BLOCK_M), triton.cdiv(inter, cfg.block_n))
+    _lora_expand_act_kernel[grid](
+        gate_up,
+        act,
+        v,
+        b,
+        ranks,
+        scalings,
+        rows,
+        info.meta,
+        T,
+        inter,
+        rows.shape[1],
+        gate_up.stride(0),
+        act.stride(0),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        b.stride(0),
+        ranks.stride(0),
+        ranks.stride(1),
+        scalings.stride(0),
+        scalings.stride(1),
+        rows.stride(0),
+        NUM_SPLITS=v.shape[0],
+        BLOCK_R=info.block_rank,
+        BLOCK_M=ACT_BLOCK_M,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        UPCAST=interpreting(),
+        META=META_COLS,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return act
+
+
+def lora_expand_silu_mul_ref(
+    v: torch.Tensor,
+    b: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    rows: torch.Tensor,
+    gate_up: torch.Tensor,
+    info: BatchInfo,
+) -> torch.Tensor:
+    """Plain torch: the unfused expand's rounding (`lora_expand_ref`), then `silu_mul`'s."""
+    inter = gate_up.shape[1] // 2
+    out = lora_expand_ref(v, b, ranks, scalings, rows, gate_up.clone(), (0, inter), (inter, inter), info)
+    gate, up = out.float().chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate).to(out.dtype).float()
+    return (act * up).to(out.dtype)
