@@ -3,7 +3,8 @@
 # from its tree, sends a warm-up burst, then the measured saturating burst, and stops the server.
 #   usage: bash tools/run_ab_serving.sh OUT_DIR TREE_A TREE_B
 # TREE_A/TREE_B are checkouts (e.g. `git archive COMMIT | tar -x -C .base`). Each tree's own client and
-# benchmark drive its own server. Knobs: NUM_PROMPTS (1000), NUM_ADAPTERS (32), ORDER ("A B B A"),
+# benchmark drive its own server. Knobs: NUM_PROMPTS (1000), INPUT_LEN (256), OUTPUT_LEN (128),
+# NUM_ADAPTERS (32), ORDER ("A B B A"),
 # SERVER_FLAGS, A_FLAGS / B_FLAGS (flags for one side only, e.g. B_FLAGS="--cuda-graph-max-tokens 0" to switch
 # off in the newer tree what the older one lacks), BASE_ONLY=1 (requests without adapters), PRESET (1b),
 # DEVICE (cuda), DTYPE (bfloat16).
@@ -22,7 +23,8 @@ cd "$tree_a"
 [ -f "$model/config.json" ] || PYTHONPATH=$tree_a${PYTHONPATH:+:$PYTHONPATH} "$py" -m tools.make_tiny_model "$model" --preset "$preset" --dtype "$dtype" --seed 0
 [ -f "$adir/adapter$((nad - 1))/adapter_config.json" ] ||
   PYTHONPATH=$tree_a${PYTHONPATH:+:$PYTHONPATH} "$py" -m tools.make_adapters "$model" "$adir" --n "$nad" --ranks 16 --targets all --dtype "$dtype" --seed 0
-gen=(--num-prompts "$num" --input-len 256 --output-len 128 --num-adapters "$nad" --request-rate inf --seed 0)
+gen=(--num-prompts "$num" --input-len "${INPUT_LEN:-256}" --output-len "${OUTPUT_LEN:-128}" --num-adapters "$nad"
+  --request-rate inf --seed 0)
 [ -z "${BASE_ONLY:-}" ] || gen+=(--base-share 1.0)
 PYTHONPATH=$tree_a${PYTHONPATH:+:$PYTHONPATH} "$py" -m tools.workload --out "$out/workload.jsonl" "${gen[@]}"
 
