@@ -260,6 +260,33 @@ def test_decode_batches_take_the_tile_class_of_their_own_tiles(device, monkeypat
         )
 
 
+def test_a_tile_class_grid_covers_one_and_a_half_times_its_count(device):
+    """A class c below the bound launches grids of 1.5 c tiles, not the bound's: a batch of exactly 1.5 c
+    tiles is computed whole (every tile's delta against the torch backend), one with more is refused."""
+    layout = LoraLayout.build(num_layers=1, hidden=64, q_out=64, kv_out=32, intermediate=96, max_rank=8)
+    pool = LoraPool(layout, 40 * 8, 40, torch.float32, device)
+    gen = torch.Generator().manual_seed(12)
+    for slot in range(40):
+        block = torch.randn((1, 8, layout.row_elems), generator=gen) * 0.1
+        ranks = torch.full((1, NUM_SLICES), 8, dtype=torch.int32)
+        pool.load(
+            slot, PackedAdapter(f"a{slot}", block, ranks, torch.full((1, NUM_SLICES), 2.0)), [(slot * 8, 8)]
+        )
+    tri = TritonLoraBackend(pool, max_tokens=256, max_seqs=64)
+    assert tri.tile_classes(256) == (32, 56)  # bound: 40 ids + 256 // 16 full tiles
+    # Adapter 0's 129 tokens are 9 tiles, 39 one-token adapters one each: 48 tiles.
+    indptr, seg_slots = indptr_of([129] + [1] * 39), list(range(40))
+    compare_backends(pool, indptr, seg_slots, seed=3, tri_backend=tri, pad_to=256, tile_class="auto")
+    assert (tri.tile_class, tri.batch_info.num_tiles) == (32, 48)
+    tri.prepare(indptr, seg_slots, pad_to=256)  # the bound's class: the bound's grid
+    assert (tri.tile_class, tri.batch_info.num_tiles) == (56, 56)
+    more = indptr_of([145] + [1] * 39)  # 10 + 39 tiles
+    tri.prepare(more, seg_slots, pad_to=256, tile_class="auto")
+    assert tri.tile_class == 56
+    with pytest.raises(ValueError, match="49 LoRA tiles exceed tile class 32's grid of 48"):
+        tri.prepare(more, seg_slots, pad_to=256, tile_class=32)
+
+
 def test_a_backend_without_tile_classes_never_reports_class_0(device):
     """Graph keys use class 0 for a batch without adapters: a backend whose launches ignore the tile
     count reports one class, 1, so a batch with adapters can never be keyed (and run) as adapter-free."""

@@ -133,7 +133,8 @@ class TritonLoraBackend(LoraBackend):
         split-K and rank tile then depend on (`pad_to`, `block_m`, tile class) alone, so one CUDA graph
         serves every batch of that size and class. Tiles of at most `block_m` tokens (PADDED_BLOCK_M
         unless given) number at most one partial tile per adapter run plus pad_to // block_m full ones,
-        whatever the runs: the grids cover that bound, whatever the class."""
+        whatever the runs: the bound's class has grids covering that bound, a smaller class c grids of
+        1.5 c tiles (what "auto" puts in it; a batch with more is refused)."""
         if pad_to is not None:
             self._prepare_padded(seg_indptr, seg_slots, pad_to, block_m or PADDED_BLOCK_M, tile_class)
             return
@@ -169,10 +170,16 @@ class TritonLoraBackend(LoraBackend):
             tile_class = bound
         elif tile_class not in classes:
             raise ValueError(f"tile class {tile_class!r} is not one of {classes} (pad_to={pad_to})")
+        # The grid covers the most tiles a batch of the class can have ("auto" takes a class for at most
+        # 1.5 times its count): a decode step of few adapters on the bound's grid launched 8x the
+        # programs it needed, and the empty ones cost a third of its LoRA time (fourteenth session).
+        grid = bound if tile_class == bound else min(bound, tile_class * 3 // 2)
+        if real.num_tiles > grid:
+            raise ValueError(f"{real.num_tiles} LoRA tiles exceed tile class {tile_class}'s grid of {grid}")
         info = BatchInfo(
             meta=real.meta,
             num_tokens=pad_to,
-            num_tiles=bound,  # grid size; programs past the device header's count return at once
+            num_tiles=grid,  # programs past the device header's count return at once
             block_m=block_m,
             max_len=pad_to,
             block_rank=real.block_rank,
@@ -181,7 +188,7 @@ class TritonLoraBackend(LoraBackend):
         )
         key = (pad_to, block_m, tile_class)
         cached = self._padded_configs.get(key)
-        if cached is None:  # configs as for the class's tile count; the grids cover the bound
+        if cached is None:  # configs as for the class's tile count
             cached = self._padded_configs[key] = self._make_configs(replace(info, num_tiles=tile_class))
         self._configs, self._info, self.tile_class = cached, info, tile_class
 
