@@ -5,12 +5,12 @@ adapter's A rows are found anywhere in a rank-row pool through its row of the ro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import device_info
 from kernels.batch_info import META_COLS, BatchInfo, block_rank_for, interpreting, next_pow2, read_tiles
 
 
@@ -103,20 +103,13 @@ class ShrinkConfig:
     num_stages: int = 3
 
 
-@lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def shrink_config(info: BatchInfo, in_dim: int, num_slices: int, max_split: int = 16) -> ShrinkConfig:
     """Heuristic block shape from host-known sizes (tuned on an H100, see docs/kernels.md): enough
     programs to fill the GPU, split-K when the batch has few tiles (decode), all slices of a small
     rank in one program so that x is read once."""
     br, bm = info.block_rank, info.block_m
     cols = num_slices * br  # flattened (slice, rank) columns
-    sms = _num_sms(info.meta.device)
+    sms = device_info.num_sms(info.meta.device)
     tiles = max(1, info.num_tiles)
     block_k = 128
     split_cap = max(1, min(max_split, 256 // bm, in_dim // (2 * block_k)))

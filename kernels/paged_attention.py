@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from kernels import device_info
 from kernels.batch_info import interpreting
 
 META_COLS = 5  # one row per query block: (seq, q_start, q_len, ctx_len, first packed row)
@@ -156,13 +156,6 @@ class AttentionPlan:
     num_splits: int  # programs sharing one block's keys (power of two; 1 = no merge pass)
 
 
-@lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def decode_block_m(group: int) -> int:
     """Packed rows per program for sequences of `group` rows each (one token's query heads of a group)."""
     return 16 if group <= 16 else 32 if group <= 32 else 64
@@ -213,7 +206,7 @@ def choose_splits(
     """Key splits per block (a power of two): only when the blocks alone would leave the GPU mostly
     idle and the longest block has enough keys to share."""
     programs, splits = max(1, num_blocks * num_kv_heads), 1
-    sms = _num_sms(torch.device(device))
+    sms = device_info.num_sms(torch.device(device))
     while (
         splits * 2 <= max_splits and programs * splits < 2 * sms and most_keys >= 2 * splits * min_split_keys
     ):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.paged_attention as kernel_module
+from kernels import device_info
 from kernels.paged_attention import (
     AttentionConfig,
     choose_splits,
@@ -127,7 +127,7 @@ def test_key_splits(device, window):
 
 
 def test_plan_heuristics(monkeypatch):
-    monkeypatch.setattr(kernel_module, "_num_sms", lambda device: 132)  # H100
+    monkeypatch.setattr(device_info, "num_sms", lambda device: 132)  # H100
     decode = plan_attention([0], [1], [4096], num_heads=32, num_kv_heads=8, device="cpu")
     assert decode.block_m == 16 and decode.num_splits > 1  # one long decode: keys split over programs
     many = plan_attention(range(64), [1] * 64, [512] * 64, num_heads=32, num_kv_heads=8, device="cpu")
@@ -145,7 +145,7 @@ def test_plan_heuristics(monkeypatch):
 def test_split_key_counts_reach_every_split_choice(monkeypatch, max_keys):
     """Graphs are captured for the splits of these key counts only: every context length up to max_keys,
     at any block count, must choose one of them."""
-    monkeypatch.setattr(kernel_module, "_num_sms", lambda device: 132)  # H100
+    monkeypatch.setattr(device_info, "num_sms", lambda device: 132)  # H100
     samples = split_key_counts(max_keys)
     assert min(samples) >= 1 and max(samples) == max_keys
     for blocks in (1, 3, 8, 20, 33, 64, 300):

@@ -226,9 +226,9 @@ def test_decode_batches_take_the_tile_class_of_their_own_tiles(device, monkeypat
     """A padded batch's kernel configs follow its tile class: the first of `tile_classes` with at least
     2/3 of its tiles, else the bound. Each class computes the same delta as the torch backend, and on an
     H100's SM count a few-tile class splits the shrink's K where the bound's configs do not."""
-    from kernels import lora_shrink
+    from kernels import device_info
 
-    monkeypatch.setattr(lora_shrink, "_num_sms", lambda device: 132)  # an H100's count
+    monkeypatch.setattr(device_info, "num_sms", lambda device: 132)  # an H100's count
     layout = LoraLayout.build(num_layers=1, hidden=512, q_out=512, kv_out=128, intermediate=1024, max_rank=8)
     pool = LoraPool(layout, 40 * 8, 40, torch.float32, device)
     gen = torch.Generator().manual_seed(11)

@@ -150,9 +150,9 @@ def test_every_batch_finds_a_graph_captured_at_start(engine, monkeypatch, sms):
     from 1 key to the page table's reach."""
     import random
 
-    from kernels import paged_attention
+    from kernels import device_info
 
-    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: sms)
+    monkeypatch.setattr(device_info, "num_sms", lambda device: sms)
     runner = engine[0]
     graphs = DecodeGraphs(
         runner.model, runner.kv, runner.lora, max_batch=24, max_model_len=1600, capture=False

@@ -193,9 +193,9 @@ def test_every_step_finds_a_graph_captured_at_start(engine, monkeypatch, sms):
     Contexts from 1 key to the page table's reach, so every split count the heuristic picks shows up."""
     import random
 
-    from kernels import paged_attention
+    from kernels import device_info
 
-    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: sms)
+    monkeypatch.setattr(device_info, "num_sms", lambda device: sms)
     runner = engine[0]
     graphs = StepGraphs(
         runner.model, runner.kv, runner.lora, max_tokens=MAX_TOKENS, max_seqs=MAX_SEQS,

@@ -11,8 +11,7 @@ import random
 import pytest
 import torch
 
-import kernels.lora_shrink as lora_shrink
-import kernels.paged_attention as paged_attention
+from kernels import device_info
 from kernels.batch_info import choose_block_m, plan_runs, plan_tiles
 from kernels.paged_attention import choose_splits, plan_blocks
 from runtime.common.lora_layout import LoraLayout
@@ -106,7 +105,7 @@ def _brute_force_keys(backend: TritonLoraBackend, padded: tuple[int, ...]) -> se
 
 @pytest.mark.parametrize("sms", [4, 132])
 def test_lora_plan_is_exactly_what_the_heuristics_can_pick(sms, monkeypatch):
-    monkeypatch.setattr(lora_shrink, "_num_sms", lambda device: sms)
+    monkeypatch.setattr(device_info, "num_sms", lambda device: sms)
     backend = _backend(max_tokens=560)  # past 512 tokens: prefill-sized token tiles too
     padded = (1, 2, 4, 8, 16, 24)
     planned = [launch.key for launch in lora_launches(backend, padded)]
@@ -119,7 +118,7 @@ def test_lora_plan_is_exactly_what_the_heuristics_can_pick(sms, monkeypatch):
 
 @pytest.mark.parametrize("sms", [4, 132])
 def test_attention_plan_holds_every_choice_of_real_batches(sms, monkeypatch):
-    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: sms)
+    monkeypatch.setattr(device_info, "num_sms", lambda device: sms)
     heads, kv_heads, max_tokens, max_seqs, max_len = 8, 1, 512, 16, 4096
     planned = set(
         attention_variants(
