@@ -222,6 +222,19 @@ def compare_backends_big(slots: LoraPool, indptr: list[int], seg_slots: list[int
         assert rel_err(got - out0, want - out0) < 2 * TOL[slots.dtype], g.name
 
 
+def rank8_pool(layout: LoraLayout, loaded: int, device, seed: int) -> LoraPool:
+    """A float32 pool of 40 ids of 8 rows each (one layer), ids below `loaded` holding rank-8 adapters."""
+    pool = LoraPool(layout, 40 * 8, 40, torch.float32, device)
+    gen = torch.Generator().manual_seed(seed)
+    for slot in range(loaded):
+        block = torch.randn((1, 8, layout.row_elems), generator=gen) * 0.1
+        ranks = torch.full((1, NUM_SLICES), 8, dtype=torch.int32)
+        pool.load(
+            slot, PackedAdapter(f"a{slot}", block, ranks, torch.full((1, NUM_SLICES), 2.0)), [(slot * 8, 8)]
+        )
+    return pool
+
+
 def test_decode_batches_take_the_tile_class_of_their_own_tiles(device, monkeypatch):
     """A padded batch's kernel configs follow its tile class: the first of `tile_classes` with at least
     2/3 of its tiles, else the bound. Each class computes the same delta as the torch backend, and on an
@@ -230,14 +243,7 @@ def test_decode_batches_take_the_tile_class_of_their_own_tiles(device, monkeypat
 
     monkeypatch.setattr(device_info, "num_sms", lambda device: 132)  # an H100's count
     layout = LoraLayout.build(num_layers=1, hidden=512, q_out=512, kv_out=128, intermediate=1024, max_rank=8)
-    pool = LoraPool(layout, 40 * 8, 40, torch.float32, device)
-    gen = torch.Generator().manual_seed(11)
-    for slot in range(6):
-        block = torch.randn((1, 8, layout.row_elems), generator=gen) * 0.1
-        ranks = torch.full((1, NUM_SLICES), 8, dtype=torch.int32)
-        pool.load(
-            slot, PackedAdapter(f"a{slot}", block, ranks, torch.full((1, NUM_SLICES), 2.0)), [(slot * 8, 8)]
-        )
+    pool = rank8_pool(layout, 6, device, seed=11)
     tri = TritonLoraBackend(pool, max_tokens=64, max_seqs=64)
     assert tri.tile_classes(64) == (32, 44)  # bound: 40 ids + 64 // 16 full tiles
     indptr, seg_slots = indptr_of([1] * 6), list(range(6))
@@ -264,14 +270,7 @@ def test_a_tile_class_grid_covers_one_and_a_half_times_its_count(device):
     """A class c below the bound launches grids of 1.5 c tiles, not the bound's: a batch of exactly 1.5 c
     tiles is computed whole (every tile's delta against the torch backend), one with more is refused."""
     layout = LoraLayout.build(num_layers=1, hidden=64, q_out=64, kv_out=32, intermediate=96, max_rank=8)
-    pool = LoraPool(layout, 40 * 8, 40, torch.float32, device)
-    gen = torch.Generator().manual_seed(12)
-    for slot in range(40):
-        block = torch.randn((1, 8, layout.row_elems), generator=gen) * 0.1
-        ranks = torch.full((1, NUM_SLICES), 8, dtype=torch.int32)
-        pool.load(
-            slot, PackedAdapter(f"a{slot}", block, ranks, torch.full((1, NUM_SLICES), 2.0)), [(slot * 8, 8)]
-        )
+    pool = rank8_pool(layout, 40, device, seed=12)
     tri = TritonLoraBackend(pool, max_tokens=256, max_seqs=64)
     assert tri.tile_classes(256) == (32, 56)  # bound: 40 ids + 256 // 16 full tiles
     # Adapter 0's 129 tokens are 9 tiles, 39 one-token adapters one each: 48 tiles.
