@@ -110,3 +110,18 @@ def test_main_times_only_the_chosen_variants_and_reports_them(tmp_path):
     assert all(r["err"] < 1e-2 and r["block_m"] == 16 for r in report["rows"])
     with pytest.raises(SystemExit, match="matches no variant"):
         bls.main([*args, "--only", "no such variant"])
+
+
+def test_act_modes_time_each_variant_fused_and_unfused(tmp_path):
+    """--act both: every chosen variant twice, with the gate_up activation after the expand and fused into
+    it (a step of more tokens than the backend's 256-sequence default, so it fuses), each delta checked."""
+    out = tmp_path / "act.json"
+    args = ["--smoke", "--adapters", "4", "--decodes", "6", "--prefill", "300", "--max-seqs", "8"]
+    bls.main([*args, "--only", "graphed bm16 (bound = its", "--act", "both", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    names = [r["variant"] for r in rows]
+    assert names == [
+        "graphed bm16 (bound = its 22 tiles), act unfused",
+        "graphed bm16 (bound = its 22 tiles), act fused",
+    ]
+    assert all(r["err"] < 1e-2 for r in rows)

@@ -108,7 +108,8 @@ class TritonLoraBackend(LoraBackend):
         self._builder = BatchInfoBuilder(self.max_tokens, self.pool.device)
         self._info: BatchInfo | None = None
         self._configs: dict[str, Configs] = {}
-        self._padded_configs: dict[tuple[int, int, int], dict[str, Configs]] = {}  # (pad_to, block_m, class)
+        # (pad_to, block_m, class, fuse_act) -> configs
+        self._padded_configs: dict[tuple[int, int, int, bool], dict[str, Configs]] = {}
 
     def _init_workspace(self) -> None:
         # Shrink output (split-K fp32 partials), reused by every apply: allocated once, fixed address.
@@ -186,7 +187,7 @@ class TritonLoraBackend(LoraBackend):
             num_slots_used=real.num_slots_used,
             row_blocks=real.row_blocks,
         )
-        key = (pad_to, block_m, tile_class)
+        key = (pad_to, block_m, tile_class, self.fuse_act)  # tools flip `fuse_act` to compare
         cached = self._padded_configs.get(key)
         if cached is None:  # configs as for the class's tile count
             cached = self._padded_configs[key] = self._make_configs(replace(info, num_tiles=tile_class))
