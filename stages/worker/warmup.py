@@ -5,7 +5,7 @@ can reach is compiled, or loaded from Triton's on-disk cache (TRITON_CACHE_DIR, 
 Each variant is launched once through the serving code itself (`TritonLoraBackend.apply`, or
 `apply_act` for the gate_up group fused with the activation; the model's `triton_paged_attention`) on
 real-shaped buffers, with device metadata that says 0 tiles / empty queries: the launch compiles the
-variant and computes nothing (the fused activation computes that of zero rows). The variants come
+variant and computes nothing (the fused activation: that of the zero buffers). The variants come
 from the heuristics (`warmup_plan.py`) rather than from real forwards over a sweep of batches: a sweep
 large enough to reach every (tokens, tiles, rank class, key splits) combination would run thousands
 of forwards, while the plan needs one launch per variant and one LoRA launch per layer (views of
