@@ -16,6 +16,15 @@ from kernels.lora_shrink import check_row_table
 
 
 @triton.jit
+def split_sum(v_ptrs, mask, stride_vp, NUM_SPLITS: tl.constexpr):
+    """v summed over the shrink's split-K partials (fp32), zero where masked."""
+    v = tl.load(v_ptrs, mask=mask, other=0.0)
+    for p in tl.static_range(1, NUM_SPLITS):
+        v += tl.load(v_ptrs + p * stride_vp, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
 def _row_gather(t_ptrs, k, offs_r, table_width):
     """Pool rows of rank rows k..k+BLOCK_K (int64). Masked by the table width only, so that the first
     chunk's gather can be issued before the rank is known; rows past the rank are never dereferenced."""
@@ -44,9 +53,7 @@ def _rank_step(
     b_ptrs = b_cols + (prow * stride_br)[:, None]
     bt = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
     v_ok = m_ok[:, None] & ((k + offs_r) < r16)[None, :]
-    vt = tl.load(v_ptrs, mask=v_ok, other=0.0)  # [BLOCK_M, BLOCK_K] fp32
-    for p in tl.static_range(1, NUM_SPLITS):
-        vt += tl.load(v_ptrs + p * stride_vp, mask=v_ok, other=0.0)
+    vt = split_sum(v_ptrs, v_ok, stride_vp, NUM_SPLITS)  # [BLOCK_M, BLOCK_K] fp32
     vt = vt.to(bt.dtype)  # same rounding of v as a plain dtype matmul chain
     if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
         vt = vt.to(tl.float32)
@@ -165,11 +172,15 @@ def expand_config(info: BatchInfo, out_dims: Sequence[int], split_k: int = 1) ->
     tiles for small ranks; the whole rank (up to 64) per step unless many split-K partials would make
     the pipelined v tiles too large, then 16 rank rows per step."""
     br, bm = info.block_rank, info.block_m
-    block_k = min(br, 64)
-    if split_k * bm * block_k * 4 > 32 * 1024:
-        block_k = 16
     block_n = 256 if bm <= 16 and br <= 16 else 128
-    return ExpandConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=2)
+    return ExpandConfig(block_n=block_n, block_k=rank_chunk(br, bm, split_k), num_warps=4, num_stages=2)
+
+
+def rank_chunk(block_rank: int, block_m: int, split_k: int) -> int:
+    """Rank rows per dot of an expand: the whole rank up to 64, or 16 where the `split_k` fp32 partials
+    of a `block_m`-row v tile would pass 32 KiB."""
+    block_k = min(block_rank, 64)
+    return 16 if split_k * block_m * block_k * 4 > 32 * 1024 else block_k
 
 
 def _check(v, b, ranks, scalings, rows, out, out_offsets, out_dims, info) -> tuple[int, int]:

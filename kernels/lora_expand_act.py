@@ -22,17 +22,15 @@ import triton
 import triton.language as tl
 
 from kernels.batch_info import ACT_BLOCK_M, META_COLS, BatchInfo, interpreting
-from kernels.lora_expand import ExpandConfig, expand_config, lora_expand, lora_expand_ref
+from kernels.lora_expand import (
+    ExpandConfig,
+    expand_config,
+    lora_expand,
+    lora_expand_ref,
+    rank_chunk,
+    split_sum,
+)
 from kernels.lora_shrink import check_row_table
-
-
-@triton.jit
-def _partials(v_ptrs, mask, stride_vp, NUM_SPLITS: tl.constexpr):
-    """v summed over the shrink's split-K partials (fp32), zero where masked."""
-    v = tl.load(v_ptrs, mask=mask, other=0.0)
-    for p in tl.static_range(1, NUM_SPLITS):
-        v += tl.load(v_ptrs + p * stride_vp, mask=mask, other=0.0)
-    return v
 
 
 @triton.jit
@@ -95,14 +93,16 @@ def _lora_expand_act_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         t_ptrs = rows_ptr + s * stride_ts + offs_k
         v_rows = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + offs_k[None, :]
+        # Both halves' B loads are issued before either v: two calls of lora_expand's `_rank_step` (B then
+        # v, per half) made prefill steps 0.9-2.8 % slower (docs/benchmarks.md, fourteenth session).
         for k in range(0, tl.maximum(rg, ru), BLOCK_K):
             kk = k + offs_k
             prow = tl.load(t_ptrs + k, mask=kk < table_width, other=0).to(tl.int64)
             b_rows = b_ptr + (prow * stride_br)[:, None] + offs_n[None, :]
             bg = tl.load(b_rows, mask=(kk < rg)[:, None] & n_ok[None, :], other=0.0)
             bu = tl.load(b_rows + inter, mask=(kk < ru)[:, None] & n_ok[None, :], other=0.0)
-            vg = _partials(v_rows + k, m_ok[:, None] & (kk < rg16)[None, :], stride_vp, NUM_SPLITS)
-            vu = _partials(
+            vg = split_sum(v_rows + k, m_ok[:, None] & (kk < rg16)[None, :], stride_vp, NUM_SPLITS)
+            vu = split_sum(
                 v_rows + stride_vi + k, m_ok[:, None] & (kk < ru16)[None, :], stride_vp, NUM_SPLITS
             )
             vg = vg.to(bg.dtype)  # v rounded to the weight dtype, as the unfused expand feeds its dot
@@ -133,10 +133,9 @@ def expand_act_config(info: BatchInfo, out_dims, split_k: int = 1) -> ExpandActC
     """The plain expand's heuristic, and for the fused kernel 128 activation columns (256 of the
     projection) a program, the whole rank (up to 64) per dot unless many split-K partials would make
     the v tiles large."""
-    block_k = min(info.block_rank, 64)
-    if split_k * ACT_BLOCK_M * block_k * 4 > 32 * 1024:
-        block_k = 16
-    act = ExpandConfig(block_n=128, block_k=block_k, num_warps=4, num_stages=2)
+    act = ExpandConfig(
+        block_n=128, block_k=rank_chunk(info.block_rank, ACT_BLOCK_M, split_k), num_warps=4, num_stages=2
+    )
     return ExpandActConfig(expand=expand_config(info, out_dims, split_k), act=act)
 
 

@@ -5,8 +5,9 @@ A decode batch of B sequences runs padded to the next bucket size Bp. Its inputs
 graph of that bucket reads: token ids, positions, KV rows, the attention block plan and a narrow page
 table. Padding tokens are one-token sequences on the cache's scratch page (they write and read only
 there) with no adapter. Graphs are keyed by (Bp, attention key splits, LoRA tile class: 0 without
-adapters); the LoRA kernels' grids are sized for the bucket and stop at the tile count in their device
-metadata, and their configs follow the class, so one graph serves every adapter mix of its class.
+adapters); the LoRA kernels' configs follow the class and their grids cover the most tiles a batch of
+the class can have (`TritonLoraBackend.prepare`), stopping at the tile count in their device metadata, so
+one graph serves every adapter mix of its class.
 Without capture (CPU, tests) the same padded forward runs eagerly."""
 
 from __future__ import annotations
