@@ -61,6 +61,14 @@ def padded_tile_bound(pad_to: int, block_m: int, num_ids: int, max_seqs: int | N
     return min(pad_to, min(num_ids, max_seqs or pad_to) + pad_to // block_m)
 
 
+def class_grid(tile_class: int, bound: int) -> int:
+    """Tiles the grids of a padded batch's class cover: the bound for the bound's class, else 1.5 times
+    the class (at most the bound). "auto" puts a batch in the first class whose grid holds its tiles: a
+    decode step of few adapters on the bound's grid launched 8x the programs it needed, and the empty
+    ones cost a third of its LoRA time (fourteenth session)."""
+    return bound if tile_class == bound else min(bound, tile_class * 3 // 2)
+
+
 def classes_of(bound: int) -> tuple[int, ...]:
     """The tile classes of a padded batch whose tile bound is `bound`, ascending: the bound last."""
     return tuple(sorted({min(bound, c) for c in TILE_CLASSES} | {bound}))
@@ -166,15 +174,12 @@ class TritonLoraBackend(LoraBackend):
             raise ValueError(f"{real.num_tiles} LoRA tiles exceed the padded bound {bound}")
         classes = classes_of(bound)
         if tile_class == "auto":
-            tile_class = next(c for c in classes if real.num_tiles <= c * 3 // 2 or c == bound)
+            tile_class = next(c for c in classes if real.num_tiles <= class_grid(c, bound))
         elif tile_class is None:
             tile_class = bound
         elif tile_class not in classes:
             raise ValueError(f"tile class {tile_class!r} is not one of {classes} (pad_to={pad_to})")
-        # The grid covers the most tiles a batch of the class can have ("auto" takes a class for at most
-        # 1.5 times its count): a decode step of few adapters on the bound's grid launched 8x the
-        # programs it needed, and the empty ones cost a third of its LoRA time (fourteenth session).
-        grid = bound if tile_class == bound else min(bound, tile_class * 3 // 2)
+        grid = class_grid(tile_class, bound)
         if real.num_tiles > grid:
             raise ValueError(f"{real.num_tiles} LoRA tiles exceed tile class {tile_class}'s grid of {grid}")
         info = BatchInfo(
