@@ -7,7 +7,7 @@ export PYTHONPATH=/tmp/site
 D=docs/results/session15_h100_2026-11-26/call5
 for t in A B B A; do
   tree=$PWD; [ $t = A ] && tree=$PWD/.base/fd2eb4a
-  echo "== $t"; python3 $D/steps_ab.py $tree
+  echo "== $t"; python3 $D/../steps_ab.py $tree first
 done 2>&1 | tee $OUT/output.txt
 PYTHONPATH=/tmp/site:$PWD timeout 420 python3 -m pytest -q -p no:randomly tests/kernels \
   tests/stages/worker/test_decode_graphs.py tests/stages/worker/test_step_graphs_gpu.py \

@@ -7,6 +7,6 @@ export PYTHONPATH=/tmp/site
 D=docs/results/session15_h100_2026-11-26/call6
 for t in A B B A; do
   tree=$PWD; [ $t = A ] && tree=$PWD/.base/fd2eb4a
-  echo "== $t"; python3 $D/steps_ab.py $tree
+  echo "== $t"; python3 $D/../steps_ab.py $tree more
 done 2>&1 | tee $OUT/output.txt
 PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m pytest -q -p no:randomly tests/kernels/test_triton_backend.py 2>&1 | tail -3 | tee $OUT/gpu_tests.txt

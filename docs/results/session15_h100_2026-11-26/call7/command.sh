@@ -9,7 +9,7 @@ t0=$SECONDS
 D=docs/results/session15_h100_2026-11-26/call7
 for t in A B B A; do
   tree=$PWD; [ $t = A ] && tree=$PWD/.base/fd2eb4a
-  echo "== $t"; PYTHONPATH=/tmp/site python3 $D/steps_ab.py $tree
+  echo "== $t"; PYTHONPATH=/tmp/site python3 $D/../steps_ab.py $tree all
 done 2>&1 | tee $OUT/output.txt
 export PYTHONPATH=/tmp/site:$PWD
 timeout 300 python3 -m pytest -q -p no:randomly tests/kernels \

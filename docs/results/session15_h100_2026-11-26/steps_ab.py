@@ -1,8 +1,10 @@
 """A step's LoRA kernels (16 layers x 4 groups, shrink + expand, one CUDA graph, median µs), run from the
 tree given as the first argument, to compare trees (a measurement script, not runtime code). Decode steps
 take their tile class ("auto") as decode graphs do; mixed and prefill steps the bound, as step graphs do.
-Calls 5's and 6's steps together (as call 7's).
-    python docs/results/session15_h100_2026-11-26/call8/steps_ab.py TREE"""
+Calls 3-5 timed the first set of steps, call 6 the second, calls 7 and 8 both. Call 4's B2 runs also set
+the shrink's split target (`kernels.lora_shrink.PROGRAMS_PER_SM`, an integer in that call's working copy
+only; fd2eb4a has no such name).
+    python docs/results/session15_h100_2026-11-26/steps_ab.py TREE [first|more|all] [PROGRAMS_PER_SM]"""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from stages.worker.lora.triton_backend import TritonLoraBackend  # noqa: E402
 from stages.worker.step_inputs import token_buckets  # noqa: E402
 from tools.bench_lora_step import layout_for, make_pool, make_step  # noqa: E402
 
-STEPS = (
+FIRST = (
     ("S1-like decode: 155 rank-16 adapters, 186 decodes", 155, [16], 186, [], "auto"),
     ("S2-like decode: 62 adapters of ranks 8-64, 256 decodes", 62, [8, 16, 32, 64], 256, [], "auto"),
     ("80 adapters of ranks 8-64, 256 decodes", 80, [8, 16, 32, 64], 256, [], "auto"),
@@ -32,6 +34,8 @@ STEPS = (
         None,
     ),
     ("32 rank-16 adapters, 64 decodes + 31 x 256 prefill", 32, [16], 64, [256] * 31, None),
+)
+MORE = (
     ("16 rank-64 adapters, 256 decodes", 16, [64], 256, [], "auto"),
     ("1 rank-16 adapter, 256 decodes", 1, [16], 256, [], "auto"),
     ("16 adapters of ranks 8-64, 64 decodes", 16, [8, 16, 32, 64], 64, [], "auto"),
@@ -75,9 +79,10 @@ def measure(label, n_ad, ranks, decodes, prefill, tile_class) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2:
+    which = sys.argv[2] if len(sys.argv) > 2 else "first"
+    if len(sys.argv) > 3:
         import kernels.lora_shrink
 
-        kernels.lora_shrink.PROGRAMS_PER_SM = int(sys.argv[2])
-    for s in STEPS:
+        kernels.lora_shrink.PROGRAMS_PER_SM = int(sys.argv[3])
+    for s in {"first": FIRST, "more": MORE, "all": FIRST + MORE}[which]:
         measure(*s)
