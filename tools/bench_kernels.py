@@ -25,6 +25,7 @@ from kernels.batch_info import BatchInfoBuilder  # noqa: E402
 from kernels.lora_expand import ExpandConfig, expand_config, lora_expand  # noqa: E402
 from kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config  # noqa: E402
 from runtime.common.lora_layout import LoraLayout  # noqa: E402
+from stages.worker.graph_capture import recording  # noqa: E402
 from stages.worker.lora.triton_backend import split_cap, workspace_rows  # noqa: E402
 
 HBM_BYTES_PER_S = 3.0e12  # measured device-to-device copy (read + write) on the H100
@@ -109,7 +110,7 @@ def graph_us(launches, device, rep_ms: int = 40) -> float:
         return (time.perf_counter() - t0) * 1e6 / len(launches)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with recording(graph):
         for f in launches:
             f()
     ms = triton.testing.do_bench(graph.replay, warmup=rep_ms // 4, rep=rep_ms, return_mode="median")

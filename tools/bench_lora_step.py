@@ -34,6 +34,7 @@ from kernels.silu_mul import silu_mul  # noqa: E402
 from runtime.common.lora_layout import LoraLayout  # noqa: E402
 from runtime.common.model_config import ModelConfig  # noqa: E402
 from runtime.synthetic.model import PRESETS, build_config  # noqa: E402
+from stages.worker.graph_capture import recording  # noqa: E402
 from stages.worker.lora.backend import PADDED_BLOCK_M  # noqa: E402
 from stages.worker.lora.pool import LoraPool, pool_geometry  # noqa: E402
 from stages.worker.lora.triton_backend import (  # noqa: E402
@@ -165,7 +166,7 @@ def step_graph_us(backend: TritonLoraBackend, info, configs, xs, outs, layout, d
         return (time.perf_counter() - t0) * 1e6, None
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with recording(graph):
         first = launches()
     ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
     err = None

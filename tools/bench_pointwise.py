@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.synthetic.model import PRESETS  # noqa: E402
+from stages.worker.graph_capture import recording  # noqa: E402
 from stages.worker.model.kv_cache import KVCache  # noqa: E402
 from stages.worker.model.pointwise import TorchPointwise, TritonPointwise  # noqa: E402
 
@@ -78,7 +79,7 @@ def time_graph(thunk, reps: int) -> float:
         thunk()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with recording(graph):
         for _ in range(INNER):
             thunk()
     graph.replay()

@@ -29,6 +29,7 @@ from kernels.paged_attention import (
     plan_blocks,
     split_key_counts,
 )
+from stages.worker.graph_capture import recording
 from stages.worker.lora.backend import LoraBackend, slot_segments
 from stages.worker.model.forward_batch import ForwardBatch
 from stages.worker.model.kv_cache import KVCache
@@ -238,11 +239,11 @@ class DecodeGraphs:
 
     def _capture(self, key: tuple[int, int, int]) -> torch.cuda.CUDAGraph:
         """Run the staged batch once eagerly (compiles kernels; its results equal the replay's), then
-        record it. Only the step thread issues CUDA work, so capture errors are thread-local."""
+        record it (`graph_capture.recording`)."""
         start = time.perf_counter()
         self._forward(key)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with recording(graph, self.pool):
             self._forward(key)
         self.graphs[key] = graph
         self.capture_seconds += time.perf_counter() - start

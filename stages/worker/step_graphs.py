@@ -31,6 +31,7 @@ import torch
 
 from kernels.paged_attention import AttentionPlan, choose_splits, split_key_counts
 from stages.worker.decode_graphs import DecodeSeq
+from stages.worker.graph_capture import recording
 from stages.worker.lora.backend import PADDED_BLOCK_M, LoraBackend, slot_segments
 from stages.worker.model.forward_batch import ForwardBatch
 from stages.worker.model.kv_cache import KVCache
@@ -300,11 +301,11 @@ class StepGraphs:
 
     def _capture_full(self, key: tuple[int, int, bool, bool]) -> torch.cuda.CUDAGraph:
         """Run the staged step once eagerly (compiles kernels; its results equal the replay's), then
-        record it. Only the step thread issues CUDA work, so capture errors are thread-local."""
+        record it (`graph_capture.recording`)."""
         start = time.perf_counter()
         self._forward_full(key)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with recording(graph, self.pool):
             self._forward_full(key)
         self.full[key] = graph
         self.capture_seconds += time.perf_counter() - start
@@ -321,7 +322,7 @@ class StepGraphs:
         graphs = []
         for i in range(self.num_layers + 1):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with recording(graph, self.pool):
                 self._piece(i, step.padded, has_lora)
             graphs.append(graph)
         self.pieces[step.padded, has_lora] = graphs

@@ -1,0 +1,34 @@
+"""Every CUDA graph the project records goes through `recording`: a capture whose errors are thread-local
+(in the worker only the step thread issues CUDA work), with Python's automatic garbage collection paused.
+
+A collection that runs inside a capture can free an unreachable object whose finalizer makes a CUDA call
+that a capturing stream forbids: a `torch.cuda.CUDAGraph` (its reset destroys the executable graph) or a
+Triton kernel (unloads its module). The call fails ("operation not permitted when stream is capturing")
+and invalidates the capture, which then ends with "operation failed due to a previous error during
+capture". torch no longer collects before each capture (it was slow for many captures in a row), so
+whether this happens depended on where the collector's allocation counts happened to reach their
+threshold: an intermittent failure of a capture at start-up or at a batch's first decode. Pausing the
+collector for the capture's few milliseconds moves such frees to after it, where they are safe."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+@contextmanager
+def recording(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
+    """Record `graph` from the work of the body, into the memory `pool` (the worker's graphs share one).
+    Automatic collection is off from before the capture begins until it has ended, and back on after
+    only if it was on; explicit `gc.collect()` calls are the caller's business."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
