@@ -1,5 +1,7 @@
 """Multi-LoRA shrink (SGMV): v[t, s, :r] = x[t] @ A_s[:r]^T for every token tile of one adapter, all
-slices of a fused group in one launch, the K loop optionally split across programs (fp32 partials). The
+slices of a fused group in one launch, the K loop optionally split across programs. Split programs
+write fp32 partials, which the expand sums, or (`ShrinkConfig.reduce`) the last of a tile's column block
+to finish sums them, in split order, into one v (serial split-K, as CUTLASS's semaphore fix-up). The
 adapter's A rows are found anywhere in a rank-row pool through its row of the row table."""
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ def _lora_shrink_kernel(
     x_ptr,
     a_ptr,
     v_ptr,
+    p_ptr,
+    sem_ptr,
     ranks_ptr,
     rows_ptr,
     meta_ptr,
@@ -34,11 +38,13 @@ def _lora_shrink_kernel(
     stride_vp,
     stride_vt,
     stride_vi,
+    stride_pp,
     NUM_SLICES: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    REDUCE_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
     META: tl.constexpr,
 ):
@@ -86,12 +92,26 @@ def _lora_shrink_kernel(
         a_ptrs += BLOCK_K
         offs_k += BLOCK_K
 
-    v_ptrs = (
-        v_ptr + pid_k * stride_vp + offs_m[:, None].to(tl.int64) * stride_vt + (sl * stride_vi + rk)[None, :]
-    )
     # Columns past the rank hold zeros (their A rows were masked): written too, so that the expand can
     # read whole 16-column groups with wide loads.
-    tl.store(v_ptrs, acc, mask=m_ok[:, None] & in_group[None, :])
+    offs_v = offs_m[:, None].to(tl.int64) * stride_vt + (sl * stride_vi + rk)[None, :]
+    v_mask = m_ok[:, None] & in_group[None, :]
+    if REDUCE_SPLITS <= 1:  # one partial per split (one v without a split)
+        tl.store(v_ptr + pid_k * stride_vp + offs_v, acc, mask=v_mask)
+    else:
+        # Every split of this tile's column block stores its partial and counts itself in; the one that
+        # counts last sums all partials in split order (the same sum whichever program it is) into v and
+        # resets the counter for the next launch. The barrier puts every thread's store before the
+        # count's release; the sum's loads skip L1, which does not see other SMs' stores.
+        tl.store(p_ptr + pid_k * stride_pp + offs_v, acc, mask=v_mask)
+        tl.debug_barrier()
+        sem = sem_ptr + pid_t * tl.num_programs(1) + pid_n
+        if tl.atomic_add(sem, 1, sem="acq_rel") == REDUCE_SPLITS - 1:
+            total = tl.load(p_ptr + offs_v, mask=v_mask, other=0.0, cache_modifier=".cg")
+            for p in tl.static_range(1, REDUCE_SPLITS):
+                total += tl.load(p_ptr + p * stride_pp + offs_v, mask=v_mask, other=0.0, cache_modifier=".cg")
+            tl.store(v_ptr + offs_v, total, mask=v_mask)
+            tl.atomic_xchg(sem, 0, sem="relaxed")
 
 
 @dataclass(frozen=True)
@@ -101,6 +121,12 @@ class ShrinkConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    reduce: bool = False  # the shrink sums its split-K partials itself: the expand reads one v
+
+    @property
+    def parts(self) -> int:
+        """Partials the shrink leaves for the expand to sum (dim 0 of its output)."""
+        return 1 if self.reduce else self.split_k
 
 
 def shrink_config(info: BatchInfo, in_dim: int, num_slices: int, max_split: int = 16) -> ShrinkConfig:
@@ -113,10 +139,19 @@ def shrink_config(info: BatchInfo, in_dim: int, num_slices: int, max_split: int 
     tiles = max(1, info.num_tiles)
     block_k = 128
     split_cap = max(1, min(max_split, 256 // bm, in_dim // (2 * block_k)))
-    target = sms  # more split-K helps the shrink a little but costs the expand more (partials)
+    # Rank tiles above 16 aim for two programs an SM, and sum their partials in the shrink. At one, a
+    # decode step's shrinks over such adapters (a few 4-warp programs an SM, each streaming up to 64 rank
+    # rows of A) waited on their loads; at two, 256-decode steps over 62 and 80 adapters of ranks 8-64
+    # took 3-5 % less LoRA time on the H100 and 128 decodes over 40 of them 14 % (docs/benchmarks.md,
+    # fifteenth session). That needed the shrink's own sum: with the expand re-summing the partials in
+    # every column block, the larger split lost more than the shrink gained. Rank-16 tiles keep one
+    # program an SM and the expand's sum, whose smallest steps the shrink's sum (an atomic and a
+    # second read on each kernel's critical path) made up to 8 % slower.
+    wide = br > 16
+    target = (2 if wide else 1) * sms
     if bm <= 16:
         block_n = min(64, next_pow2(cols))
-        if tiles * triton.cdiv(cols, block_n) * split_cap < target:
+        if tiles * triton.cdiv(cols, block_n) * split_cap < sms:
             block_n = 16  # tiny batches: more, narrower programs
     else:
         block_n = next_pow2(cols) if next_pow2(cols) <= 128 else br
@@ -124,7 +159,7 @@ def shrink_config(info: BatchInfo, in_dim: int, num_slices: int, max_split: int 
     split = 1
     while split < split_cap and programs * split < target:
         split *= 2
-    return ShrinkConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3)
+    return ShrinkConfig(block_n, block_k, split, num_warps=4, num_stages=3, reduce=wide and split > 1)
 
 
 def check_row_table(rows: torch.Tensor, num_ids: int, info: BatchInfo) -> None:
@@ -174,6 +209,14 @@ def _check(x, a, ranks, rows, info: BatchInfo, cfg: ShrinkConfig, out, shape) ->
         raise ValueError(f"out must be contiguous float32 {shape}, got {out.dtype} {tuple(out.shape)}")
 
 
+def _check_scratch(name: str, t: torch.Tensor, dtype: torch.dtype, need: int, device) -> None:
+    if t.dtype != dtype or not t.is_contiguous() or t.numel() < need or t.device != device:
+        raise ValueError(
+            f"{name} must be contiguous {dtype} with at least {need} elements on {device}, got {t.dtype} "
+            f"{tuple(t.shape)} on {t.device}"
+        )
+
+
 def lora_shrink(
     x: torch.Tensor,
     a: torch.Tensor,
@@ -182,33 +225,54 @@ def lora_shrink(
     info: BatchInfo,
     *,
     out: torch.Tensor | None = None,
+    partials: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
     config: ShrinkConfig | None = None,
     check: bool = True,
 ) -> torch.Tensor:
     """x [T, K]; a [pool_rows, num_slices, K] (one layer's A rows of the rank-row pool, strided view,
     last dim contiguous); ranks [num_ids, num_slices] int32; rows [num_ids, width] int32, rows[id, k] =
     pool row of adapter id's rank row k (read only below the id's rank); all on the device. Returns fp32
-    partial sums v [split_k, T, num_slices, block_rank] whose sum over dim 0 is x @ A^T per slice. Only
-    rows of adapter tokens are written, in whole 16-column groups (zeros past each rank); everything
-    else is left untouched. `check=False` skips validating the arguments (the backend's hot path, whose
-    views are built once)."""
+    v [config.parts, T, num_slices, block_rank] (`out` if given) whose sum over dim 0 is x @ A^T per
+    slice: the split-K partials, or their sum when the config reduces. Only rows of adapter tokens are
+    written, in whole 16-column groups (zeros past each rank); everything else is left untouched.
+
+    A reducing split also needs `partials` (fp32, at least split_k * T * num_slices * block_rank
+    elements, any content) and `counters` (int32, at least one per (tile, column block) program of a
+    split, all zero; every launch leaves them zero). Both are allocated when not given; a caller that
+    launches often (or in CUDA graphs) keeps its own. `check=False` skips validating the arguments (the
+    backend's hot path, whose views are built once)."""
     T, K = x.shape
     num_slices = a.shape[1]
     br = info.block_rank
     cfg = config or shrink_config(info, K, num_slices)
-    shape = (cfg.split_k, T, num_slices, br)
+    shape = (cfg.parts, T, num_slices, br)
+    grid = (info.num_tiles, triton.cdiv(num_slices * br, cfg.block_n), cfg.split_k)
     if check:
         _check(x, a, ranks, rows, info, cfg, out, shape)
     if out is None:
-        out = torch.empty(shape, dtype=torch.float32, device=x.device)  # [split, T, slices, block_rank]
+        out = torch.empty(shape, dtype=torch.float32, device=x.device)  # [parts, T, slices, block_rank]
     if info.num_tiles == 0:
         return out
+    reduce = cfg.reduce and cfg.split_k > 1
+    one = T * num_slices * br  # elements of one partial
+    if reduce:
+        if partials is None:
+            partials = torch.empty(cfg.split_k * one, dtype=torch.float32, device=x.device)
+        if counters is None:
+            counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
+        if check:
+            _check_scratch("partials", partials, torch.float32, cfg.split_k * one, x.device)
+            _check_scratch("counters", counters, torch.int32, grid[0] * grid[1], x.device)
+    else:  # never dereferenced
+        partials, counters = out, ranks
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    grid = (info.num_tiles, triton.cdiv(num_slices * br, cfg.block_n), cfg.split_k)
     _lora_shrink_kernel[grid](
         x,
         a,
         out,
+        partials,
+        counters,
         ranks,
         rows,
         info.meta,
@@ -224,11 +288,13 @@ def lora_shrink(
         out.stride(0),
         out.stride(1),
         out.stride(2),
+        one,
         NUM_SLICES=num_slices,
         BLOCK_R=br,
         BLOCK_M=info.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        REDUCE_SPLITS=cfg.split_k if reduce else 1,
         UPCAST=interpreting(),
         META=META_COLS,
         num_warps=cfg.num_warps,

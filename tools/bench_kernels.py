@@ -119,16 +119,18 @@ def graph_us(launches, device, rep_ms: int = 40) -> float:
 
 
 def shrink_launches(case, ranks, scalings, block_m, cfg):
-    """One shrink launch per replica, each writing its own fp32 partials buffer."""
+    """One shrink launch per replica, each with its own output, split-K partials and split counters."""
     vs, launches = [], []
     for j, rep in enumerate(case.replicas):
         info = case.info(j, block_m)
         a, _, rk, _ = case.views(j, ranks, scalings)
-        v = torch.empty((cfg.split_k, case.T, case.g.num_slices, info.block_rank), device=a.device)
+        v = torch.empty((cfg.parts, case.T, case.g.num_slices, info.block_rank), device=a.device)
+        p = torch.empty(cfg.split_k * v.numel(), device=a.device)
+        c = torch.zeros(case.T * v.shape[2] * info.block_rank // 16, dtype=torch.int32, device=a.device)
         vs.append(v)
         launches.append(
-            lambda x=rep["x"], a=a, rk=rk, info=info, v=v: lora_shrink(
-                x, a, rk, case.rows, info, out=v, config=cfg
+            lambda x=rep["x"], a=a, rk=rk, info=info, v=v, p=p, c=c: lora_shrink(
+                x, a, rk, case.rows, info, out=v, partials=p, counters=c, config=cfg
             )
         )
     return launches, vs
@@ -205,7 +207,7 @@ def default_configs(case):
     info = case.info(0, None)
     cap = split_cap(case.T, workspace_rows(MAX_TOKENS))
     sc = shrink_config(info, case.g.in_dim, case.g.num_slices, cap)
-    return info.block_m, sc, expand_config(info, case.g.out_dims, sc.split_k)
+    return info.block_m, sc, expand_config(info, case.g.out_dims, sc.parts)
 
 
 def sweep_candidates(case):
@@ -275,7 +277,8 @@ def _compile_one(device, layout, mem, rows, gname, r, T, n_ad, bm, kind, cfg, sp
         [a * per for a in range(n_ad + 1)], [a % 2 for a in range(n_ad)], r, block_m=bm
     )
     sl = slice(g.first_slice, g.first_slice + g.num_slices)
-    v = torch.zeros((split, T, g.num_slices, info.block_rank), device=device)
+    parts = cfg.parts if kind == "shrink" else split  # an expand task names the partials it reads
+    v = torch.zeros((parts, T, g.num_slices, info.block_rank), device=device)
     base = LoraLayout.slot_rows(mem, 0)  # [P, row]
     if kind == "shrink":
         x = torch.zeros((T, g.in_dim), dtype=mem.dtype, device=device)
@@ -410,12 +413,12 @@ def main() -> None:
     for spec in specs:
         c = _Shape(*spec, device)
         bm, sc, ec = default_configs(c)
-        tasks += [task(c, bm, "shrink", sc, sc.split_k), task(c, bm, "expand", ec, sc.split_k)]
+        tasks += [task(c, bm, "shrink", sc, sc.split_k), task(c, bm, "expand", ec, sc.parts)]
         if args.sweep and spec in sweep_specs:
             sh, ex = sweep_candidates(c)
-            phase1[spec] = (sh, ex, sc.split_k, bm)
+            phase1[spec] = (sh, ex, sc.parts, bm)
             tasks += [task(c, b, "shrink", cfg, cfg.split_k) for b, cfg in sh]
-            tasks += [task(c, b, "expand", cfg, sc.split_k) for b, cfg in ex]
+            tasks += [task(c, b, "expand", cfg, sc.parts) for b, cfg in ex]
     precompile(tasks, args.workers)
 
     rows, sweep = [], []
@@ -484,7 +487,7 @@ def main() -> None:
                 launches, vs = shrink_launches(case, ranks, scalings, bm0, default_configs(case)[1])
                 for f in launches:
                     f()
-                for b, cfg in ex:  # v does not depend on the token tile, only on the split
+                for b, cfg in ex:  # v does not depend on the token tile, only on the partials
                     us, err = guarded(run_expand, case, ranks, scalings, b, cfg, vs, rep_ms=25)[:2]
                     sweep.append(dict(spec=key, kind="expand", block_m=b, config=asdict(cfg), us=us, err=err))
                 print(f"sweep phase {phase} {spec_key(spec)}: {best_line(sweep, spec_key(spec))}", flush=True)

@@ -107,21 +107,15 @@ def floor_bytes(layout: LoraLayout, tokens: int, ranks: list[int]) -> int:
     return total * layout.num_layers
 
 
-def with_configs(info, sc, ec, v, shrink, expand):
-    """A group's (shrink, expand, partials view) with one kernel's config replaced (the partials view
-    follows the shrink's split-K; the rank tile bounds the expand's rank step)."""
+def with_configs(backend, info, g, sc, ec, v, shrink, expand):
+    """A group's (shrink, expand, shrink output view) with one kernel's config replaced (the output view
+    follows the shrink's partials; the rank tile bounds the shrink's column block and the expand's rank
+    step)."""
     if shrink is not None:
-        n = v.shape[2]
         if shrink.block_n > info.block_rank and shrink.block_n % info.block_rank:
             shrink = dataclasses.replace(shrink, block_n=info.block_rank)
         sc = shrink
-        ws = v.untyped_storage()
-        need = sc.split_k * info.num_tokens * n * info.block_rank
-        v = (
-            torch.empty(0, dtype=torch.float32, device=v.device)
-            .set_(ws, 0, (need,))
-            .view(sc.split_k, info.num_tokens, n, info.block_rank)
-        )
+        v = backend.shrink_output(info, g, sc)
     if expand is not None:
         ec = dataclasses.replace(expand, block_k=min(expand.block_k, info.block_rank))
     return sc, ec, v
@@ -292,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
             configs = backend.configs_for(info)
             if shrink or expand:
                 configs = {
-                    k: with_configs(info, sc, ec, v, shrink, expand) for k, (sc, ec, v) in configs.items()
+                    k: with_configs(backend, info, layout.group(k), sc, ec, v, shrink, expand)
+                    for k, (sc, ec, v) in configs.items()
                 }
             return info, configs
 

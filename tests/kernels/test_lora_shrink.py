@@ -5,6 +5,8 @@ table) or from a scattered pool (rows out of order, interleaved with other adapt
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -63,9 +65,18 @@ def run_case(device, dtype, group_name, lengths, seg_slots, block_m, config, see
     a = LoraLayout.a_rows(layer_rows(base, layer, pool), g)  # [P, N, K] strided
     ranks = ranks_all.to(device)[:, layer, g.first_slice : g.first_slice + g.num_slices]  # strided view
     config = config or shrink_config(info, g.in_dim, g.num_slices)
-    shape = (config.split_k, indptr[-1], g.num_slices, info.block_rank)
+    shape = (config.parts, indptr[-1], g.num_slices, info.block_rank)  # the partials, or their sum
     out = torch.full(shape, float("nan"), dtype=torch.float32, device=device)  # poisoned: untouched stays NaN
-    v = lora_shrink(x_cpu.to(device), a, ranks, rows, info, out=out, config=config).cpu()
+    # A reducing split's partials poisoned too: one summed before its split stored it would make v NaN.
+    partials = torch.full((config.split_k * out[0].numel(),), float("nan"), device=device)
+    counters = torch.zeros(4096, dtype=torch.int32, device=device)
+    x = x_cpu.to(device)
+    scratch = dict(partials=partials, counters=counters, config=config)
+    v = lora_shrink(x, a, ranks, rows, info, out=out, **scratch).cpu()
+    assert (counters == 0).all(), "a launch must leave its split counters at zero for the next"
+    again = lora_shrink(x, a, ranks, rows, info, **scratch).cpu()
+    written_any = ~torch.isnan(v)
+    assert torch.equal(again[written_any], v[written_any]), "the split-K sum must not depend on the launch"
 
     ref, written = expected_shrink(x_cpu, a_cpu, ranks_cpu, indptr, seg_slots, info.block_rank)
     adapter_rows = written.any(dim=(1, 2))
@@ -111,6 +122,8 @@ def test_shrink_large_ranks(device, tables, pool):
     run_case(device, torch.bfloat16, "qkv", LARGE_LENGTHS, LARGE_SLOTS, None, None, 5, pool, tables)
     config = ShrinkConfig(block_n=64, block_k=32, split_k=2)  # rank chunks narrower than the 128 tile
     run_case(device, torch.float32, "o", LARGE_LENGTHS, LARGE_SLOTS, 16, config, 6, pool, tables)
+    config = ShrinkConfig(block_n=64, block_k=32, split_k=4, reduce=True)  # the shrink sums, rank tile 128
+    run_case(device, torch.bfloat16, "down", LARGE_LENGTHS, LARGE_SLOTS, 16, config, 7, pool, tables)
 
 
 @pytest.mark.parametrize("pool", ["slots", "scattered"])
@@ -121,6 +134,9 @@ def test_shrink_large_ranks(device, tables, pool):
         (16, ShrinkConfig(block_n=32, block_k=16, split_k=3)),  # uneven split-K, last split past K
         (32, ShrinkConfig(block_n=64, block_k=32, split_k=2, num_warps=2)),  # two slices per program
         (64, ShrinkConfig(block_n=128, block_k=16, split_k=1, num_stages=2)),  # all slices in one block
+        (16, ShrinkConfig(block_n=32, block_k=16, split_k=3, reduce=True)),  # summed in the kernel, uneven
+        (16, ShrinkConfig(block_n=16, block_k=16, split_k=8, reduce=True)),  # 8 partials, narrow blocks
+        (32, ShrinkConfig(block_n=64, block_k=32, split_k=1, reduce=True)),  # nothing to sum
     ],
 )
 def test_shrink_block_shapes(device, block_m, config, pool):
@@ -132,6 +148,45 @@ def test_shrink_decode_distinct_adapters(device):
     lengths = [1] * 9
     slots = [0, 1, -1, 2, 3, 4, 0, -1, 2]
     run_case(device, torch.bfloat16, "qkv", lengths, slots, 16, ShrinkConfig(16, 16, 2), 3, "scattered")
+    run_case(
+        device,
+        torch.bfloat16,
+        "qkv",
+        lengths,
+        slots,
+        16,
+        ShrinkConfig(16, 16, 4, reduce=True),
+        3,
+        "scattered",
+    )
+
+
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_shrink_sum_is_the_partials_summed_in_split_order(device, split):
+    """A reducing shrink writes exactly what the expand would sum from the partials (fp32, split order),
+    so both paths round alike."""
+    layout = small_layout(max_rank=24)
+    g = layout.group("down")
+    gen = torch.Generator().manual_seed(split)
+    mem, ranks_all, _ = random_slot_tables(gen, layout, 5, torch.bfloat16, (4,))
+    base, rows = pool_operands(gen, mem, ranks_all, layout, "scattered", device)
+    a = LoraLayout.a_rows(layer_rows(base, 0, "scattered"), g)
+    ranks = ranks_all.to(device)[:, 0, g.first_slice : g.first_slice + 1]
+    info = BatchInfoBuilder(128, device).build(indptr_of(MIXED_LENGTHS), MIXED_SLOTS, 24)
+    x = torch.randn((info.num_tokens, g.in_dim), generator=gen).to(torch.bfloat16).to(device)
+    shape = (info.num_tokens, 1, info.block_rank)  # entries neither writes stay zero in both
+    parts, summed = torch.zeros((split, *shape), device=device), torch.zeros((1, *shape), device=device)
+    lora_shrink(x, a, ranks, rows, info, out=parts, config=ShrinkConfig(16, 16, split))
+    lora_shrink(x, a, ranks, rows, info, out=summed, config=ShrinkConfig(16, 16, split, reduce=True))
+    parts, summed = parts.cpu(), summed.cpu()
+    assert parts.shape[0] == split and summed.shape[0] == 1
+    want = parts[0].clone()
+    for p in range(1, split):
+        want += parts[p]
+    rows_used = torch.zeros(info.num_tokens, dtype=torch.bool)
+    for (lo, hi), slot in zip(itertools.pairwise(indptr_of(MIXED_LENGTHS)), MIXED_SLOTS, strict=True):
+        rows_used[lo:hi] = slot >= 0
+    assert torch.equal(summed[0][rows_used], want[rows_used])
 
 
 def test_shrink_no_adapter_tokens_launches_nothing(device):
@@ -185,6 +240,11 @@ def test_shrink_rejects_bad_inputs(device):
         )
     with pytest.raises(ValueError, match="expected"):
         lora_shrink(x, LoraLayout.a_view(mem, 0, g), ranks, rows, info)  # slot-shaped A, no longer taken
+    split = ShrinkConfig(16, 16, 2, reduce=True)
+    with pytest.raises(ValueError, match="partials must be"):
+        lora_shrink(x, a, ranks, rows, info, partials=torch.empty(10, device=device), config=split)
+    with pytest.raises(ValueError, match="counters must be"):
+        lora_shrink(x, a, ranks, rows, info, counters=torch.zeros(64, device=device), config=split)
 
 
 def test_shrink_rejects_bad_row_tables(device):

@@ -64,7 +64,9 @@ def test_floor_counts_each_adapter_once_and_activations_per_token():
     assert bls.floor_bytes(layout, 20, ranks) > one
 
 
-@pytest.mark.parametrize("variant", ["eager", "graphed", "graphed, shrink split 2"])
+@pytest.mark.parametrize(
+    "variant", ["eager", "graphed", "graphed, shrink split 2", "graphed, shrink split 2 reduced"]
+)
 def test_each_prepared_variant_matches_float64(variant):
     layout, pool, _, indptr, slots = _setup()
     backend = TritonLoraBackend(pool, max_tokens=64, max_seqs=16)
@@ -77,10 +79,15 @@ def test_each_prepared_variant_matches_float64(variant):
         assert backend.batch_info.num_tiles == min(bucket, bucket // 16 + min(16, pool.num_ids))
     info = backend.batch_info
     configs = backend.configs_for(info)
-    if variant.endswith("split 2"):
-        sc = ShrinkConfig(block_n=16, block_k=128, split_k=2, num_warps=4, num_stages=3)
-        configs = {k: bls.with_configs(info, s, e, v, sc, None) for k, (s, e, v) in configs.items()}
-        assert all(v.shape[0] == 2 for _, _, v in configs.values())
+    if "split 2" in variant:
+        reduce = variant.endswith("reduced")
+        sc = ShrinkConfig(block_n=16, block_k=128, split_k=2, num_warps=4, num_stages=3, reduce=reduce)
+        configs = {
+            k: bls.with_configs(backend, info, layout.group(k), s, e, v, sc, None)
+            for k, (s, e, v) in configs.items()
+        }
+        # The expand reads the two partials, or their sum
+        assert all(s.split_k == 2 and v.shape[0] == (1 if reduce else 2) for s, _, v in configs.values())
     err, _ = bls.check(backend, info, configs, xs, outs, layout, pool, indptr, slots)
     assert err < 1e-2, err  # bf16 rounding of the delta, against float64
 

@@ -120,11 +120,17 @@ class TritonLoraBackend(LoraBackend):
         self._padded_configs: dict[tuple[int, int, int, bool], dict[str, Configs]] = {}
 
     def _init_workspace(self) -> None:
-        # Shrink output (split-K fp32 partials), reused by every apply: allocated once, fixed address.
+        # The shrink's split-K fp32 partials (its output when the expand sums them), its summed output
+        # when it reduces them itself, and its split counters (zero between launches), reused by every
+        # apply: allocated once, fixed addresses (captured graphs hold them).
         self._ws_rows = workspace_rows(self.max_tokens)
         max_slices = max(g.num_slices for g in self.layout.groups)
-        numel = self._ws_rows * max_slices * block_rank_for(self.layout.max_rank)
-        self._workspace = torch.empty(numel, dtype=torch.float32, device=self.pool.device)  # [rows*N*R]
+        br = block_rank_for(self.layout.max_rank)
+        dev = self.pool.device
+        self._workspace = torch.empty(self._ws_rows * max_slices * br, dtype=torch.float32, device=dev)
+        self._v = torch.empty(self.max_tokens * max_slices * br, dtype=torch.float32, device=dev)
+        # One counter per (tile, column block): tiles <= tokens, column blocks of >= 16 columns.
+        self._counters = torch.zeros(self.max_tokens * max_slices * br // 16, dtype=torch.int32, device=dev)
 
     @property
     def batch_info(self) -> BatchInfo | None:
@@ -203,14 +209,20 @@ class TritonLoraBackend(LoraBackend):
         configs = {}
         for g in self.layout.groups:
             shrink_cfg = shrink_config(info, g.in_dim, g.num_slices, max_split)
-            shape = (shrink_cfg.split_k, info.num_tokens, g.num_slices, info.block_rank)
-            v = self._workspace[: shape[0] * shape[1] * shape[2] * shape[3]].view(shape)  # shrink partials
+            v = self.shrink_output(info, g, shrink_cfg)
             if self.fuses(g) and info.num_tokens > (self.max_seqs or FUSE_MIN_TOKENS):
-                expand_cfg = expand_act_config(info, g.out_dims, shrink_cfg.split_k)  # both kernels' configs
+                expand_cfg = expand_act_config(info, g.out_dims, v.shape[0])  # both kernels' configs
             else:
-                expand_cfg = expand_config(info, g.out_dims, shrink_cfg.split_k)
+                expand_cfg = expand_config(info, g.out_dims, v.shape[0])
             configs[g.name] = (shrink_cfg, expand_cfg, v)
         return configs
+
+    def shrink_output(self, info: BatchInfo, group: GroupLayout, cfg: ShrinkConfig) -> torch.Tensor:
+        """The view the shrink writes for the expand: [cfg.parts, T, slices, block_rank] of a fixed
+        buffer (the split-K partials' own when it does not reduce them)."""
+        shape = (cfg.parts, info.num_tokens, group.num_slices, info.block_rank)
+        buf = self._v if cfg.reduce else self._workspace
+        return buf[: shape[0] * shape[1] * shape[2] * shape[3]].view(shape)
 
     def fuses(self, group: GroupLayout) -> bool:
         """Whether `apply_act` can fuse this group's expand into the activation (a batch of more tokens
@@ -276,9 +288,23 @@ class TritonLoraBackend(LoraBackend):
             return super().apply_act(x, gate_up, layer, group, act)
         shrink_cfg, act_cfg, v = self._configs[group.name]
         a, b, ranks, scalings = self._views[layer, group.name]
-        lora_shrink(x, a, ranks, self.pool.rows, info, out=v, config=shrink_cfg, check=False)
+        self._shrink(x, a, ranks, info, v, shrink_cfg)
         return lora_expand_silu_mul(
             v, b, ranks, scalings, self.pool.rows, gate_up, info, config=act_cfg, check=False
+        )
+
+    def _shrink(self, x, a, ranks, info: BatchInfo, v: torch.Tensor, cfg: ShrinkConfig) -> None:
+        lora_shrink(
+            x,
+            a,
+            ranks,
+            self.pool.rows,
+            info,
+            out=v,
+            partials=self._workspace,
+            counters=self._counters,
+            config=cfg,
+            check=False,
         )
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:
@@ -293,7 +319,7 @@ class TritonLoraBackend(LoraBackend):
         a, b, ranks, scalings = self._views[layer, group.name]
         # The views and configs were made here, once; the kernels' argument checks would cost a
         # measurable share of an eager step's host time (128 launches per forward of a 16-layer model).
-        lora_shrink(x, a, ranks, self.pool.rows, info, out=v, config=shrink_cfg, check=False)
+        self._shrink(x, a, ranks, info, v, shrink_cfg)
         lora_expand(
             v,
             b,
