@@ -19,11 +19,16 @@ from tests.stages.worker.test_step_loop import WAIT_S, FakeExecutor, Harness, pl
 pytestmark = pytest.mark.timeout(60)
 
 
+# What the profiler traces: device activity where there is CUDA, host operations elsewhere.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 class WorkingExecutor(FakeExecutor):
-    """Launches do a little torch work, so that each step leaves operations in the trace."""
+    """Launches do a little torch work where the profiler looks (a host-only launch left a CUDA trace with
+    no step in it), so that each step leaves operations in the trace."""
 
     def launch(self, p):
-        torch.ones(64, 64).matmul(torch.ones(64, 64))
+        torch.ones(64, 64, device=DEVICE).matmul(torch.ones(64, 64, device=DEVICE))
         return super().launch(p)
 
 
@@ -42,7 +47,7 @@ async def _window(tmp_path, caplog, overlap: bool) -> None:
     assert profiler.exporter is not None
     await asyncio.get_running_loop().run_in_executor(None, profiler.exporter.join, WAIT_S)
     assert profiler.path is not None and profiler.path.name.endswith("-steps13-16.json.gz")
-    names = {e.get("name") for e in load_trace(profiler.path)}
+    names = {e.get("name") for e in load_trace(profiler.path)}  # on CUDA, `step N` annotates device work
     steps = sorted(int(m[1]) for n in names if isinstance(n, str) and (m := re.fullmatch(r"step (\d+)", n)))
     assert steps == [13, 14, 15, 16]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step profile ")]
