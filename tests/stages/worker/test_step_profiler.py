@@ -1,6 +1,7 @@
 """The worker's step profiler (`--profile-dir`, `--profile-steps START:COUNT`) in the real step loop, serial
 and overlapped: the trace it writes holds exactly the COUNT steps from the START-th launched plan (each
-annotated `step N`), its log line gives the window's GPU-busy figures, and the flags are checked."""
+annotated `step N` on the CPU; on CUDA, where only device activity is traced, told apart by their kernel
+counts), its log line gives the window's GPU-busy figures, and the flags are checked."""
 
 from __future__ import annotations
 
@@ -19,17 +20,31 @@ from tests.stages.worker.test_step_loop import WAIT_S, FakeExecutor, Harness, pl
 pytestmark = pytest.mark.timeout(60)
 
 
-# What the profiler traces: device activity where there is CUDA, host operations elsewhere.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# What the profiler traces: device activity only where there is CUDA (unannotated), host operations
+# elsewhere (each launch annotated `step N`).
+CUDA = torch.cuda.is_available()
 
 
 class WorkingExecutor(FakeExecutor):
-    """Launches do a little torch work where the profiler looks (a host-only launch left a CUDA trace with
-    no step in it), so that each step leaves operations in the trace."""
+    """Launches do a little torch work where the profiler looks: on CUDA, plan N launches N - 9 small
+    kernels, so that the trace's kernel count tells which steps it holds; elsewhere one host matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.x = torch.zeros(16, device="cuda") if CUDA else None
 
     def launch(self, p):
-        torch.ones(64, 64, device=DEVICE).matmul(torch.ones(64, 64, device=DEVICE))
+        if CUDA:
+            for _ in range(p.step - 9):
+                self.x.add_(1)
+        else:
+            torch.ones(64, 64).matmul(torch.ones(64, 64))
         return super().launch(p)
+
+    def finish(self, step):
+        if CUDA:
+            torch.cuda.synchronize()  # as the real executor waits for the step's tokens
+        return super().finish(step)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -47,9 +62,18 @@ async def _window(tmp_path, caplog, overlap: bool) -> None:
     assert profiler.exporter is not None
     await asyncio.get_running_loop().run_in_executor(None, profiler.exporter.join, WAIT_S)
     assert profiler.path is not None and profiler.path.name.endswith("-steps13-16.json.gz")
-    names = {e.get("name") for e in load_trace(profiler.path)}  # on CUDA, `step N` annotates device work
-    steps = sorted(int(m[1]) for n in names if isinstance(n, str) and (m := re.fullmatch(r"step (\d+)", n)))
-    assert steps == [13, 14, 15, 16]
+    events = load_trace(profiler.path)
+    if CUDA:
+        # Steps 13-16 launched 4 + 5 + 6 + 7 kernels. Overlapped, plan 17 (8 kernels) may be launched
+        # before step 16 is finished, so inside the window; a window off by one step would hold 18 or 26.
+        kernels = sum(e.get("cat") == "kernel" for e in events)
+        assert kernels in ({22, 30} if overlap else {22}), f"{kernels} kernels in the trace"
+    else:
+        names = {e.get("name") for e in events}
+        steps = sorted(
+            int(m[1]) for n in names if isinstance(n, str) and (m := re.fullmatch(r"step (\d+)", n))
+        )
+        assert steps == [13, 14, 15, 16]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step profile ")]
     assert lines[0] == "step profile 13-16 taken; its trace is written when the worker is next idle"
     (line,) = lines[1:]
