@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 16, call 5 (one H100): the whole test suite on this tree, except the three files that need
+# Session 16, call 5 (one H100): the whole test suite on this tree, except the files that need
 # packages the GPU machine lacks (openai, ray; CI runs them), one line per test.
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
