@@ -2,13 +2,14 @@
 (in the worker only the step thread issues CUDA work), with Python's automatic garbage collection paused.
 
 A collection that runs inside a capture can free an unreachable object whose finalizer makes a CUDA call
-that a capturing stream forbids: a `torch.cuda.CUDAGraph` (its reset destroys the executable graph) or a
-Triton kernel (unloads its module). The call fails ("operation not permitted when stream is capturing")
-and invalidates the capture, which then ends with "operation failed due to a previous error during
-capture". torch no longer collects before each capture (it was slow for many captures in a row), so
-whether this happens depended on where the collector's allocation counts happened to reach their
-threshold: an intermittent failure of a capture at start-up or at a batch's first decode. Pausing the
-collector for the capture's few milliseconds moves such frees to after it, where they are safe."""
+that a capturing stream forbids: a `torch.cuda.CUDAGraph` (its reset destroys the executable graph), or
+a Triton kernel in versions whose kernels unload their module when freed. The call fails ("operation not
+permitted when stream is capturing") and invalidates the capture, which then ends with "operation failed
+due to a previous error during capture". torch no longer collects before each capture (it was slow for
+many captures in a row), so whether it happens depends on where the collector's allocation counts reach
+their threshold: an intermittent failure of a capture at start-up (or of a decode graph captured on
+first use). Pausing the collector for the capture's few milliseconds moves such frees to after it, where
+they are safe."""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ class _Capture:
     automatic collection is on as the capture begins and ends, and can fail to begin or in its body."""
 
     seen: list = []
+    fail: str | None = None  # "begin": the capture fails to begin
 
     def __init__(self, graph, pool=None, capture_error_mode="global"):
         self.seen.append(("mode", capture_error_mode))
