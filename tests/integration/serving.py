@@ -74,13 +74,27 @@ class Server:
                 out[(s.name, s.labels.get("stage", ""), tuple(sorted(s.labels.items())))] = s.value
         return out
 
+    def answered(self, stage: str, timeout: float = 30.0) -> dict[tuple[str, str, tuple], float]:
+        """`metrics()` from a scrape that `stage` answered. The launcher waits a second for each stage
+        (`SCRAPE_TIMEOUT_S`); one that answers later shows up as `lorapipe_stage_up 0` with no samples of
+        its own, which a test must not read as zeros (a busy or cold stage, e.g. on its first scrape).
+        Scrapes again until the stage answered; fails if it does not within `timeout`. A label that names
+        no stage process (no `lorapipe_stage_up` sample) is read from the first scrape."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            up = m.get(("lorapipe_stage_up", stage, (("stage", stage),)))
+            if up is None or up == 1.0:
+                return m
+            assert time.monotonic() < deadline, f"stage {stage!r} answered no metrics scrape in {timeout} s"
+
     def metric(self, name: str, stage: str) -> float:
-        return sum(v for (n, st, _), v in self.metrics().items() if n == name and st == stage)
+        return sum(v for (n, st, _), v in self.answered(stage).items() if n == name and st == stage)
 
     def metric_labeled(self, name: str, stage: str, **labels: str) -> float:
         return sum(
             v
-            for (n, st, lab), v in self.metrics().items()
+            for (n, st, lab), v in self.answered(stage).items()
             if n == name and st == stage and labels.items() <= dict(lab).items()
         )
 

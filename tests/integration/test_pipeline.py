@@ -206,6 +206,50 @@ def test_unload_lets_running_requests_finish_and_refuses_new_ones(server, llama_
     )
 
 
+def test_a_scrape_the_scheduler_answers_late_is_not_read_as_zeros(server):
+    """A stopped scheduler misses the launcher's scrape window: the endpoint reports it down with none of
+    its samples, and `Server.metric` scrapes again until the stage answers instead of reading zeros."""
+    import os
+    import signal
+    import threading
+
+    pid = server.stage_pid("scheduler")
+    assert pid is not None
+    capacity = server.metric("lorapipe_lora_pool_rows_capacity", "scheduler")
+    assert capacity > 0
+    scrapes, saw_it_down = [], threading.Event()
+    plain = server.metrics
+
+    def counted():
+        m = plain()
+        scrapes.append(m.get(("lorapipe_stage_up", "scheduler", (("stage", "scheduler"),))))
+        if scrapes[-1] == 0.0:
+            saw_it_down.set()
+        return m
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        m = plain()
+        assert m[("lorapipe_stage_up", "scheduler", (("stage", "scheduler"),))] == 0.0
+        # none of its own samples (the launcher's lorapipe_stage_* families carry a stage label too)
+        stale = [k for k in m if k[1] == "scheduler" and not k[0].startswith("lorapipe_stage_")]
+        assert not stale, stale
+        server.metrics = counted  # on the instance, for this test only
+        got: list[float] = []
+        reader = threading.Thread(
+            target=lambda: got.append(server.metric("lorapipe_lora_pool_rows_capacity", "scheduler"))
+        )
+        reader.start()
+        assert saw_it_down.wait(30), "the reader never scraped while the scheduler was stopped"
+        os.kill(pid, signal.SIGCONT)
+        reader.join(60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        server.__dict__.pop("metrics", None)  # back to the class's method
+    assert got == [capacity], f"read {got} (scrapes saw the scheduler as {scrapes})"
+    assert scrapes[-1] == 1.0 and 0.0 in scrapes
+
+
 def test_loader_killed_mid_run_restarts_and_every_request_completes(server, workload, reference):
     """Last in this module: it kills the module server's loader (which the launcher restarts)."""
     import os
