@@ -1,5 +1,5 @@
 """Every CUDA graph capture in the project goes through `graph_capture.recording`, which pauses Python's
-automatic garbage collection while it records and always turns it back on (CPU; the GPU side is
+automatic garbage collection while it records and leaves it as it found it (CPU; the GPU side is
 test_graph_capture_gpu.py)."""
 
 from __future__ import annotations
