@@ -163,6 +163,13 @@ def shrink_config(info: BatchInfo, in_dim: int, num_slices: int, max_split: int 
     return ShrinkConfig(block_n, block_k, split, num_warps=4, num_stages=3, reduce=wide and split > 1)
 
 
+def split_counters(num_tokens: int, num_slices: int, block_rank: int, device) -> torch.Tensor:
+    """Zeroed split counters for any reducing launch over at most `num_tokens` tokens of a group of
+    `num_slices` slices: one per (tile, column block), with tiles at most one a token and column blocks
+    at least 16 columns wide."""
+    return torch.zeros(num_tokens * num_slices * block_rank // 16, dtype=torch.int32, device=device)
+
+
 def check_row_table(rows: torch.Tensor, num_ids: int, info: BatchInfo) -> None:
     """The row table both kernels read: int32 [num_ids, width], rows contiguous, on the batch's device,
     wide enough for every rank the batch was planned for (its rank tile is that of a rank <= width)."""

@@ -23,7 +23,7 @@ import triton.language as tl  # noqa: E402
 
 from kernels.batch_info import BatchInfoBuilder  # noqa: E402
 from kernels.lora_expand import ExpandConfig, expand_config, lora_expand  # noqa: E402
-from kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config  # noqa: E402
+from kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config, split_counters  # noqa: E402
 from runtime.common.lora_layout import LoraLayout  # noqa: E402
 from stages.worker.graph_capture import recording  # noqa: E402
 from stages.worker.lora.triton_backend import split_cap, workspace_rows  # noqa: E402
@@ -126,7 +126,7 @@ def shrink_launches(case, ranks, scalings, block_m, cfg):
         a, _, rk, _ = case.views(j, ranks, scalings)
         v = torch.empty((cfg.parts, case.T, case.g.num_slices, info.block_rank), device=a.device)
         p = torch.empty(cfg.split_k * v.numel(), device=a.device)
-        c = torch.zeros(case.T * v.shape[2] * info.block_rank // 16, dtype=torch.int32, device=a.device)
+        c = split_counters(case.T, case.g.num_slices, info.block_rank, a.device)
         vs.append(v)
         launches.append(
             lambda x=rep["x"], a=a, rk=rk, info=info, v=v, p=p, c=c: lora_shrink(

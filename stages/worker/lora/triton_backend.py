@@ -14,7 +14,7 @@ import torch
 from kernels.batch_info import BatchInfo, BatchInfoBuilder, block_rank_for
 from kernels.lora_expand import ExpandConfig, expand_config, lora_expand
 from kernels.lora_expand_act import ExpandActConfig, expand_act_config, fusable, lora_expand_silu_mul
-from kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
+from kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config, split_counters
 from runtime.common.lora_layout import GroupLayout, LoraLayout
 from stages.worker.lora.backend import PADDED_BLOCK_M, LoraBackend
 from stages.worker.lora.pool import LoraPool
@@ -129,8 +129,7 @@ class TritonLoraBackend(LoraBackend):
         dev = self.pool.device
         self._workspace = torch.empty(self._ws_rows * max_slices * br, dtype=torch.float32, device=dev)
         self._v = torch.empty(self.max_tokens * max_slices * br, dtype=torch.float32, device=dev)
-        # One counter per (tile, column block): tiles <= tokens, column blocks of >= 16 columns.
-        self._counters = torch.zeros(self.max_tokens * max_slices * br // 16, dtype=torch.int32, device=dev)
+        self._counters = split_counters(self.max_tokens, max_slices, br, dev)
 
     @property
     def batch_info(self) -> BatchInfo | None:
