@@ -26,6 +26,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stage_up(metrics: dict[tuple[str, str, tuple], float], stage: str) -> float | None:
+    """`lorapipe_stage_up` of `stage` in a `Server.metrics()` scrape: 1 answered, 0 did not, None no such
+    stage process."""
+    return metrics.get(("lorapipe_stage_up", stage, (("stage", stage),)))
+
+
 class Server:
     def __init__(
         self,
@@ -83,7 +89,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            up = m.get(("lorapipe_stage_up", stage, (("stage", stage),)))
+            up = stage_up(m, stage)
             if up is None or up == 1.0:
                 return m
             assert time.monotonic() < deadline, f"stage {stage!r} answered no metrics scrape in {timeout} s"

@@ -16,7 +16,7 @@ import zmq
 from proto.sampling import SamplingParams
 from runtime.client import AdapterLoadFailed, AsyncClient, InvalidRequest, UnknownAdapter
 from runtime.offline import LLM
-from tests.integration.serving import serve
+from tests.integration.serving import serve, stage_up
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -222,7 +222,7 @@ def test_a_scrape_the_scheduler_answers_late_is_not_read_as_zeros(server):
 
     def counted():
         m = plain()
-        scrapes.append(m.get(("lorapipe_stage_up", "scheduler", (("stage", "scheduler"),))))
+        scrapes.append(stage_up(m, "scheduler"))
         if scrapes[-1] == 0.0:
             saw_it_down.set()
         return m
@@ -230,7 +230,7 @@ def test_a_scrape_the_scheduler_answers_late_is_not_read_as_zeros(server):
     os.kill(pid, signal.SIGSTOP)
     try:
         m = plain()
-        assert m[("lorapipe_stage_up", "scheduler", (("stage", "scheduler"),))] == 0.0
+        assert stage_up(m, "scheduler") == 0.0
         # none of its own samples (the launcher's lorapipe_stage_* families carry a stage label too)
         stale = [k for k in m if k[1] == "scheduler" and not k[0].startswith("lorapipe_stage_")]
         assert not stale, stale
