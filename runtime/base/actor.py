@@ -32,6 +32,7 @@ from proto.control import (
     Shutdown,
     StageToLauncher,
 )
+from runtime.base.gc_pauses import GcPauses
 from runtime.base.metrics import StageMetrics
 from runtime.base.sockets import DealerSocket, _Base
 
@@ -216,6 +217,7 @@ class Actor(Generic[C]):
                 # full collection walking them stalls every step for as long as it takes
                 gc.collect()
                 gc.freeze()
+                GcPauses(self.metrics, self.log).install()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_drain)
             async with asyncio.TaskGroup() as tg:

@@ -1,0 +1,53 @@
+"""The sampler's per-row finiteness check and greedy tokens, against numpy on the same logits: a row with a
+NaN or an infinity anywhere fails alone, a row of huge but finite values does not, and every other row
+gets its argmax (greedy) or a valid id (sampled)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from proto.sampling import SamplingParams
+from stages.worker.sampler import NOT_FINITE, Sampler
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+VOCAB = 50_021  # odd, so no reduction splits it evenly
+
+
+def _logits(device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(8, VOCAB, generator=g) * 4
+    x[1, VOCAB - 1] = float("nan")  # last element: a reduction's tail
+    x[2, 0] = float("inf")
+    x[3, VOCAB // 2] = float("-inf")
+    x[4] = torch.where(x[4] > 0, 3.0e38, -3.0e38)  # finite, near float32's limit
+    x[4, 11] = 3.3e38  # the largest value, so its argmax is known
+    x[5, 17] = float("nan")
+    x[5, 18] = float("inf")
+    x[6, :] = float("-inf")  # every value infinite
+    return x.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sampled_rows", [(), (0, 3, 7)])
+def test_rows_that_are_not_finite_fail_alone(device, sampled_rows):
+    logits = _logits(device)
+    ref = logits.cpu().double().numpy()
+    finite = np.isfinite(ref).all(axis=1)
+    assert finite.tolist() == [True, False, False, False, True, False, False, True]  # the premise
+    params = [
+        SamplingParams(temperature=0.8, top_k=50, seed=i) if i in sampled_rows else SamplingParams()
+        for i in range(logits.shape[0])
+    ]
+    ids = [f"r{i}" for i in range(logits.shape[0])]
+    tokens, failed = Sampler(torch.device(device)).sample(logits, ids, params)
+    assert sorted(failed) == [i for i in range(len(ids)) if not finite[i]]
+    assert all(why == NOT_FINITE for why in failed.values())
+    for i, tok in enumerate(tokens):
+        assert 0 <= tok < VOCAB
+        if finite[i] and i not in sampled_rows:
+            assert tok == int(np.argmax(ref[i]))
+        if finite[i] and i in sampled_rows:  # top-k 50: among the row's 50 largest values
+            assert ref[i, tok] >= np.sort(ref[i])[-50]
