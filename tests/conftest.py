@@ -92,9 +92,10 @@ def record_logits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[torch.Tenso
     seen: dict[str, list[torch.Tensor]] = {}
     issue, finish = Sampler.issue, StepExecutor.finish
 
-    def record_issue(self, logits, request_ids, params):
-        sampled = issue(self, logits, request_ids, params)
-        sampled.recorded = [row.detach().float().cpu().clone() for row in logits]
+    def record_issue(self, logits, request_ids, params, rows=None):
+        sampled = issue(self, logits, request_ids, params, rows)
+        at = range(len(request_ids)) if rows is None else rows[0]  # each request's row of the logits
+        sampled.recorded = [logits[i].detach().float().cpu().clone() for i in at]
         return sampled
 
     def record_finish(self, step):

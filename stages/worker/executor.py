@@ -22,7 +22,7 @@ import torch
 
 from proto.pipeline import TokenBatch, TokenDelta
 from proto.plan import BatchPlan, FinishedRequest, RequestError, SlotError, SlotLoad, StepResult
-from stages.worker.runner import ModelRunner, SeqInput
+from stages.worker.runner import ModelRunner, SeqInput, inverse_of
 from stages.worker.sampler import Sampler
 from stages.worker.seq_input import has_placeholders
 from stages.worker.slot_loads import LoadHandle, PendingLoads
@@ -90,17 +90,26 @@ class StepExecutor:
         pending = before.tokens if before is not None else None
         if pending is None and has_placeholders(seqs):
             raise RuntimeError("a placeholder token without the step that samples it")
-        logits = self._forward(step, seqs, pending)  # [B, V]
+        logits, order = self._forward(step, seqs, pending)  # [B, V], row j for scheduled[order[j]]
         t_forward = time.perf_counter()
         for req, n in step.scheduled:
             req.num_computed += n
         rows = [i for i, (req, _) in enumerate(step.scheduled) if req.num_computed == len(req.token_ids)]
         if rows:
             reqs = [step.scheduled[i][0] for i in rows]
-            if len(rows) < len(step.scheduled):
-                logits = logits[self.runner.index_uploads(rows)]
+            if order is not None:
+                pos = inverse_of(order)
+                rows_at = [pos[i] for i in rows]  # their logits rows
+            else:
+                rows_at = rows
+            # The sampler picks each request's row out of the forward's own order: no [B, V] gather.
+            picks = (
+                None
+                if rows_at == list(range(logits.shape[0]))
+                else (rows_at, self.runner.index_uploads(rows_at))
+            )
             step.sampled = self.sampler.issue(
-                logits, [r.request_id for r in reqs], [r.sampling for r in reqs]
+                logits, [r.request_id for r in reqs], [r.sampling for r in reqs], picks
             )
             for row, req in enumerate(reqs):
                 step.rows.append((req, len(req.token_ids)))
@@ -161,16 +170,17 @@ class StepExecutor:
 
     def _forward(
         self, step: InFlightStep, seqs: list[SeqInput], pending: torch.Tensor | None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, list[int] | None]:
+        """The step's logits and their order (`ModelRunner.execute_grouped`)."""
         used = {req.slot for req, _ in step.scheduled if req.slot >= 0}
         # Copies into the slots this step uses: layer i waits only for layer i's part of the copy.
         layer_waits = self.pending.layer_waits(used, self.runner.model_cfg.num_layers) if used else None
         try:
-            return self.runner.execute(seqs, layer_waits, pending)
+            return self.runner.execute_grouped(seqs, layer_waits, pending)
         except Exception as exc:
             if len({req.slot for req, _ in step.scheduled}) < 2 and len(step.scheduled) < 2:
                 raise  # nothing to tell apart: the caller fails this step's requests
-            return self._execute_apart(step, seqs, layer_waits, pending, exc)
+            return self._execute_apart(step, seqs, layer_waits, pending, exc), None
 
     def _execute_apart(
         self,

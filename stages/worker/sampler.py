@@ -70,20 +70,29 @@ class Sampler:
         return gen
 
     def issue(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        rows: tuple[list[int], torch.Tensor] | None = None,
     ) -> SampledTokens:
-        """logits: [B, V] float32, B >= 1. Issues the sampling and the host copy; never synchronises (a
-        bad row samples a stand-in distribution, so every row's token is a valid id)."""
+        """logits: [N, V] float32. Request k's row is k, or with `rows` (host list, and the same on the
+        device) rows[k]; rows no request names are never sampled, and their values fail nothing.
+        Issues the sampling and the host copy; never synchronises (a bad row samples a stand-in
+        distribution, so every row's token is a valid id)."""
         # A row is finite when its largest and smallest values are (max and min propagate NaN): the
         # greedy tokens' reduction gives the largest, one more the smallest. isfinite(logits).all() ran
         # four elementwise kernels over [B, V] and a reduction: with argmax 334 us against 142 for 256
         # rows of a 128k vocabulary on an H100 (docs/benchmarks.md, seventeenth session).
-        hi, tokens = logits.max(dim=-1)  # [B] each; the first index of the largest value, as argmax
-        ok = torch.isfinite(hi) & torch.isfinite(logits.amin(dim=-1))  # [B]
+        hi, tokens = logits.max(dim=-1)  # [N] each; the first index of the largest value, as argmax
+        ok = torch.isfinite(hi) & torch.isfinite(logits.amin(dim=-1))  # [N]
+        at = range(len(request_ids)) if rows is None else rows[0]
+        if rows is not None:  # each request's row, [B]: a gather of B values, not of B rows of logits
+            tokens, ok = tokens[rows[1]], ok[rows[1]]
         for i, p in enumerate(params):
             if p.greedy:
                 continue
-            probs = _filtered_probs(logits[i], p)
+            probs = _filtered_probs(logits[at[i]], p)
             good = ok[i] & torch.isfinite(probs).all() & (probs.sum() > 0)
             probs = torch.where(good, probs, torch.ones_like(probs))  # a bad row samples a stand-in
             tokens[i] = draw(probs, self._generator(request_ids[i], p))

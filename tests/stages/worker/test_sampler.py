@@ -51,3 +51,24 @@ def test_rows_that_are_not_finite_fail_alone(device, sampled_rows):
             assert tok == int(np.argmax(ref[i]))
         if finite[i] and i in sampled_rows:  # top-k 50: among the row's 50 largest values
             assert ref[i, tok] >= np.sort(ref[i])[-50]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_request_is_sampled_from_the_row_it_names(device):
+    """With `rows`, request k reads logits row rows[k], in any order; a row no request names (here the
+    NaN rows 1 and 5, and row 2's infinity) fails nothing."""
+    logits = _logits(device)
+    ref = logits.cpu().double().numpy()
+    rows = [7, 0, 4, 3]  # row 3 holds a -inf: its request fails
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_k=20, seed=3),
+        SamplingParams(),
+        SamplingParams(),
+    ]
+    picks = (rows, torch.tensor(rows, device=device))
+    result = Sampler(torch.device(device)).issue(logits, ["a", "b", "c", "d"], params, picks)
+    tokens, failed = result.result()
+    assert sorted(failed) == [3]
+    assert tokens[0] == int(np.argmax(ref[7])) and tokens[2] == int(np.argmax(ref[4]))
+    assert ref[0, tokens[1]] >= np.sort(ref[0])[-20]
