@@ -32,6 +32,29 @@ def stage_up(metrics: dict[tuple[str, str, tuple], float], stage: str) -> float 
     return metrics.get(("lorapipe_stage_up", stage, (("stage", stage),)))
 
 
+# the families `Server.snapshot` shows: requests by queue and tier, adapters by tier, the scheduler's
+# holds, the loader's cache, the stages' queues and whether each stage answered
+SNAPSHOT_FAMILIES = frozenset(
+    {
+        "lorapipe_stage_up",
+        "lorapipe_waiting_requests",
+        "lorapipe_running_requests",
+        "lorapipe_waiting_requests_by_tier",
+        "lorapipe_adapters_by_tier",
+        "lorapipe_host_holds",
+        "lorapipe_host_cache_adapters",
+        "lorapipe_lora_pool_adapters",
+        "lorapipe_slot_refs",
+        "lorapipe_kv_pages_used",
+        "lorapipe_queue_depth",
+        "lorapipe_plans",
+        "lorapipe_adapter_loads",
+        "lorapipe_slot_loads",
+        "lorapipe_requests_failed",
+    }
+)
+
+
 class Server:
     def __init__(
         self,
@@ -93,6 +116,20 @@ class Server:
             if up is None or up == 1.0:
                 return m
             assert time.monotonic() < deadline, f"stage {stage!r} answered no metrics scrape in {timeout} s"
+
+    def snapshot(self) -> str:
+        """Where requests and adapters are now, one `name{labels} value` line each: what a test prints
+        when the server did not answer in time, so that the report shows what it was waiting on."""
+        try:
+            m = self.metrics()
+        except OSError as exc:
+            return f"(no metrics scrape: {exc})"
+        lines = [
+            f"{n}{{{', '.join(f'{k}={v}' for k, v in lab)}}} {v:g}"
+            for (n, _, lab), v in sorted(m.items())
+            if n.removesuffix("_total") in SNAPSHOT_FAMILIES
+        ]
+        return "\n".join(lines)
 
     def metric(self, name: str, stage: str) -> float:
         return sum(v for (n, st, _), v in self.answered(stage).items() if n == name and st == stage)

@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.client import AsyncClient
+from runtime.client import AsyncClient, Timeout
 from tests.integration.serving import serve
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,7 +42,10 @@ def sdk_reference(server, llama_adapters):
             )
         return {k: (o.token_ids, o.text) for k, o in zip(keys, outs, strict=True)}
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    except Timeout as exc:  # once in a CI run (seventeenth session): say where the requests were
+        raise AssertionError(f"{exc}; the server's state:\n{server.snapshot()}") from exc
 
 
 def client(server, **kw) -> openai.OpenAI:
