@@ -113,6 +113,9 @@ class AdapterLifecycle:
         held blocks are never evicted, so this stays bounded."""
         if not self.loader_up or self._stale_copies():
             return
+        if planner.waiting:  # demand goes first: warm holds must not keep its adapters out
+            for name in self.warmer.yield_to_demand():
+                await self._maybe_release(name, planner)
         full = self._staging_full()  # counted over every registered adapter: once, and after each ask
         for name in planner.adapters_needed():
             self._count_host_lookup(name)

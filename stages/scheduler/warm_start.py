@@ -1,8 +1,9 @@
 """Start-up warming: the adapters registered with `--adapter` are staged into the host cache, in the order
 given, as soon as the loader is up, and copied into free rows of the GPU adapter pool once the worker has
 started, so that the first burst after "ready" finds them where a second burst would. It never evicts (no
-host block, no pool resident), takes no hold and no rows while requests wait (demand goes first), and
-stops a tier at the first sign that it is full. Plain CPU code: it decides, AdapterLifecycle sends."""
+host block, no pool resident), takes no hold and no rows while requests wait and gives back the holds
+of copies it has not issued when one arrives (demand goes first), and stops a tier at the first sign
+that it is full. Plain CPU code: it decides, AdapterLifecycle sends."""
 
 from __future__ import annotations
 
@@ -104,6 +105,14 @@ class StartupWarmer:
         self.holding.clear()
 
     # --- pool pass ------------------------------------------------------------------------------------
+    def yield_to_demand(self) -> list[str]:
+        """A request waits: the pool pass gives up the holds it took for copies not issued yet (the
+        request may need their room in the host cache, and their count in the cap of holds); the
+        adapters stay cached, where demand finds them. Returns their names, to release."""
+        dropped = list(self.holding)
+        self.holding.clear()
+        return dropped
+
     def pool_step(self, planner: Planner | None, loads: list[SlotLoad]) -> tuple[list[str], list[str]]:
         """Issue warm pool loads of the held names into `loads`; returns (names to ask the loader to hold
         now, names whose hold is no longer wanted). Only into free rows and ids, in order, until one does

@@ -24,7 +24,15 @@ RANK = 4
 
 
 class Harness:
-    def __init__(self, n: int, host_bytes: int = 0, pool_rows: int = 8, pool_ids: int = 4, window: int = 2):
+    def __init__(
+        self,
+        n: int,
+        host_bytes: int = 0,
+        pool_rows: int = 8,
+        pool_ids: int = 4,
+        window: int = 2,
+        max_held: int | None = None,
+    ):
         self.names = [f"a{i}" for i in range(n)]
         self.to_loader: Mailbox[Any] = Mailbox("to_loader", 256)
         self.adapters = AdapterRegistry({name: f"/{name}" for name in self.names})
@@ -33,7 +41,9 @@ class Harness:
         series = SchedulerMetrics(
             StageMetrics("scheduler"), lambda: self.planner, lambda: 0, lambda: {}, lambda: {}, lambda: {}
         )
-        self.life = AdapterLifecycle(self.adapters, self.to_loader, self._fail, series, None, 8, self.warmer)
+        self.life = AdapterLifecycle(
+            self.adapters, self.to_loader, self._fail, series, max_held, 8, self.warmer
+        )
         self.cfg = PlannerConfig(
             num_pages=32,
             page_size=16,
@@ -230,5 +240,40 @@ def test_a_refusal_after_every_hold_was_given_back_does_not_block_the_adapter_fo
         h.planner.add("r", [1, 2], "a1", SamplingParams(max_tokens=2))
         await h.life.stage_upcoming(h.planner)
         assert h.sent() == [StageAdapter(name="a1", path="/a1")]  # asked again at once
+
+    asyncio.run(main())
+
+
+def test_a_request_that_arrives_while_warm_copies_are_held_gets_their_holds_back():
+    """The pool pass holds host blocks for copies it has not issued yet. A request that arrives then
+    stops the pass (demand goes first), and the pass must give those holds back at once. Kept, they
+    fill the host cache's cap of holds (`--max-cpu-loras`), the request's own adapter is never asked
+    for, and the request waits for ever: one CI run of tests/integration/test_http.py timed out so."""
+
+    async def main() -> None:
+        h = Harness(3, host_bytes=2 * BLOCK + 50, window=2, max_held=2)
+        h.warmer.host = h.warmer.host.__class__(["a0", "a1"])  # `--adapter a0 --adapter a1`; a2 on disk
+        await h.life.on_loader_started()
+        await h.kick()
+        assert await h.answer_all() == []
+        assert h.sent() == [ReleaseAdapter(name="a0"), ReleaseAdapter(name="a1")]  # cached, not held
+        h.start_worker()
+        await h.kick()
+        assert [m.name for m in h.sent()] == ["a0", "a1"]  # holds for their warm copies
+        for name in ["a0", "a1"]:
+            await h.staged(name)
+        assert h.sent() == [] and h.adapters.held() == 2  # at the cap
+        h.planner.add("r", [1, 2, 3], "a2", SamplingParams(max_tokens=2))
+        await h.life.stage_upcoming(h.planner)  # the first thing the actor's kick does
+        assert h.sent() == [
+            ReleaseAdapter(name="a0"),
+            ReleaseAdapter(name="a1"),
+            StageAdapter(name="a2", path="/a2"),  # the request's adapter, asked for in the same kick
+        ]
+        assert not h.warmer.wants("a0") and not h.warmer.wants("a1")
+        assert await h.kick() == []  # a request waits: no warm copy
+        await h.staged("a2")
+        plan = h.planner.schedule()
+        assert [lo.adapter for lo in plan.slot_loads] == ["a2"] and not h.planner.waiting
 
     asyncio.run(main())
