@@ -6,7 +6,11 @@ requests go first."""
 from __future__ import annotations
 
 import asyncio
+import random
+from collections import deque
 from typing import Any
+
+import pytest
 
 from proto.loader import AdapterFailed, AdapterStaged, Evicted, ReleaseAdapter, StageAdapter
 from proto.plan import StepResult
@@ -252,7 +256,7 @@ def test_a_request_that_arrives_while_warm_copies_are_held_gets_their_holds_back
 
     async def main() -> None:
         h = Harness(3, host_bytes=2 * BLOCK + 50, window=2, max_held=2)
-        h.warmer.host = h.warmer.host.__class__(["a0", "a1"])  # `--adapter a0 --adapter a1`; a2 on disk
+        h.warmer.host = deque(["a0", "a1"])  # `--adapter a0 --adapter a1`; a2 on disk
         await h.life.on_loader_started()
         await h.kick()
         assert await h.answer_all() == []
@@ -275,5 +279,58 @@ def test_a_request_that_arrives_while_warm_copies_are_held_gets_their_holds_back
         await h.staged("a2")
         plan = h.planner.schedule()
         assert [lo.adapter for lo in plan.slot_loads] == ["a2"] and not h.planner.waiting
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_warm_holds_never_outlive_the_arrival_of_a_request(seed):
+    """Start-up warming interleaved at random with the loader's answers (in any order), the worker's start
+    and a burst of requests (one of them for an adapter nobody warmed). In the actor's first step after
+    the burst (`stage_upcoming`), the warmer holds nothing, every host hold is one a waiting request or a
+    copy in flight needs, and the unwarmed adapter is asked for unless demand's own holds fill the cap;
+    once the loader has answered everything, still no hold is the warmer's alone."""
+    rng = random.Random(seed)
+
+    async def main() -> None:
+        h = Harness(4, host_bytes=3 * BLOCK + 50, window=rng.randint(1, 3), max_held=3)
+        h.warmer.host = deque(["a0", "a1", "a2"])  # a3 stays on disk until a request needs it
+        await h.life.on_loader_started()
+        unanswered: list[str] = []
+
+        def collect() -> None:
+            unanswered.extend(m.name for m in h.sent() if isinstance(m, StageAdapter))
+
+        worker_at, burst_at = rng.randint(0, 6), rng.randint(0, 14)
+        for step in range(burst_at):
+            if step == worker_at:
+                h.start_worker()
+            if unanswered and rng.random() < 0.5:
+                await h.staged(unanswered.pop(rng.randrange(len(unanswered))))
+            else:
+                await h.kick()
+            collect()
+        if h.planner is None:
+            h.start_worker()
+        wanted = sorted({*rng.sample(["a0", "a1", "a2"], rng.randint(0, 3)), "a3"})
+        for i, name in enumerate(wanted):
+            h.planner.add(f"r{i}", [1, 2, 3], name, SamplingParams(max_tokens=2))
+        await h.life.stage_upcoming(h.planner)
+        collect()
+
+        def check_holds() -> None:
+            needed = set(h.planner.adapters_needed())
+            for e in h.adapters.entries.values():
+                if e.held:
+                    assert e.name in needed or e.loads_in_flight, f"seed {seed}: {e.name} held for nothing"
+
+        assert not h.warmer.holding, f"seed {seed}: warm holds kept while requests wait"
+        check_holds()
+        a3 = h.adapters.get("a3")
+        assert a3.staging or a3.held or h.adapters.held() >= 3, f"seed {seed}: a3 never asked for"
+        while unanswered:  # the loader answers the rest; the requests still wait (nothing scheduled)
+            await h.staged(unanswered.pop(rng.randrange(len(unanswered))))
+            collect()
+        check_holds()
 
     asyncio.run(main())
