@@ -87,14 +87,14 @@ def record_logits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[torch.Tenso
     (recorded at the sampler, so tests compare exactly what the engine decided on; a row that an
     overlapped step computed for a request an earlier step had ended is dropped, as the engine drops it)."""
     from stages.worker.executor import StepExecutor
-    from stages.worker.sampler import Sampler
+    from stages.worker.sampler import Sampler, request_rows
 
     seen: dict[str, list[torch.Tensor]] = {}
     issue, finish = Sampler.issue, StepExecutor.finish
 
     def record_issue(self, logits, request_ids, params, rows=None):
         sampled = issue(self, logits, request_ids, params, rows)
-        at = range(len(request_ids)) if rows is None else rows[0]  # each request's row of the logits
+        at = request_rows(len(request_ids), rows)  # each request's row of the logits
         sampled.recorded = [logits[i].detach().float().cpu().clone() for i in at]
         return sampled
 

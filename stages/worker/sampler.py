@@ -9,6 +9,7 @@ collects later (`SampledTokens.result`), so the next step can be launched first.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 
@@ -86,7 +87,7 @@ class Sampler:
         # rows of a 128k vocabulary on an H100 (docs/benchmarks.md, seventeenth session).
         hi, tokens = logits.max(dim=-1)  # [N] each; the first index of the largest value, as argmax
         ok = torch.isfinite(hi) & torch.isfinite(logits.amin(dim=-1))  # [N]
-        at = range(len(request_ids)) if rows is None else rows[0]
+        at = request_rows(len(request_ids), rows)
         if rows is not None:  # each request's row, [B]: a gather of B values, not of B rows of logits
             tokens, ok = tokens[rows[1]], ok[rows[1]]
         for i, p in enumerate(params):
@@ -106,6 +107,11 @@ class Sampler:
         if not request_ids:
             return [], {}
         return self.issue(logits, request_ids, params).result()
+
+
+def request_rows(n: int, rows: tuple[list[int], torch.Tensor] | None) -> Sequence[int]:
+    """The logits row of each of `n` requests under `Sampler.issue`'s `rows` (row k without it)."""
+    return range(n) if rows is None else rows[0]
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
