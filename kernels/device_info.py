@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import torch
+
+from kernels.batch_info import interpreting
+
+# Set to 0 to launch every kernel in plain stream order (programmatic dependent launch off), for A/B runs.
+PDL_ENV = "LORAPIPE_PDL"
 
 
 @lru_cache(maxsize=8)
@@ -13,3 +19,14 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@lru_cache(maxsize=8)
+def pdl(device: torch.device) -> bool:
+    """Whether the LoRA kernels launch as programmatic dependents of the kernel before them (Hopper and
+    later, compiled kernels only; LORAPIPE_PDL=0 turns it off). A dependent may start while its
+    predecessor's last programs run: it reads the step's constant data (batch metadata, adapter rows)
+    first and waits (`gdc_wait`) before anything a kernel of the step wrote, and before it exits."""
+    if device.type != "cuda" or interpreting() or os.environ.get(PDL_ENV, "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from kernels import device_info
 from kernels.batch_info import ACT_BLOCK_M, META_COLS, BatchInfo, interpreting, read_tiles
 from kernels.lora_shrink import check_row_table
 
@@ -32,26 +34,15 @@ def _row_gather(t_ptrs, k, offs_r, table_width):
 
 
 @triton.jit
-def _rank_step(
-    v_ptrs,
-    b_cols,
-    prow,
-    k,
-    r,
-    r16,
-    m_ok,
-    n_ok,
-    offs_r,
-    stride_br,
-    stride_vp,
-    NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """One rank chunk: v[:, k:k+BLOCK_K] (summed over the split-K partials) @ B[prow, :] (the chunk's
-    BLOCK_K pool rows)."""
+def _b_chunk(b_cols, prow, k, r, n_ok, offs_r, stride_br):
+    """B[prow, :] for rank rows k..k+BLOCK_K (the chunk's pool rows), zero past the rank."""
     k_ok = (k + offs_r) < r
-    b_ptrs = b_cols + (prow * stride_br)[:, None]
-    bt = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+    return tl.load(b_cols + (prow * stride_br)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _v_dot(v_ptrs, bt, k, r16, m_ok, offs_r, stride_vp, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
+    """v[:, k:k+BLOCK_K] (summed over the split-K partials) @ bt, the chunk's [BLOCK_K, BLOCK_N] B rows."""
     v_ok = m_ok[:, None] & ((k + offs_r) < r16)[None, :]
     vt = split_sum(v_ptrs, v_ok, stride_vp, NUM_SPLITS)  # [BLOCK_M, BLOCK_K] fp32
     vt = vt.to(bt.dtype)  # same rounding of v as a plain dtype matmul chain
@@ -97,11 +88,20 @@ def _lora_expand_kernel(
     META: tl.constexpr,
     SKIP_UNIFORM: tl.constexpr,
     ACT_BM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Grid: (tiles, column blocks of all slices; a block never straddles two slices).
+    # PDL: this kernel may start while the shrink before it runs (the shrink lets it). Before its wait it
+    # reads only the step's constant data (the batch metadata, the adapter tables and the first chunk of
+    # B rows); v and out after it. Every program passes the wait before it returns, so that this
+    # kernel's completion implies the shrink's. It does not let the kernel after it start early: where
+    # that was the next group's shrink, the early shrink made rank-16 steps up to 18 % slower
+    # (docs/benchmarks.md, eighteenth session).
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_t >= tl.load(meta_ptr):
+        if PDL:
+            gdc_wait()
         return
     row = meta_ptr + (pid_t + 1) * META
     start = tl.load(row)
@@ -123,6 +123,8 @@ def _lora_expand_kernel(
     # A rank past the table would index the next adapter's entries.
     r = tl.minimum(tl.minimum(r, BLOCK_R), table_width)
     if r == 0:
+        if PDL:
+            gdc_wait()
         return
     scale = tl.load(scal_ptr + slot * stride_ss + s * stride_si)
 
@@ -132,29 +134,33 @@ def _lora_expand_kernel(
         blk = tl.load(meta_ptr + (offs_m // ACT_BM + 1) * META + 3, mask=m_ok, other=0)
         m_ok = m_ok & (blk < 0)
         if tl.max(m_ok.to(tl.int32), axis=0) == 0:
+            if PDL:
+                gdc_wait()
             return
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < width
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + (off + offs_n)[None, :]
     o_mask = m_ok[:, None] & n_ok[None, :]
-    o = tl.load(o_ptrs, mask=o_mask, other=0.0)  # issued early: its latency hides behind the rank loop
-
     # The shrink wrote v in whole 16-column groups (zeros past the rank), so v loads need no rank mask
     # below r16; B rows past the real rank are stale and are never read.
     r16 = tl.cdiv(r, 16) * 16
     b_cols = b_ptr + (off + offs_n)[None, :]  # [1, BLOCK_N]; each chunk adds its gathered row offsets
     v_ptrs = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + s * stride_vi + offs_r[None, :]
     if BLOCK_K == BLOCK_R and NUM_SPLITS == 1:  # one step, loads straight to registers (no pipeline)
-        acc = _rank_step(
-            v_ptrs, b_cols, prow0, 0, r, r16, m_ok, n_ok, offs_r, stride_br, stride_vp, NUM_SPLITS, UPCAST
-        )
+        bt = _b_chunk(b_cols, prow0, 0, r, n_ok, offs_r, stride_br)  # before the wait: adapter rows
+        if PDL:
+            gdc_wait()
+        o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+        acc = _v_dot(v_ptrs, bt, 0, r16, m_ok, offs_r, stride_vp, NUM_SPLITS, UPCAST)
     else:
+        if PDL:
+            gdc_wait()
+        o = tl.load(o_ptrs, mask=o_mask, other=0.0)  # issued early: its latency hides behind the rank loop
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, r, BLOCK_K):
             prow = _row_gather(t_ptrs, k, offs_r, table_width)
-            acc += _rank_step(
-                v_ptrs, b_cols, prow, k, r, r16, m_ok, n_ok, offs_r, stride_br, stride_vp, NUM_SPLITS, UPCAST
-            )
+            bt = _b_chunk(b_cols, prow, k, r, n_ok, offs_r, stride_br)
+            acc += _v_dot(v_ptrs, bt, k, r16, m_ok, offs_r, stride_vp, NUM_SPLITS, UPCAST)
             v_ptrs += BLOCK_K
     tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=o_mask)
 
@@ -254,6 +260,7 @@ def lora_expand(
     d = list(out_dims) + [0] * (3 - num_slices)
     o = list(out_offsets) + [0] * (3 - num_slices)
     grid = (info.num_tiles, sum(triton.cdiv(w, cfg.block_n) for w in out_dims))
+    pdl = device_info.pdl(out.device)
     _lora_expand_kernel[grid](
         v,
         b,
@@ -285,8 +292,10 @@ def lora_expand(
         META=META_COLS,
         SKIP_UNIFORM=skip_uniform,
         ACT_BM=ACT_BLOCK_M,
+        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=pdl,
     )
     return out
 

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from kernels import device_info
 from kernels.batch_info import ACT_BLOCK_M, META_COLS, BatchInfo, interpreting
 from kernels.lora_expand import (
     ExpandConfig,
@@ -64,10 +66,19 @@ def _lora_expand_act_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     META: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Grid: (row blocks of BLOCK_M over all T rows, column blocks of the activation's I columns).
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    # The block's adapter id when all its rows have that one adapter (planned on the host into column 3
+    # of the block's metadata row), else -1: then the plain expand has added the delta of its adapter
+    # rows already (`lora_expand(..., skip_uniform=True)`), and only the activation is left.
+    s = tl.load(meta_ptr + (pid_b + 1) * META + 3).to(tl.int64)
+    # PDL: this kernel may start while the plain expand before it runs; it reads the projection and v,
+    # which the kernels before it wrote, only after its wait (the metadata above is the step's own).
+    if PDL:
+        gdc_wait()
     offs_m = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,10 +88,6 @@ def _lora_expand_act_kernel(
     gate = tl.load(g_ptrs, mask=io_mask, other=0.0)  # issued first: its latency hides behind the tiles
     up = tl.load(g_ptrs + inter, mask=io_mask, other=0.0)
 
-    # The block's adapter id when all its rows have that one adapter (planned on the host into column 3
-    # of the block's metadata row), else -1: then the plain expand has added the delta of its adapter
-    # rows already (`lora_expand(..., skip_uniform=True)`), and only the activation is left.
-    s = tl.load(meta_ptr + (pid_b + 1) * META + 3).to(tl.int64)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if s >= 0:  # one adapter for every row of the block: a dot per rank chunk
@@ -93,8 +100,8 @@ def _lora_expand_act_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         t_ptrs = rows_ptr + s * stride_ts + offs_k
         v_rows = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + offs_k[None, :]
-        # Both halves' B loads are issued before either v: two calls of lora_expand's `_rank_step` (B then
-        # v, per half) made prefill steps 0.9-2.8 % slower (docs/benchmarks.md, fourteenth session).
+        # Both halves' B loads are issued before either v: lora_expand's B chunk then v dot, once per
+        # half, made prefill steps 0.9-2.8 % slower (docs/benchmarks.md, fourteenth session).
         for k in range(0, tl.maximum(rg, ru), BLOCK_K):
             kk = k + offs_k
             prow = tl.load(t_ptrs + k, mask=kk < table_width, other=0).to(tl.int64)
@@ -219,6 +226,7 @@ def _act(v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandConfi
     if T == 0:
         return act
     grid = (triton.cdiv(T, ACT_BLOCK_M), triton.cdiv(inter, cfg.block_n))
+    pdl = device_info.pdl(gate_up.device)
     _lora_expand_act_kernel[grid](
         gate_up,
         act,
@@ -249,8 +257,10 @@ def _act(v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandConfi
         BLOCK_K=cfg.block_k,
         UPCAST=interpreting(),
         META=META_COLS,
+        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=pdl,
     )
     return act
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import device_info
 from kernels.batch_info import META_COLS, BatchInfo, block_rank_for, interpreting, next_pow2, read_tiles
@@ -47,12 +48,21 @@ def _lora_shrink_kernel(
     REDUCE_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
     META: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Grid: (tiles, column blocks of the flattened (slice, rank) space, K splits).
+    # PDL: the expand after this may start now. It reads what this kernel writes only after its own wait.
+    # This kernel reads the batch metadata and the row table before its wait (both are the step's
+    # constant data), x and the pool's rows after it, and passes the wait before any return: its
+    # completion then implies its predecessor's, for every kernel that waits on it.
+    if PDL:
+        gdc_launch_dependents()
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     if pid_t >= tl.load(meta_ptr):
+        if PDL:
+            gdc_wait()
         return
     row = meta_ptr + (pid_t + 1) * META
     start = tl.load(row)
@@ -69,6 +79,8 @@ def _lora_shrink_kernel(
     prow = tl.load(rows_ptr + slot * stride_ts + rk, mask=in_group & (rk < table_width), other=0)
     r = tl.minimum(r, table_width)  # a rank past the table would index the next adapter's entries
     col_ok = in_group & (rk < r)  # rows past an adapter's real rank hold stale data: never read
+    if PDL:
+        gdc_wait()
     if tl.max(col_ok.to(tl.int32), axis=0) == 0:
         return
 
@@ -275,6 +287,7 @@ def lora_shrink(
     else:  # never dereferenced
         partials, counters = out, ranks
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    pdl = device_info.pdl(x.device)
     _lora_shrink_kernel[grid](
         x,
         a,
@@ -305,8 +318,10 @@ def lora_shrink(
         REDUCE_SPLITS=cfg.split_k if reduce else 1,
         UPCAST=interpreting(),
         META=META_COLS,
+        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=pdl,
     )
     return out
 
