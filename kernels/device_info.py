@@ -11,6 +11,10 @@ from kernels.batch_info import interpreting
 
 # Set to 0 to launch every kernel in plain stream order (programmatic dependent launch off), for A/B runs.
 PDL_ENV = "LORAPIPE_PDL"
+# Launches over more tiles than this keep plain stream order: on the H100 a 31 x 256-token prefill step
+# (768 tiles) took 1.1 % longer with its LoRA kernels as dependents, while steps of up to 320 tiles took
+# 0.4-7 % less (docs/benchmarks.md, eighteenth session).
+PDL_MAX_TILES = 512
 
 
 @lru_cache(maxsize=8)
@@ -19,6 +23,11 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pdl_for(device: torch.device, tiles: int) -> bool:
+    """`pdl` for a launch over `tiles` token tiles."""
+    return tiles <= PDL_MAX_TILES and pdl(device)
 
 
 @lru_cache(maxsize=8)

@@ -260,7 +260,7 @@ def lora_expand(
     d = list(out_dims) + [0] * (3 - num_slices)
     o = list(out_offsets) + [0] * (3 - num_slices)
     grid = (info.num_tiles, sum(triton.cdiv(w, cfg.block_n) for w in out_dims))
-    pdl = device_info.pdl(out.device)
+    pdl = device_info.pdl_for(out.device, info.num_tiles)
     _lora_expand_kernel[grid](
         v,
         b,

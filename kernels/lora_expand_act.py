@@ -226,7 +226,7 @@ def _act(v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandConfi
     if T == 0:
         return act
     grid = (triton.cdiv(T, ACT_BLOCK_M), triton.cdiv(inter, cfg.block_n))
-    pdl = device_info.pdl(gate_up.device)
+    pdl = device_info.pdl_for(gate_up.device, info.num_tiles)
     _lora_expand_act_kernel[grid](
         gate_up,
         act,

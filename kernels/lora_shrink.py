@@ -287,7 +287,7 @@ def lora_shrink(
     else:  # never dereferenced
         partials, counters = out, ranks
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    pdl = device_info.pdl(x.device)
+    pdl = device_info.pdl_for(x.device, info.num_tiles)
     _lora_shrink_kernel[grid](
         x,
         a,

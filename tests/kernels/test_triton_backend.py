@@ -408,3 +408,25 @@ def test_dependent_launches_in_a_graph_match_torch_every_replay():
         graph.replay()
         for i, (a, b) in enumerate(zip(got, first, strict=True)):
             assert torch.equal(a, b), (n, i)
+
+
+def test_dependent_launch_only_on_compiled_hopper_kernels_of_bounded_tiles(monkeypatch):
+    """PDL is off on the CPU and under the interpreter, off with LORAPIPE_PDL=0, and a launch over more
+    than PDL_MAX_TILES tiles keeps plain stream order even where it is on."""
+    from kernels import device_info
+
+    cpu = torch.device("cpu")
+    assert not device_info.pdl(cpu)
+    monkeypatch.setattr(device_info, "pdl", lambda device: True)
+    assert device_info.pdl_for(cpu, device_info.PDL_MAX_TILES)
+    assert not device_info.pdl_for(cpu, device_info.PDL_MAX_TILES + 1)
+    monkeypatch.undo()
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        monkeypatch.setenv(device_info.PDL_ENV, "0")
+        device_info.pdl.cache_clear()
+        try:
+            assert not device_info.pdl(cuda)
+        finally:
+            monkeypatch.undo()
+            device_info.pdl.cache_clear()
