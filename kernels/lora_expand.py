@@ -239,13 +239,17 @@ def lora_expand(
     config: ExpandConfig | None = None,
     check: bool = True,
     skip_uniform: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """v [splits, T, num_slices, block_rank] fp32 partials (from `lora_shrink`); b [pool_rows, D] (one
     layer's B^T rows of the rank-row pool, strided view, last dim contiguous); ranks/scalings [num_ids,
     num_slices] int32/fp32; rows [num_ids, width] int32 (as for `lora_shrink`); all on the device. out
     [T, D] updated in place, only at adapter tokens and slices of nonzero rank. `check=False` skips
     validating the arguments (the backend's hot path). `skip_uniform`: leave the rows of ACT_BLOCK_M-row
-    blocks whose rows all have one adapter (the metadata's column 3) to `lora_expand_silu_mul`."""
+    blocks whose rows all have one adapter (the metadata's column 3) to `lora_expand_silu_mul`. `pdl`:
+    launch as a programmatic dependent where `device_info.pdl_for` allows it; the caller promises that
+    the kernel just before this one wrote neither the batch metadata, the adapter tables nor B (this
+    kernel reads them before its wait)."""
     if check:
         splits, num_slices = _check(v, b, ranks, scalings, rows, out, out_offsets, out_dims, info)
     else:
@@ -260,7 +264,7 @@ def lora_expand(
     d = list(out_dims) + [0] * (3 - num_slices)
     o = list(out_offsets) + [0] * (3 - num_slices)
     grid = (info.num_tiles, sum(triton.cdiv(w, cfg.block_n) for w in out_dims))
-    pdl = device_info.pdl_for(out.device, info.num_tiles)
+    pdl = pdl and device_info.pdl_for(out.device, info.num_tiles)
     _lora_expand_kernel[grid](
         v,
         b,

@@ -191,13 +191,14 @@ def lora_expand_silu_mul(
     *,
     config: ExpandActConfig | None = None,
     check: bool = True,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """v [splits, T, 2, block_rank] fp32 partials of the gate_up group (from `lora_shrink`); b [pool_rows,
     >= 2I] its B^T rows (gate columns, then up); ranks/scalings [num_ids, 2]; rows the row table; gate_up
     [T, 2I] the base projection. Returns silu(gate + delta) * (up + delta), [T, I] (a new tensor), for
     every row (rows without an adapter: the plain activation). gate_up is changed: the rows outside
     one-adapter blocks get their delta. `check=False` skips validating the arguments (the backend's hot
-    path)."""
+    path). `pdl`: both kernels launch as programmatic dependents, as `lora_expand` says."""
     inter = gate_up.shape[1] // 2
     cfg = config or expand_act_config(info, (inter, inter), v.shape[0])
     if check:
@@ -216,17 +217,18 @@ def lora_expand_silu_mul(
             config=cfg.expand,
             check=check,
             skip_uniform=True,
+            pdl=pdl,
         )
-    return _act(v, b, ranks, scalings, rows, gate_up, info, cfg.act)
+    return _act(v, b, ranks, scalings, rows, gate_up, info, cfg.act, pdl)
 
 
-def _act(v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandConfig) -> torch.Tensor:
+def _act(v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandConfig, pdl: bool) -> torch.Tensor:
     T, inter = gate_up.shape[0], gate_up.shape[1] // 2
     act = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
     if T == 0:
         return act
     grid = (triton.cdiv(T, ACT_BLOCK_M), triton.cdiv(inter, cfg.block_n))
-    pdl = device_info.pdl_for(gate_up.device, info.num_tiles)
+    pdl = pdl and device_info.pdl_for(gate_up.device, info.num_tiles)
     _lora_expand_act_kernel[grid](
         gate_up,
         act,

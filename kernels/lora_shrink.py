@@ -249,6 +249,7 @@ def lora_shrink(
     counters: torch.Tensor | None = None,
     config: ShrinkConfig | None = None,
     check: bool = True,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """x [T, K]; a [pool_rows, num_slices, K] (one layer's A rows of the rank-row pool, strided view,
     last dim contiguous); ranks [num_ids, num_slices] int32; rows [num_ids, width] int32, rows[id, k] =
@@ -261,7 +262,9 @@ def lora_shrink(
     elements, any content) and `counters` (int32, at least one per (tile, column block) program of a
     split, all zero; every launch leaves them zero). Both are allocated when not given; a caller that
     launches often (or in CUDA graphs) keeps its own. `check=False` skips validating the arguments (the
-    backend's hot path, whose views are built once)."""
+    backend's hot path, whose views are built once). `pdl`: launch as a programmatic dependent where
+    `device_info.pdl_for` allows it; the caller promises that the kernel just before this one wrote
+    neither the batch metadata nor the row table (this kernel reads them before its wait)."""
     T, K = x.shape
     num_slices = a.shape[1]
     br = info.block_rank
@@ -287,7 +290,7 @@ def lora_shrink(
     else:  # never dereferenced
         partials, counters = out, ranks
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    pdl = device_info.pdl_for(x.device, info.num_tiles)
+    pdl = pdl and device_info.pdl_for(x.device, info.num_tiles)
     _lora_shrink_kernel[grid](
         x,
         a,

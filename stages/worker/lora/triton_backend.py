@@ -289,7 +289,7 @@ class TritonLoraBackend(LoraBackend):
         a, b, ranks, scalings = self._views[layer, group.name]
         self._shrink(x, a, ranks, info, v, shrink_cfg)
         return lora_expand_silu_mul(
-            v, b, ranks, scalings, self.pool.rows, gate_up, info, config=act_cfg, check=False
+            v, b, ranks, scalings, self.pool.rows, gate_up, info, config=act_cfg, check=False, pdl=True
         )
 
     def _shrink(self, x, a, ranks, info: BatchInfo, v: torch.Tensor, cfg: ShrinkConfig) -> None:
@@ -304,6 +304,7 @@ class TritonLoraBackend(LoraBackend):
             counters=self._counters,
             config=cfg,
             check=False,
+            pdl=True,
         )
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:
@@ -331,4 +332,5 @@ class TritonLoraBackend(LoraBackend):
             info,
             config=expand_cfg,
             check=False,
+            pdl=True,
         )
