@@ -26,7 +26,8 @@ def num_sms(device: torch.device) -> int:
 
 
 def pdl_for(device: torch.device, tiles: int) -> bool:
-    """`pdl` for a launch over `tiles` token tiles."""
+    """`pdl` for the configs of a batch of `tiles` token tiles (`ShrinkConfig.pdl`, `ExpandConfig.pdl`:
+    the configs carry it, so that the warm-up, which plans variants by their configs, compiles both)."""
     return tiles <= PDL_MAX_TILES and pdl(device)
 
 

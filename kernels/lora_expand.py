@@ -171,6 +171,7 @@ class ExpandConfig:
     block_k: int  # rank rows per step of the rank loop
     num_warps: int = 4
     num_stages: int = 2
+    pdl: bool = False  # as `ShrinkConfig.pdl`
 
 
 def expand_config(info: BatchInfo, out_dims: Sequence[int], split_k: int = 1) -> ExpandConfig:
@@ -179,7 +180,13 @@ def expand_config(info: BatchInfo, out_dims: Sequence[int], split_k: int = 1) ->
     the pipelined v tiles too large, then 16 rank rows per step."""
     br, bm = info.block_rank, info.block_m
     block_n = 256 if bm <= 16 and br <= 16 else 128
-    return ExpandConfig(block_n=block_n, block_k=rank_chunk(br, bm, split_k), num_warps=4, num_stages=2)
+    return ExpandConfig(
+        block_n=block_n,
+        block_k=rank_chunk(br, bm, split_k),
+        num_warps=4,
+        num_stages=2,
+        pdl=device_info.pdl_for(info.meta.device, info.num_tiles),
+    )
 
 
 def rank_chunk(block_rank: int, block_m: int, split_k: int) -> int:
@@ -247,9 +254,9 @@ def lora_expand(
     [T, D] updated in place, only at adapter tokens and slices of nonzero rank. `check=False` skips
     validating the arguments (the backend's hot path). `skip_uniform`: leave the rows of ACT_BLOCK_M-row
     blocks whose rows all have one adapter (the metadata's column 3) to `lora_expand_silu_mul`. `pdl`:
-    launch as a programmatic dependent where `device_info.pdl_for` allows it; the caller promises that
-    the kernel just before this one wrote neither the batch metadata, the adapter tables nor B (this
-    kernel reads them before its wait)."""
+    launch as a programmatic dependent where the config says so (`ExpandConfig.pdl`); the caller
+    promises that the kernel just before this one wrote neither the batch metadata, the adapter tables
+    nor B (this kernel reads them before its wait)."""
     if check:
         splits, num_slices = _check(v, b, ranks, scalings, rows, out, out_offsets, out_dims, info)
     else:
@@ -264,7 +271,7 @@ def lora_expand(
     d = list(out_dims) + [0] * (3 - num_slices)
     o = list(out_offsets) + [0] * (3 - num_slices)
     grid = (info.num_tiles, sum(triton.cdiv(w, cfg.block_n) for w in out_dims))
-    pdl = pdl and device_info.pdl_for(out.device, info.num_tiles)
+    pdl = pdl and cfg.pdl
     _lora_expand_kernel[grid](
         v,
         b,

@@ -141,7 +141,11 @@ def expand_act_config(info: BatchInfo, out_dims, split_k: int = 1) -> ExpandActC
     projection) a program, the whole rank (up to 64) per dot unless many split-K partials would make
     the v tiles large."""
     act = ExpandConfig(
-        block_n=128, block_k=rank_chunk(info.block_rank, ACT_BLOCK_M, split_k), num_warps=4, num_stages=2
+        block_n=128,
+        block_k=rank_chunk(info.block_rank, ACT_BLOCK_M, split_k),
+        num_warps=4,
+        num_stages=2,
+        pdl=device_info.pdl_for(info.meta.device, info.num_tiles),
     )
     return ExpandActConfig(expand=expand_config(info, out_dims, split_k), act=act)
 
@@ -228,7 +232,7 @@ def _act(v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandConfi
     if T == 0:
         return act
     grid = (triton.cdiv(T, ACT_BLOCK_M), triton.cdiv(inter, cfg.block_n))
-    pdl = pdl and device_info.pdl_for(gate_up.device, info.num_tiles)
+    pdl = pdl and cfg.pdl
     _lora_expand_act_kernel[grid](
         gate_up,
         act,

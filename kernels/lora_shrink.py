@@ -134,6 +134,10 @@ class ShrinkConfig:
     num_warps: int = 4
     num_stages: int = 3
     reduce: bool = False  # the shrink sums its split-K partials itself: the expand reads one v
+    # launched as a programmatic dependent when its caller asks (`lora_shrink(pdl=True)`); the heuristic
+    # sets it from the device and the tile count (`device_info.pdl_for`), so that a variant's config
+    # names it (the warm-up plans variants by their configs)
+    pdl: bool = False
 
     @property
     def parts(self) -> int:
@@ -172,7 +176,15 @@ def shrink_config(info: BatchInfo, in_dim: int, num_slices: int, max_split: int 
     split = 1
     while split < split_cap and programs * split < target:
         split *= 2
-    return ShrinkConfig(block_n, block_k, split, num_warps=4, num_stages=3, reduce=wide and split > 1)
+    return ShrinkConfig(
+        block_n,
+        block_k,
+        split,
+        num_warps=4,
+        num_stages=3,
+        reduce=wide and split > 1,
+        pdl=device_info.pdl_for(info.meta.device, info.num_tiles),
+    )
 
 
 def split_counters(num_tokens: int, num_slices: int, block_rank: int, device) -> torch.Tensor:
@@ -262,8 +274,8 @@ def lora_shrink(
     elements, any content) and `counters` (int32, at least one per (tile, column block) program of a
     split, all zero; every launch leaves them zero). Both are allocated when not given; a caller that
     launches often (or in CUDA graphs) keeps its own. `check=False` skips validating the arguments (the
-    backend's hot path, whose views are built once). `pdl`: launch as a programmatic dependent where
-    `device_info.pdl_for` allows it; the caller promises that the kernel just before this one wrote
+    backend's hot path, whose views are built once). `pdl`: launch as a programmatic dependent where the
+    config says so (`ShrinkConfig.pdl`); the caller promises that the kernel just before this one wrote
     neither the batch metadata nor the row table (this kernel reads them before its wait)."""
     T, K = x.shape
     num_slices = a.shape[1]
@@ -290,7 +302,7 @@ def lora_shrink(
     else:  # never dereferenced
         partials, counters = out, ranks
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    pdl = pdl and device_info.pdl_for(x.device, info.num_tiles)
+    pdl = pdl and cfg.pdl
     _lora_shrink_kernel[grid](
         x,
         a,

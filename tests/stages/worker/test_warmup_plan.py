@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kernels import device_info
 from kernels.batch_info import choose_block_m, plan_runs, plan_tiles
+from kernels.lora_expand_act import ExpandActConfig
 from kernels.paged_attention import choose_splits, plan_blocks
 from runtime.common.lora_layout import LoraLayout
 from stages.worker.lora.pool import LoraPool
@@ -104,8 +106,15 @@ def _brute_force_keys(backend: TritonLoraBackend, padded: tuple[int, ...]) -> se
 
 
 @pytest.mark.parametrize("sms", [4, 132])
-def test_lora_plan_is_exactly_what_the_heuristics_can_pick(sms, monkeypatch):
+@pytest.mark.parametrize("pdl", [False, True])
+def test_lora_plan_is_exactly_what_the_heuristics_can_pick(sms, pdl, monkeypatch):
+    """With `pdl`, as on Hopper: the configs say which launches are programmatic dependents (at most
+    PDL_MAX_TILES tiles, made small here so that batches fall on both sides of it), and the plan holds
+    both kinds of a variant where a config is reached from both sides."""
     monkeypatch.setattr(device_info, "num_sms", lambda device: sms)
+    if pdl:
+        monkeypatch.setattr(device_info, "pdl", lambda device: True)
+        monkeypatch.setattr(device_info, "PDL_MAX_TILES", 20)
     backend = _backend(max_tokens=560)  # past 512 tokens: prefill-sized token tiles too
     padded = (1, 2, 4, 8, 16, 24)
     planned = [launch.key for launch in lora_launches(backend, padded)]
@@ -114,6 +123,18 @@ def test_lora_plan_is_exactly_what_the_heuristics_can_pick(sms, monkeypatch):
     assert set(planned) == want
     assert {k[1] for k in want} == {16, 64} and {k[2] for k in want} == {16, 32}
     assert len({k[3].split_k for k in want}) > 2, "split-K did not vary: the sweep is too small"
+    assert {k[3].pdl for k in want} == {False, pdl} and {_expand_pdl(k[4]) for k in want} == {False, pdl}
+    if pdl:  # a shrink config reached on both sides of the bound is two variants, both planned
+        below = {(k[0], k[1], k[2], replace(k[3], pdl=False)) for k in want if k[3].pdl}
+        assert below & {(k[0], k[1], k[2], k[3]) for k in want if not k[3].pdl}
+
+
+def _expand_pdl(cfg) -> bool:
+    """An expand config's PDL choice (the fused activation's pair: both kernels')."""
+    if isinstance(cfg, ExpandActConfig):
+        assert cfg.expand.pdl == cfg.act.pdl
+        return cfg.act.pdl
+    return cfg.pdl
 
 
 @pytest.mark.parametrize("sms", [4, 132])
