@@ -29,6 +29,7 @@ import triton  # noqa: E402
 
 from kernels.batch_info import plan_runs, plan_tiles  # noqa: E402
 from kernels.lora_expand import ExpandConfig  # noqa: E402
+from kernels.lora_expand_act import ExpandActConfig  # noqa: E402
 from kernels.lora_shrink import ShrinkConfig  # noqa: E402
 from kernels.silu_mul import silu_mul  # noqa: E402
 from runtime.common.lora_layout import LoraLayout  # noqa: E402
@@ -110,14 +111,16 @@ def floor_bytes(layout: LoraLayout, tokens: int, ranks: list[int]) -> int:
 def with_configs(backend, info, g, sc, ec, v, shrink, expand):
     """A group's (shrink, expand, shrink output view) with one kernel's config replaced (the output view
     follows the shrink's partials; the rank tile bounds the shrink's column block and the expand's rank
-    step)."""
+    step). A replacement keeps the heuristic's choice of dependent launch, so that a sweep compares
+    block shapes alone."""
     if shrink is not None:
         if shrink.block_n > info.block_rank and shrink.block_n % info.block_rank:
             shrink = dataclasses.replace(shrink, block_n=info.block_rank)
-        sc = shrink
+        sc = dataclasses.replace(shrink, pdl=sc.pdl)
         v = backend.shrink_output(info, g, sc)
     if expand is not None:
-        ec = dataclasses.replace(expand, block_k=min(expand.block_k, info.block_rank))
+        pdl = ec.act.pdl if isinstance(ec, ExpandActConfig) else ec.pdl
+        ec = dataclasses.replace(expand, block_k=min(expand.block_k, info.block_rank), pdl=pdl)
     return sc, ec, v
 
 

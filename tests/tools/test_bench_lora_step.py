@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import device_info
 from kernels.batch_info import plan_runs, plan_tiles
+from kernels.lora_expand import ExpandConfig
 from kernels.lora_shrink import ShrinkConfig
 from stages.worker.lora.triton_backend import TritonLoraBackend
 from tools import bench_lora_step as bls
@@ -90,6 +92,22 @@ def test_each_prepared_variant_matches_float64(variant):
         assert all(s.split_k == 2 and v.shape[0] == (1 if reduce else 2) for s, _, v in configs.values())
     err, _ = bls.check(backend, info, configs, xs, outs, layout, pool, indptr, slots)
     assert err < 1e-2, err  # bf16 rounding of the delta, against float64
+
+
+def test_a_swept_config_keeps_the_heuristics_dependent_launch(monkeypatch):
+    """Where the heuristics launch the kernels as programmatic dependents (as on Hopper), a swept block
+    shape keeps that choice: a sweep compares shapes, not launch orders."""
+    monkeypatch.setattr(device_info, "pdl", lambda device: True)
+    layout, pool, _, indptr, slots = _setup()
+    backend = TritonLoraBackend(pool, max_tokens=64, max_seqs=16)
+    backend.prepare(indptr, slots)
+    info = backend.batch_info
+    for name, (s, e, v) in backend.configs_for(info).items():
+        assert s.pdl
+        swept = bls.with_configs(
+            backend, info, layout.group(name), s, e, v, ShrinkConfig(16, 128, 2), ExpandConfig(64, 16)
+        )
+        assert swept[0].pdl and swept[1].pdl and swept[0].split_k == 2 and swept[1].block_n == 64, name
 
 
 def test_a_tile_bound_below_the_steps_tiles_is_caught():
