@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from kernels import device_info
 from kernels.batch_info import ACT_BLOCK_M, META_COLS, BatchInfo, interpreting
 from kernels.lora_expand import (
     ExpandConfig,
@@ -135,19 +134,25 @@ class ExpandActConfig:
     expand: ExpandConfig  # the plain expand of the rows outside one-adapter blocks
     act: ExpandConfig  # the fused kernel: activation columns a program, rank rows a dot, warps, stages
 
+    @property
+    def pdl(self) -> bool:
+        """Both kernels' choice of dependent launch (`ExpandConfig.pdl`): the heuristic makes them one."""
+        return self.act.pdl
+
 
 def expand_act_config(info: BatchInfo, out_dims, split_k: int = 1) -> ExpandActConfig:
     """The plain expand's heuristic, and for the fused kernel 128 activation columns (256 of the
     projection) a program, the whole rank (up to 64) per dot unless many split-K partials would make
-    the v tiles large."""
+    the v tiles large; launched as a dependent where the plain expand is."""
+    expand = expand_config(info, out_dims, split_k)
     act = ExpandConfig(
         block_n=128,
         block_k=rank_chunk(info.block_rank, ACT_BLOCK_M, split_k),
         num_warps=4,
         num_stages=2,
-        pdl=device_info.pdl_for(info.meta.device, info.num_tiles),
+        pdl=expand.pdl,
     )
-    return ExpandActConfig(expand=expand_config(info, out_dims, split_k), act=act)
+    return ExpandActConfig(expand=expand, act=act)
 
 
 def fusable(out_offsets, out_dims) -> bool:

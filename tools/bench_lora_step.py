@@ -29,7 +29,6 @@ import triton  # noqa: E402
 
 from kernels.batch_info import plan_runs, plan_tiles  # noqa: E402
 from kernels.lora_expand import ExpandConfig  # noqa: E402
-from kernels.lora_expand_act import ExpandActConfig  # noqa: E402
 from kernels.lora_shrink import ShrinkConfig  # noqa: E402
 from kernels.silu_mul import silu_mul  # noqa: E402
 from runtime.common.lora_layout import LoraLayout  # noqa: E402
@@ -119,8 +118,7 @@ def with_configs(backend, info, g, sc, ec, v, shrink, expand):
         sc = dataclasses.replace(shrink, pdl=sc.pdl)
         v = backend.shrink_output(info, g, sc)
     if expand is not None:
-        pdl = ec.act.pdl if isinstance(ec, ExpandActConfig) else ec.pdl
-        ec = dataclasses.replace(expand, block_k=min(expand.block_k, info.block_rank), pdl=pdl)
+        ec = dataclasses.replace(expand, block_k=min(expand.block_k, info.block_rank), pdl=ec.pdl)
     return sc, ec, v
 
 

@@ -123,18 +123,12 @@ def test_lora_plan_is_exactly_what_the_heuristics_can_pick(sms, pdl, monkeypatch
     assert set(planned) == want
     assert {k[1] for k in want} == {16, 64} and {k[2] for k in want} == {16, 32}
     assert len({k[3].split_k for k in want}) > 2, "split-K did not vary: the sweep is too small"
-    assert {k[3].pdl for k in want} == {False, pdl} and {_expand_pdl(k[4]) for k in want} == {False, pdl}
+    assert {k[3].pdl for k in want} == {False, pdl} and {k[4].pdl for k in want} == {False, pdl}
+    fused = [k[4] for k in want if isinstance(k[4], ExpandActConfig)]
+    assert fused and all(e.expand.pdl == e.act.pdl for e in fused)  # the fused pair's two kernels agree
     if pdl:  # a shrink config reached on both sides of the bound is two variants, both planned
         below = {(k[0], k[1], k[2], replace(k[3], pdl=False)) for k in want if k[3].pdl}
         assert below & {(k[0], k[1], k[2], k[3]) for k in want if not k[3].pdl}
-
-
-def _expand_pdl(cfg) -> bool:
-    """An expand config's PDL choice (the fused activation's pair: both kernels')."""
-    if isinstance(cfg, ExpandActConfig):
-        assert cfg.expand.pdl == cfg.act.pdl
-        return cfg.act.pdl
-    return cfg.pdl
 
 
 @pytest.mark.parametrize("sms", [4, 132])
