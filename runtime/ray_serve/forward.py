@@ -1,11 +1,14 @@
 """Passing one OpenAI request through to the replica's own lorapipe HTTP front end and its answer back as
 a stream: first a Head (status, content type, the serving replica and the first bytes of the body, so
 the ingress commits to a replica only once the answer has begun), then the remaining body chunks. A
-failure before the Head is ServerDown, which the ingress retries on another replica."""
+failure before the Head is ServerDown, which the ingress retries on another replica; so is an answer
+that only says the server cannot serve: a 503 (draining, not ready), or any 5xx once the server's
+launcher has exited (its stages notice within `parent_poll_s` and drop what they hold; uvicorn answers a
+request dropped before its response began with a 500)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -30,9 +33,10 @@ class Head:
 
 
 async def forward(
-    client: httpx.AsyncClient, url: str, body: bytes, replica: str
+    client: httpx.AsyncClient, url: str, body: bytes, replica: str, server_gone: Callable[[], bool]
 ) -> AsyncIterator[Head | bytes]:
-    """POST `body` to `url`; yields a Head, then body chunks."""
+    """POST `body` to `url`; yields a Head, then body chunks. `server_gone()`: whether the server's
+    launcher has exited (asked only of a 5xx answer)."""
     request = client.build_request("POST", url, content=body, headers={"content-type": "application/json"})
     try:
         response = await client.send(request, stream=True)
@@ -44,7 +48,11 @@ async def forward(
             first = await anext(chunks, b"")
         except httpx.TransportError as exc:
             raise ServerDown(f"replica {replica}: its server failed before answering: {exc!r}") from None
-        yield Head(response.status_code, response.headers.get("content-type", ""), replica, first)
+        status = response.status_code
+        if status == 503 or (status >= 500 and server_gone()):
+            said = first[:200].decode(errors="replace")
+            raise ServerDown(f"replica {replica}: its server cannot serve (HTTP {status}: {said})")
+        yield Head(status, response.headers.get("content-type", ""), replica, first)
         try:
             async for chunk in chunks:
                 yield chunk

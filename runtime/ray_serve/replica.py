@@ -73,7 +73,8 @@ class LorapipeReplica:
                 raise ServerDown(f"replica {self.replica_id}: loading {name!r} failed: {exc}") from None
             self.table.acquire(name)
         try:
-            async for item in forward(self.http, self.server.base_url + path, body, self.replica_id):
+            gone = self._server_gone
+            async for item in forward(self.http, self.server.base_url + path, body, self.replica_id, gone):
                 yield dataclasses.replace(item, loads=self.table.loads) if isinstance(item, Head) else item
         except ServerDown:
             self._check_server()
@@ -81,6 +82,9 @@ class LorapipeReplica:
         finally:
             if name:
                 self.table.release(name)
+
+    def _server_gone(self) -> bool:
+        return self.server.exit_code is not None
 
     def _check_server(self) -> None:
         code = self.server.exit_code

@@ -87,7 +87,7 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             text=True,
-            start_new_session=True,  # its own process group: the stages go with it
+            start_new_session=True,  # its own process group (each stage has its own; see kill())
             preexec_fn=_die_with_parent,
         )
         try:
@@ -113,7 +113,8 @@ class ServerProcess:
         )
 
     def kill(self) -> None:
-        """SIGKILL the whole process group at once (what a crashed node looks like)."""
+        """SIGKILL the launcher's process group (what a crashed server looks like). The stages run in
+        sessions of their own; each notices its launcher's death within `parent_poll_s` and exits."""
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
