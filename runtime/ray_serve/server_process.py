@@ -132,6 +132,6 @@ class ServerProcess:
                     self.kill()
                     await asyncio.to_thread(proc.wait)
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # any stage left behind by a dead launcher
+                os.killpg(proc.pid, signal.SIGKILL)  # anything left in the launcher's group
         shutil.rmtree(self.run_dir, ignore_errors=True)
         return None if proc is None else proc.returncode
