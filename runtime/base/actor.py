@@ -40,6 +40,7 @@ T = TypeVar("T")
 _merged_ids = itertools.count(1)
 C = TypeVar("C", bound="StageConfig")
 EXIT_OK, EXIT_FATAL, EXIT_PARENT_DIED = 0, 1, 3
+PARENT_DIED_GRACE_S = 2.0  # how long `on_parent_died` may take before the stage exits anyway
 
 
 class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -193,6 +194,10 @@ class Actor(Generic[C]):
                 return
             await asyncio.sleep(0.001)  # let a receiver pick up what is pending
 
+    async def on_parent_died(self) -> None:
+        """The launcher is gone (and the other stages go with it): the stage's last chance, within
+        `PARENT_DIED_GRACE_S`, to tell its clients before it exits. Default: nothing to tell."""
+
     def request_drain(self) -> None:
         """SIGTERM/SIGINT/Shutdown: stop taking new work and exit once drained; a second call stops
         without waiting for the drain."""
@@ -274,6 +279,15 @@ class Actor(Generic[C]):
         while True:
             await asyncio.sleep(self.config.parent_poll_s)
             if os.getppid() != self._ppid:
+                try:
+                    async with asyncio.timeout(PARENT_DIED_GRACE_S):
+                        await self.on_parent_died()
+                except TimeoutError:
+                    self.log.warning(
+                        "telling clients of the launcher's death took over %gs", PARENT_DIED_GRACE_S
+                    )
+                except Exception:  # the stage exits either way
+                    self.log.exception("on_parent_died failed")
                 raise _ParentDied
 
     async def _control_loop(self) -> None:

@@ -60,6 +60,7 @@ from stages.tokenizer.adapter_ops import check_adapter_op
 from stages.tokenizer.config import TokenizerConfig
 from stages.tokenizer.detokenizer import IncrementalDetokenizer
 from stages.tokenizer.local_clients import LocalClients
+from stages.tokenizer.metrics import TokenizerMetrics
 from stages.tokenizer.requests import OpenRequest, RequestTable
 from stages.tokenizer.tokenizing import ApartTokenizer
 from stages.tokenizer.validate import (
@@ -101,22 +102,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
         self.tokenizing = ApartTokenizer(
             self.tokenizer, TOKENIZE_THREADS, config.max_tokenizing_bytes, self._admit, self._reject
         )
-        self._init_metrics()
-
-    def _init_metrics(self) -> None:
-        m = self.metrics
-        self.m_requests = m.counter(
-            "lorapipe_requests", "Requests by final outcome, each counted once when it ends", ["outcome"]
-        )
-        m.gauge("lorapipe_requests_in_flight", "Requests between accept and finish").set_function(
-            lambda: len(self.requests)
-        )
-        self.m_prompt = m.histogram(
-            "lorapipe_prompt_tokens", "Prompt length", (), [2**i for i in range(4, 17)]
-        )
-        self.m_output = m.counter("lorapipe_output_tokens", "Tokens streamed to clients")
-        self.m_ttft = m.histogram("lorapipe_ttft_seconds", "Accept to first output token (server side)")
-        self.m_e2e = m.histogram("lorapipe_e2e_seconds", "Accept to last output token (server side)")
+        self.series = TokenizerMetrics(self.metrics, lambda: len(self.requests))
 
     async def setup(self) -> None:
         ep, cfg = self.config.endpoints, self.config
@@ -222,7 +208,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
         await self._admit(identity, msg, encode_prompt(msg, self.tokenizer))
 
     async def _reject(self, identity: bytes, rid: str, exc: Rejected) -> None:
-        self.m_requests.labels(outcome=f"rejected_{exc.kind}").inc()
+        self.series.requests.labels(outcome=f"rejected_{exc.kind}").inc()
         await self._error(identity, rid, exc.kind, exc.message)
 
     async def _admit(self, identity: bytes, msg: GenerateRequest, ids: list[int]) -> None:
@@ -236,7 +222,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
         now = time.monotonic()
         detok = IncrementalDetokenizer(self.tokenizer, ids)
         self.requests.add(OpenRequest(rid, identity, msg.stream, detok, len(ids), now))
-        self.m_prompt.observe(len(ids))
+        self.series.prompt.observe(len(ids))
         tokenized = TokenizedRequest(
             request_id=rid,
             prompt_ids=TokenIds.of(ids),
@@ -311,7 +297,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
             chunk = self._output(item, req, now)
             if chunk is not None:
                 by_client.setdefault(req.identity, []).append(chunk)
-        self.m_output.inc(tokens)
+        self.series.output.inc(tokens)
         for identity, chunks in by_client.items():
             await self.client_replies.put(
                 (identity, chunks[0] if len(chunks) == 1 else TokenChunks(chunks=chunks))
@@ -321,17 +307,17 @@ class TokenizerActor(Actor[TokenizerConfig]):
         first = not req.first_token
         chunk = req.output(item, now)
         if first and req.first_token:
-            self.m_ttft.observe(req.first_token - req.arrival)
+            self.series.ttft.observe(req.first_token - req.arrival)
         if item.finish_reason is not None:
             self._drop(item.request_id, outcome="finished")
-            self.m_e2e.observe(now - req.arrival)
+            self.series.e2e.observe(now - req.arrival)
         return chunk
 
     # --- state, errors, disconnects -------------------------------------------------------------------
     def _drop(self, rid: str, outcome: str) -> OpenRequest | None:
         req = self.requests.pop(rid)
         if req is not None:
-            self.m_requests.labels(outcome=outcome).inc()
+            self.series.requests.labels(outcome=outcome).inc()
         return req
 
     async def _abort(self, rid: str, outcome: str) -> None:
@@ -379,12 +365,25 @@ class TokenizerActor(Actor[TokenizerConfig]):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.drain_timeout * 0.8):
                     await self.requests.idle.wait()
-        for rid, identity in self.tokenizing.drain():
-            await self._error(identity, rid, "server_error", self._shutdown_message())
-        for rid in list(self.requests.by_id):
-            req = self._drop(rid, outcome="shutdown")
-            assert req is not None
-            await self._error(req.identity, rid, "server_error", self._shutdown_message())
+        await self._fail_open()
         await super().drain()
         if self.http is not None:  # after the last replies are queued: let HTTP responses finish
             await self.http.shutdown()
+
+    async def on_parent_died(self) -> None:
+        """Fail open requests now (503 over HTTP, an error event in a stream), not leave them to uvicorn's
+        bare 500 when the stage exits; refuse new ones; let the HTTP server send those answers."""
+        self.draining, self.shutdown_reason = True, "its launcher died"
+        self.drain_timeout = min(self.drain_timeout, 1.0)
+        await self._fail_open()
+        if self.http is not None:
+            await self.http.shutdown()
+
+    async def _fail_open(self) -> None:
+        """Fail every request still being tokenized or running with the shutdown message."""
+        failed = list(self.tokenizing.drain())
+        for rid in list(self.requests.by_id):
+            failed.append((rid, self.requests.by_id[rid].identity))
+            self._drop(rid, outcome="shutdown")
+        for rid, identity in failed:
+            await self._error(identity, rid, "server_error", self._shutdown_message())
