@@ -2,9 +2,9 @@
 a stream: first a Head (status, content type, the serving replica and the first bytes of the body, so
 the ingress commits to a replica only once the answer has begun), then the remaining body chunks. A
 failure before the Head is ServerDown, which the ingress retries on another replica; so is an answer
-that only says the server cannot serve: a 503 (draining, not ready), or any 5xx once the server's
-launcher has exited (its stages notice within `parent_poll_s` and drop what they hold; uvicorn answers a
-request dropped before its response began with a 500)."""
+that only says the server cannot serve: a 503 (draining, not ready), a stream whose first event is an
+error of type service_unavailable (the server failed it before any token, e.g. its launcher died), or
+any 5xx once the server's launcher has exited."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
+import msgspec
 
 
 class ServerDown(RuntimeError):
@@ -49,7 +50,7 @@ async def forward(
         except httpx.TransportError as exc:
             raise ServerDown(f"replica {replica}: its server failed before answering: {exc!r}") from None
         status = response.status_code
-        if status == 503 or (status >= 500 and server_gone()):
+        if status == 503 or (status >= 500 and server_gone()) or _unavailable_event(first):
             said = first[:200].decode(errors="replace")
             raise ServerDown(f"replica {replica}: its server cannot serve (HTTP {status}: {said})")
         yield Head(status, response.headers.get("content-type", ""), replica, first)
@@ -60,3 +61,16 @@ async def forward(
             raise StreamBroken(f"replica {replica}: its server failed mid-answer: {exc!r}") from None
     finally:
         await response.aclose()
+
+
+def _unavailable_event(first: bytes) -> bool:
+    """Whether a body begins with an SSE error event of type service_unavailable (what the server's
+    front end streams for a request it fails before any token because it is shutting down)."""
+    if not first.startswith(b"data: {"):
+        return False
+    try:
+        event = msgspec.json.decode(first[len(b"data: ") :].split(b"\n\n", 1)[0])
+    except msgspec.DecodeError:  # cut mid-event: not an error event as far as can be told
+        return False
+    error = event.get("error") if isinstance(event, dict) else None
+    return isinstance(error, dict) and error.get("type") == "service_unavailable"

@@ -55,6 +55,8 @@ def test_a_stream_running_when_the_launcher_dies_ends_with_an_error_event(tiny_l
     errors = [json.loads(e)["error"] for e in rest[:-1] if '"error"' in e]
     assert errors, f"no error event; the stream ended with {rest[-3:]}"
     assert "launcher died" in errors[0]["message"], errors[0]
+    # what the Ray Serve replica reads as "retry elsewhere" when such an event comes first
+    assert errors[0]["type"] == "service_unavailable", errors[0]
     deadline = time.monotonic() + 30
     while left := [name for name, pid in pids.items() if alive(pid)]:
         assert time.monotonic() < deadline, f"stages outlived their launcher: {left}"

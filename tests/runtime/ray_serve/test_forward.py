@@ -1,8 +1,9 @@
 """The replica's pass-through to its server's HTTP front end, against a real uvicorn server: an answer
 that begins is a Head and then its chunks; a server that cannot serve is ServerDown (the ingress retries
-it on another replica): refused connections, 503s, and 5xx answers once the server's launcher has
-exited (its stages drop the requests they hold when they notice, and uvicorn answers those with a 500,
-as a CI run caught in the Ray Serve kill test); a 5xx of a server that still runs passes through."""
+it on another replica): refused connections, 503s, a stream whose first event is a service_unavailable
+error, and 5xx answers once the server's launcher has exited (two CI runs of the Ray Serve kill test
+caught the last two); a 5xx of a server that still runs, and a stream that fails after a token or with
+another error, pass through."""
 
 from __future__ import annotations
 
@@ -27,6 +28,25 @@ async def streamed(request):
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
+SHUTTING_DOWN = (
+    b'data: {"error": {"message": "the server is shutting down: its launcher died", '
+    b'"type": "service_unavailable", "param": null, "code": null}}\n\n'
+)
+TOKEN = b'data: {"id": "c1", "object": "text_completion", "choices": [{"index": 0, "text": "a"}]}\n\n'
+BAD_EVENT = b'data: {"error": {"message": "stop must be a string", "type": "invalid_request_error"}}\n\n'
+
+
+def events(*parts: bytes):
+    async def endpoint(request):
+        async def body():
+            for part in parts:
+                yield part
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return endpoint
+
+
 async def unavailable(request):
     return JSONResponse({"error": {"message": "the server is shutting down"}}, 503)
 
@@ -45,6 +65,9 @@ APP = Starlette(
         Route("/unavailable", unavailable, methods=["POST"]),
         Route("/failed", failed, methods=["POST"]),
         Route("/bad", bad_request, methods=["POST"]),
+        Route("/stream_down", events(SHUTTING_DOWN + b"data: [DONE]\n\n"), methods=["POST"]),
+        Route("/stream_cut", events(TOKEN, SHUTTING_DOWN, b"data: [DONE]\n\n"), methods=["POST"]),
+        Route("/stream_bad", events(BAD_EVENT + b"data: [DONE]\n\n"), methods=["POST"]),
     ]
 )
 
@@ -124,3 +147,25 @@ def test_a_refused_connection_is_server_down():
                 await collect(client, f"http://127.0.0.1:{free_port()}/v1/completions", gone=False)
 
     asyncio.run(main())
+
+
+def test_a_stream_whose_first_event_says_the_server_cannot_serve_is_server_down():
+    """The front end fails a stream it had begun before any token with a service_unavailable error
+    event (its launcher died): nothing was generated, so another replica may take the request."""
+
+    async def body(base, client):
+        with pytest.raises(ServerDown, match="shutting down"):
+            await collect(client, base + "/stream_down", gone=False)
+
+    with_server(body)
+
+
+def test_a_stream_that_fails_after_a_token_or_with_another_error_passes_through():
+    async def body(base, client):
+        head, *rest = await collect(client, base + "/stream_cut", gone=True)
+        assert head.status == 200
+        assert head.first + b"".join(rest) == TOKEN + SHUTTING_DOWN + b"data: [DONE]\n\n"
+        (head,) = await collect(client, base + "/stream_bad", gone=True)
+        assert head.status == 200 and head.first.startswith(BAD_EVENT)
+
+    with_server(body)
