@@ -66,6 +66,15 @@ def loaded_pool(layout: LoraLayout, dtype: torch.dtype, device: torch.device, se
     return slots
 
 
+def load_full_rank(pool: LoraPool, slot: int, rank: int, runs, gen: torch.Generator, std: float) -> None:
+    """Load adapter `slot` into `runs`: every module at `rank` in every layer, scaling 2, rows drawn
+    from N(0, std) and rounded to the pool's dtype."""
+    L = pool.layout.num_layers
+    block = (torch.randn((L, rank, pool.layout.row_elems), generator=gen) * std).to(pool.dtype)
+    ranks = torch.full((L, NUM_SLICES), rank, dtype=torch.int32)
+    pool.load(slot, PackedAdapter(f"a{slot}", block, ranks, torch.full((L, NUM_SLICES), 2.0)), runs)
+
+
 def compare_backends(
     slots: LoraPool,
     indptr: list[int],
@@ -200,10 +209,8 @@ def test_backend_llama_shapes_on_gpu(rank):
     slots = LoraPool(layout, 8 * 64, 8, torch.bfloat16, torch.device("cuda"))
     gen = torch.Generator().manual_seed(rank)
     for slot in range(8):
-        block = (torch.randn((1, rank, layout.row_elems), generator=gen) * 0.05).to(torch.bfloat16)
-        ranks = torch.full((1, NUM_SLICES), rank, dtype=torch.int32)
         runs = [((7 - slot) * 64, rank // 2), (slot * 64 + 32, rank - rank // 2)]  # two runs, interleaved
-        slots.load(slot, PackedAdapter(f"a{slot}", block, ranks, torch.full((1, NUM_SLICES), 2.0)), runs)
+        load_full_rank(slots, slot, rank, runs, gen, std=0.05)
     compare_backends_big(slots, indptr_of([1] * 48), [i % 8 for i in range(48)])
     compare_backends_big(slots, indptr_of([300, 1, 700, 24]), [2, -1, 5, 1])
 
@@ -227,11 +234,7 @@ def rank8_pool(layout: LoraLayout, loaded: int, device, seed: int) -> LoraPool:
     pool = LoraPool(layout, 40 * 8, 40, torch.float32, device)
     gen = torch.Generator().manual_seed(seed)
     for slot in range(loaded):
-        block = torch.randn((1, 8, layout.row_elems), generator=gen) * 0.1
-        ranks = torch.full((1, NUM_SLICES), 8, dtype=torch.int32)
-        pool.load(
-            slot, PackedAdapter(f"a{slot}", block, ranks, torch.full((1, NUM_SLICES), 2.0)), [(slot * 8, 8)]
-        )
+        load_full_rank(pool, slot, 8, [(slot * 8, 8)], gen, std=0.1)
     return pool
 
 
@@ -352,12 +355,7 @@ def test_dependent_launches_in_a_graph_match_torch_every_replay():
     gen = torch.Generator().manual_seed(21)
     row = 0
     for slot, rank in enumerate(ranks_of):
-        block = (torch.randn((layout.num_layers, rank, layout.row_elems), generator=gen) * 0.05).to(
-            torch.bfloat16
-        )
-        ranks = torch.full((layout.num_layers, NUM_SLICES), rank, dtype=torch.int32)
-        scal = torch.full((layout.num_layers, NUM_SLICES), 2.0)
-        pool.load(slot, PackedAdapter(f"a{slot}", block, ranks, scal), [(row, rank)])
+        load_full_rank(pool, slot, rank, [(row, rank)], gen, std=0.05)
         row += rank
     lengths = [1] * 96 + [300, 37]
     seg_slots = [i % 8 for i in range(96)] + [1, 4]
