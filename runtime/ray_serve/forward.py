@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import httpx
 import msgspec
 
+from stages.tokenizer.http.errors import TYPE_OF_STATUS
+
 
 class ServerDown(RuntimeError):
     """This replica's server cannot take the request (exited, or the connection failed before any answer);
@@ -73,4 +75,4 @@ def _unavailable_event(first: bytes) -> bool:
     except msgspec.DecodeError:  # cut mid-event: not an error event as far as can be told
         return False
     error = event.get("error") if isinstance(event, dict) else None
-    return isinstance(error, dict) and error.get("type") == "service_unavailable"
+    return isinstance(error, dict) and error.get("type") == TYPE_OF_STATUS[503]

@@ -8,7 +8,6 @@ another error, pass through."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import httpx
 import pytest
@@ -18,6 +17,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from runtime.ray_serve.forward import Head, ServerDown, forward
+from tests.integration.serving import free_port
 
 
 async def streamed(request):
@@ -70,12 +70,6 @@ APP = Starlette(
         Route("/stream_bad", events(BAD_EVENT + b"data: [DONE]\n\n"), methods=["POST"]),
     ]
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def with_server(body):
