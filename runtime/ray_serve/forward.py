@@ -68,7 +68,7 @@ async def forward(
 def _unavailable_event(first: bytes) -> bool:
     """Whether a body begins with an SSE error event of type service_unavailable (what the server's
     front end streams for a request it fails before any token because it is shutting down)."""
-    if not first.startswith(b"data: {"):
+    if not first.startswith(b'data: {"error"'):  # a token event: nothing to decode
         return False
     try:
         event = msgspec.json.decode(first[len(b"data: ") :].split(b"\n\n", 1)[0])
