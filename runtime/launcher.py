@@ -28,6 +28,7 @@ from proto.control import (
     Shutdown,
     check_ready,
 )
+from runtime.base import parent_death
 from runtime.base.endpoints import Endpoints, make_run_dir
 from runtime.control_channel import ControlChannel, MetricsEndpoint
 from runtime.host_cache_size import host_cache_bytes
@@ -346,4 +347,8 @@ def run_server(args: ServeArgs, stage_modules: Mapping[str, str] | None = None, 
     arguments could not be served, 1: a stage failed)."""
     fmt = "%(asctime)s launcher %(levelname)s %(message)s"
     logging.basicConfig(level=args.log_level.upper(), format=fmt, stream=sys.stderr)
+    spawner = parent_death.spawner_pid()  # a Ray Serve replica's (runtime/ray_serve/server_process.py)
+    if spawner is not None and not parent_death.arm(signal.SIGTERM, spawner):  # SIGTERM: drain and stop
+        log.error("the process that started this server (pid %d) is gone", spawner)
+        return 1
     return uvloop.run(Launcher(args, stage_modules=stage_modules, model_cfg=model_cfg).run())

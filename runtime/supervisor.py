@@ -1,6 +1,7 @@
 """The launcher's view of its stage processes: `StageProcess` spawns `python -m <module> CONFIG.json` in
-its own session, watches its exit and escalates SIGTERM → SIGKILL; `RestartBudget` bounds restarts.
-Owns no sockets (the control ROUTER is `runtime.control_channel`)."""
+its own session (told the launcher's pid, so that it dies with it: `runtime.base.parent_death`), watches
+its exit and escalates SIGTERM → SIGKILL; `RestartBudget` bounds restarts. Owns no sockets (the control
+ROUTER is `runtime.control_channel`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TextIO
+
+from runtime.base.parent_death import PARENT_PID_ENV
 
 log = logging.getLogger("lorapipe.launcher")
 ROOT = Path(__file__).resolve().parents[1]  # so `python -m stages.x` imports from any working dir
@@ -60,8 +63,11 @@ class StageProcess:
         return self.proc is not None and self.proc.returncode is None
 
     async def start(self) -> None:
+        """Spawn the stage, from the event loop's thread (asyncio and uvloop fork there): the stage's
+        death signal fires when that thread exits, so it must outlive every stage it starts."""
         env = dict(os.environ) | self.env
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        env[PARENT_PID_ENV] = str(os.getpid())  # a stage whose parent is not this one exits at once
         out = self.output if self.output is not None else sys.stderr  # stdout stays the launcher's
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv,
@@ -69,7 +75,9 @@ class StageProcess:
             stdout=out,
             stderr=out,
             env=env,
-            start_new_session=True,  # Ctrl-C in a terminal reaches only the launcher
+            # Ctrl-C in a terminal reaches only the launcher; the launcher's death reaches the stage by
+            # the death signal stage_main arms, not by a process group
+            start_new_session=True,
         )
         self.generation += 1
         self.ready = False

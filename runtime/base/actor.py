@@ -1,10 +1,12 @@
 """Actor base for stage processes: `run()` is one asyncio.TaskGroup of small loops (socket → bounded
 mailbox → handler → bounded mailbox → socket) plus the control DEALER to the launcher (Ready, Shutdown,
-MetricsQuery, FatalError), a parent-death watch and drain on SIGTERM/SIGINT. `serve()` runs it on uvloop."""
+MetricsQuery, FatalError), a parent-death watch and drain on SIGTERM/SIGINT. `serve()` runs it on uvloop;
+`stage_main()` runs it as a stage process that dies with its launcher (`parent_death`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import logging
@@ -32,6 +34,7 @@ from proto.control import (
     Shutdown,
     StageToLauncher,
 )
+from runtime.base import parent_death
 from runtime.base.gc_pauses import GcPauses
 from runtime.base.metrics import StageMetrics
 from runtime.base.sockets import DealerSocket, _Base
@@ -41,6 +44,10 @@ _merged_ids = itertools.count(1)
 C = TypeVar("C", bound="StageConfig")
 EXIT_OK, EXIT_FATAL, EXIT_PARENT_DIED = 0, 1, 3
 PARENT_DIED_GRACE_S = 2.0  # how long `on_parent_died` may take before the stage exits anyway
+PARENT_DEATH_SIGNAL = signal.SIGHUP  # what the kernel sends a stage when its launcher dies (stage_main)
+# after the launcher's death, how long a stage has to exit (on_parent_died, then teardown) before its
+# watchdog SIGKILLs it: a stage hung in C or stopped runs no handler
+WATCHDOG_GRACE_S = PARENT_DIED_GRACE_S + 3.0
 
 
 class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,7 +55,7 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     control: str | None = None  # launcher ROUTER; None = run without a launcher (tests)
     drain_timeout_s: float = 10.0  # SIGTERM: give up draining after this long
-    parent_poll_s: float = 0.25  # how quickly a dead launcher is noticed
+    parent_poll_s: float = 0.25  # how quickly a dead launcher is noticed without its death signal
     queue_size: int = 1024  # default bound of every mailbox
 
 
@@ -93,7 +100,8 @@ class Actor(Generic[C]):
         # a stage process (stage_main) freezes what setup made out of the collector's scans; in-process
         # actors (tests, tools) leave their interpreter's collector alone
         self.freeze_gc_after_setup = False
-        self._ppid = os.getppid()
+        self.parent_pid = os.getppid()  # stage_main sets the launcher's (the pid it was spawned by)
+        self._parent_signal = asyncio.Event()  # PARENT_DEATH_SIGNAL arrived
         self._loops: list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]] = []
         self._mailboxes: list[Mailbox[Any]] = []
         self._sockets: list[_Base[Any, Any]] = []
@@ -225,6 +233,7 @@ class Actor(Generic[C]):
                 GcPauses(self.metrics, self.log).install()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_drain)
+            loop.add_signal_handler(PARENT_DEATH_SIGNAL, self._parent_signal.set)  # its default ends us
             async with asyncio.TaskGroup() as tg:
                 for name, fn in self._loops:
                     tg.create_task(fn(), name=f"{self.stage}:{name}")
@@ -246,7 +255,7 @@ class Actor(Generic[C]):
             await self._tell_launcher(FatalError(stage=self.stage, message=repr(group.exceptions[0])))
             code = EXIT_FATAL
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, PARENT_DEATH_SIGNAL):
                 loop.remove_signal_handler(sig)
             self.teardown()
         return code
@@ -276,19 +285,22 @@ class Actor(Generic[C]):
         raise _Stop
 
     async def _watch_parent(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.parent_poll_s)
-            if os.getppid() != self._ppid:
-                try:
-                    async with asyncio.timeout(PARENT_DIED_GRACE_S):
-                        await self.on_parent_died()
-                except TimeoutError:
-                    self.log.warning(
-                        "telling clients of the launcher's death took over %gs", PARENT_DIED_GRACE_S
-                    )
-                except Exception:  # the stage exits either way
-                    self.log.exception("on_parent_died failed")
-                raise _ParentDied
+        """Woken by PARENT_DEATH_SIGNAL, else every `parent_poll_s`. Only a reparenting says the parent is
+        gone: the signal also comes as each of its threads exits before the last (the child moves to a
+        thread still alive), or from anyone with `kill`."""
+        while os.getppid() == self.parent_pid:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.parent_poll_s):
+                    await self._parent_signal.wait()
+            self._parent_signal.clear()
+        try:
+            async with asyncio.timeout(PARENT_DIED_GRACE_S):
+                await self.on_parent_died()
+        except TimeoutError:
+            self.log.warning("telling clients of the launcher's death took over %gs", PARENT_DIED_GRACE_S)
+        except Exception:  # the stage exits either way
+            self.log.exception("on_parent_died failed")
+        raise _ParentDied
 
     async def _control_loop(self) -> None:
         assert self._control is not None
@@ -347,12 +359,26 @@ def stage_main(
     make: Callable[[Any], Actor[Any]], config_type: type, argv: Sequence[str] | None = None
 ) -> None:
     """`python -m stages.X CONFIG.json`: decode the stage's frozen config (JSON, written by the
-    launcher) and exit with the actor's code."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        sys.exit(f"usage: python -m <stage> CONFIG.json (got {args})")
-    with open(args[0], "rb") as f:
-        config = msgspec.json.decode(f.read(), type=config_type)
-    actor = make(config)
-    actor.freeze_gc_after_setup = True
-    sys.exit(serve(actor))
+    launcher) and exit with the actor's code. The stage dies with its launcher (the pid in
+    `parent_death.PARENT_PID_ENV`, else its parent now): the kernel sends it PARENT_DEATH_SIGNAL (its
+    default action ends a stage still in setup; a running actor answers with `on_parent_died`), and a
+    watchdog SIGKILLs it WATCHDOG_GRACE_S later if it is still there (hung, or stopped)."""
+    parent = parent_death.spawner_pid() or os.getppid()
+    if not parent_death.arm(PARENT_DEATH_SIGNAL, parent):
+        sys.exit(EXIT_PARENT_DIED)  # the launcher died before the signal was armed
+    watchdog = parent_death.start_watchdog(parent, WATCHDOG_GRACE_S)
+    try:
+        args = list(sys.argv[1:] if argv is None else argv)
+        if len(args) != 1:
+            sys.exit(f"usage: python -m <stage> CONFIG.json (got {args})")
+        with open(args[0], "rb") as f:
+            config = msgspec.json.decode(f.read(), type=config_type)
+        actor = make(config)
+        actor.freeze_gc_after_setup = True
+        actor.parent_pid = parent
+        code = serve(actor)
+    finally:
+        if watchdog is not None:  # reaped here, not left to whoever inherits it
+            watchdog.kill()
+            watchdog.wait()
+    sys.exit(code)

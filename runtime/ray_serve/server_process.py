@@ -1,13 +1,13 @@
 """One replica's `lorapipe serve` as a child process group: the ZeroMQ endpoint in a private run
 directory, the HTTP front end on a free loopback port, ready when the launcher prints its banner, stopped
-with SIGTERM (drain) then SIGKILL. The launcher gets SIGTERM if the replica process dies first (Linux).
-Owns no sockets itself; imports no Ray."""
+with SIGTERM (drain) then SIGKILL. The launcher gets SIGTERM if the replica process dies first (Linux:
+`runtime.base.parent_death`, armed by the launcher itself), and its stages die with it. Owns no sockets
+itself; imports no Ray."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -19,9 +19,10 @@ import threading
 from pathlib import Path
 from typing import IO
 
+from runtime.base.parent_death import PARENT_PID_ENV
+
 ROOT = Path(__file__).resolve().parents[2]  # so `python -m runtime.cli` imports this tree from any cwd
 BANNER = "lorapipe serving "  # the launcher's one line on stdout once every stage is ready
-PR_SET_PDEATHSIG = 1
 
 
 class ServerStartError(RuntimeError):
@@ -38,11 +39,6 @@ def _drain(stream: IO[str]) -> None:
     with stream:
         for _ in stream:
             pass
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ServerProcess:
@@ -88,7 +84,9 @@ class ServerProcess:
             stdin=subprocess.DEVNULL,
             text=True,
             start_new_session=True,  # its own process group (each stage has its own; see kill())
-            preexec_fn=_die_with_parent,
+            # the launcher arms its death signal itself (`run_server`): a preexec_fn is not safe in a
+            # process with threads, as a replica is
+            env={**os.environ, PARENT_PID_ENV: str(os.getpid())},
         )
         try:
             async with asyncio.timeout(ready_timeout_s):
@@ -114,7 +112,8 @@ class ServerProcess:
 
     def kill(self) -> None:
         """SIGKILL the launcher's process group (what a crashed server looks like). The stages run in
-        sessions of their own; each notices its launcher's death within `parent_poll_s` and exits."""
+        sessions of their own: each gets its death signal and exits, or is SIGKILLed by its watchdog a
+        few seconds later if it is hung (`runtime.base.actor.stage_main`)."""
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)

@@ -7,7 +7,6 @@ own interpreter: the loader's parts never wait on one GIL. It dies with the load
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import signal
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 
 from proto.loader_parts import FileId, LoaderToWriter, PartDone, WritePart, WriterReady, WriterToLoader
+from runtime.base.parent_death import arm
 from runtime.base.sockets import DealerSocket
 from runtime.common.host_pool import attach_pool
 from stages.loader.adapter_config import AdapterError
@@ -25,7 +25,6 @@ from stages.loader.block_writer import SegmentBuffer, prepare, write_part, zero_
 from stages.loader.process import tune_for_loads
 from stages.loader.safetensors_reader import FormatError, open_regular
 
-PR_SET_PDEATHSIG = 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NONE = torch.empty(0)
 
@@ -94,15 +93,11 @@ async def serve(address: str, identity: bytes, pool: SharedMemory) -> None:
         sock.close()
 
 
-def _die_with_parent(parent: int) -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the loader went before the signal was armed
-        os._exit(1)
-
-
 def main(argv: list[str]) -> None:
     address, identity, pool_name, parent = argv
-    _die_with_parent(int(parent))
+    # SIGKILLed when the loader dies, even stopped or stuck in a read: the loader owns every block
+    if not arm(signal.SIGKILL, int(parent)):
+        os._exit(1)  # the loader went before the signal was armed
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # nothing to flush: the loader owns every block
     tune_for_loads()
     pool = attach_pool(pool_name)

@@ -96,6 +96,7 @@ class PartWriters:
         identity = f"w{slot}".encode()
         args = [self.address, identity.decode(), self.pool_name, str(os.getpid())]
         cmd = [sys.executable, "-m", "stages.loader.writer", *args]
+        # from the event loop's thread, which the writer's death signal is tied to (writer.main)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         w = self.writers[identity] = _Writer(slot, proc)
         w.watcher = self._spawn_task(self._watch(identity, w))
