@@ -10,6 +10,7 @@ from proto.loader_parts import LoaderToWriter, WriterToLoader
 from proto.pipeline import SchedulerToTokenizer, TokenizerToScheduler, WorkerToTokenizer
 from proto.plan import SchedulerToWorker, WorkerToScheduler
 from proto.sampling import SamplingParams
+from proto.tensor_parallel import RankZeroToRanks
 
 __all__ = [
     "EDGES",
@@ -24,6 +25,7 @@ __all__ = [
     "Message",
     "ProtocolError",
     "ProtocolMismatch",
+    "RankZeroToRanks",
     "Record",
     "SamplingParams",
     "SchedulerToLoader",

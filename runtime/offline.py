@@ -4,6 +4,7 @@ overlapped by default: step N+1 is launched before step N is finished (`overlap_
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Iterator, Sequence
@@ -16,15 +17,19 @@ from tokenizers import Tokenizer
 from proto.pipeline import TokenBatch
 from proto.plan import SlotLoad, StepResult
 from proto.sampling import SamplingParams
+from proto.tensor_parallel import AddAdapter, BeginRun, EndRun, FinishStep, LaunchStep
 from runtime.common.model_config import ModelConfig
 from runtime.common.names import check_adapter_name
 from runtime.common.packed import PackedAdapter
 from runtime.engine_args import EngineArgs, context_length, planner_policy, runner_config
+from runtime.tp_ranks import RankProcesses
 from stages.loader.adapter_reader import read_adapter
 from stages.scheduler.planner import Planner, PlannerConfig, PlannerStats
 from stages.worker.executor import StepExecutor
 from stages.worker.lora.pool import row_bytes, runs_of
 from stages.worker.runner import ModelRunner
+from stages.worker.tp.group import rank_device
+from stages.worker.tp.shard import check_divisible
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class LLM:
         warmup: bool = False,
         compile_cache_dir: str | None = None,
         overlap_schedule: bool = True,
+        tensor_parallel_size: int = 1,
     ):
         """`overlap_loading` and `prefetch_depth` drive the same planner logic as `lorapipe serve`;
         here copies are synchronous, and a load is reported ready in the result of its step.
@@ -84,7 +90,9 @@ class LLM:
         engine can reach now, as `lorapipe serve` does, instead of on first use (CUDA only);
         `compile_cache_dir` sets TRITON_CACHE_DIR for this process (before the first compile).
         `overlap_schedule`: plan and launch step N+1 before step N's tokens are read, as the server's
-        worker does (`--no-overlap-schedule` there); off: schedule → execute → update, one at a time."""
+        worker does (`--no-overlap-schedule` there); off: schedule → execute → update, one at a time.
+        `tensor_parallel_size`: N > 1 shards the model over N ranks (cuda:0..N-1 on CUDA; N processes on
+        the CPU): this process is rank 0, and `close()` (or leaving a `with` block) stops the others."""
         if compile_cache_dir is not None:
             os.environ["TRITON_CACHE_DIR"] = str(compile_cache_dir)
         self.engine_args = EngineArgs(
@@ -120,7 +128,21 @@ class LLM:
         )
         mcfg = ModelConfig.from_dir(model)
         # config.json read once; the runner refuses a max_model_len past the model's positions
-        self.runner = ModelRunner(runner_config(self.engine_args, mcfg), mcfg)
+        rc = runner_config(self.engine_args, mcfg)
+        self.ranks: RankProcesses | None = None
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
+        if tensor_parallel_size == 1:
+            self.runner = ModelRunner(rc, mcfg)
+        else:
+            check_divisible(mcfg, tensor_parallel_size)
+            rc = dataclasses.replace(rc, device=rank_device(rc.device, 0))
+            self.ranks = RankProcesses(rc, tensor_parallel_size)
+            try:
+                self.runner = self.ranks.watch(lambda: ModelRunner(rc, mcfg, tp=self.ranks.group))
+            except BaseException:
+                self.ranks.kill()
+                raise
         context = context_length(self.engine_args, mcfg)
         kv_tokens = self.runner.num_pages * page_size
         # a given max_model_len stands (the planner refuses one the KV cache cannot hold); the derived
@@ -155,9 +177,27 @@ class LLM:
         """Read, validate and pack an adapter (raises AdapterError naming it and the reason)."""
         check_adapter_name(name)
         pin = self.runner.device.type == "cuda"
-        self.adapters[name] = read_adapter(
-            name, path, self.runner.model_cfg, self.runner.lora_layout, self.runner.dtype, pin_memory=pin
-        )
+        r = self.runner
+        self.adapters[name] = read_adapter(name, path, r.full_cfg, r.host_layout, r.dtype, pin_memory=pin)
+        if self.ranks is not None:  # the file is good: every rank reads it for itself
+            self._to_ranks(AddAdapter(name=name, path=str(Path(path).resolve())))
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one)."""
+        if self.ranks is not None:
+            ranks, self.ranks = self.ranks, None
+            ranks.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _to_ranks(self, msg) -> None:
+        if self.ranks is not None:
+            self.ranks.check()
+            self.ranks.send(msg)
 
     def generate(
         self,
@@ -175,6 +215,8 @@ class LLM:
         for name in names:
             if name is not None and name not in self.adapters:
                 raise ValueError(f"unknown adapter {name!r}; registered: {sorted(self.adapters) or 'none'}")
+        if self.runner.tp is not None and self.ranks is None:
+            raise RuntimeError("this tensor-parallel engine is closed")
         for p in params:
             p.validate()
         prompt_ids = [self._encode(p) for p in prompts]
@@ -190,6 +232,13 @@ class LLM:
             seed=self._seed,
             overlap_loading=self.planner_cfg.overlap_loading,
         )
+        self._to_ranks(
+            BeginRun(
+                max_model_len=self.max_model_len,
+                seed=self._seed,
+                overlap_loading=self.planner_cfg.overlap_loading,
+            )
+        )
         rids = [f"r{next(self._ids)}" for _ in range(n)]
         for rid, ids, name, p in zip(rids, prompt_ids, names, params, strict=True):
             planner.add(rid, ids, name, p)
@@ -203,6 +252,7 @@ class LLM:
                 outputs[item.request_id].extend(item.token_ids)
                 if item.finish_reason:
                     reasons[item.request_id] = item.finish_reason
+        self._to_ranks(EndRun())
         self.last_phase_seconds = dict(executor.phase_seconds)
         return [
             RequestOutput(self._decode(outputs[rid]), outputs[rid], reasons[rid], ids, name, errors.get(rid))
@@ -216,10 +266,15 @@ class LLM:
         overlap = self.engine_args.overlap_schedule
         prev = None
         while planner.has_work or prev is not None:
-            step = executor.launch(planner.schedule()) if planner.has_work else None
+            step = None
+            if planner.has_work:
+                plan = planner.schedule()
+                self._to_ranks(LaunchStep(plan=plan))
+                step = executor.launch(plan)
             if not overlap:
                 prev, step = step, None
             if prev is not None:
+                self._to_ranks(FinishStep())
                 result, tokens = executor.finish(prev)
                 planner.update(result)
                 yield result, tokens

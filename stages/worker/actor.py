@@ -208,7 +208,7 @@ class WorkerActor(Actor[WorkerConfig]):
         held until the scheduler hears the id is ready, which is after the event completed."""
         start = time.perf_counter()
         try:
-            packed = packed_from_pool(self.host_pool, load, self.runner.lora_layout, self.runner.dtype)
+            packed = packed_from_pool(self.host_pool, load, self.runner.host_layout, self.runner.dtype)
             runs = runs_of(load.row_starts, load.row_counts)
             if self.cuda:
                 compute = torch.cuda.current_stream(self.runner.device)

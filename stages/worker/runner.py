@@ -23,6 +23,10 @@ from stages.worker.model.pointwise import resolve_pointwise
 from stages.worker.model.weights import load_weights
 from stages.worker.seq_input import SeqInput, fill_pending
 from stages.worker.step_graphs import StepGraphs
+from stages.worker.tp.group import TPGroup
+from stages.worker.tp.lora_shard import AdapterSharder
+from stages.worker.tp.shard import shard_config, shard_weights, to_device
+from stages.worker.tp.transform import tensor_parallel
 
 __all__ = ["ModelRunner", "RunnerConfig", "SeqInput"]
 
@@ -84,11 +88,15 @@ def inverse_of(order: list[int]) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, cfg: RunnerConfig, model_cfg: ModelConfig | None = None):
-        """`model_cfg`: the model's config.json as the caller already parsed it (else read here)."""
+    def __init__(self, cfg: RunnerConfig, model_cfg: ModelConfig | None = None, tp: TPGroup | None = None):
+        """`model_cfg`: the model's config.json as the caller already parsed it (else read here). `tp`:
+        this process is one rank of a tensor-parallel group; it holds that rank's shard of the weights,
+        KV heads and adapter pool (`model_cfg` is then the rank's view, `full_cfg` the model's)."""
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        self.tp = tp
         self.model_cfg = model_cfg if model_cfg is not None else ModelConfig.from_dir(cfg.model_dir)
+        self.full_cfg = self.model_cfg
         if cfg.max_model_len is not None and cfg.max_model_len > self.model_cfg.max_position_embeddings:
             # the rotary tables hold max_position_embeddings positions; past them a gather reads out of bounds
             raise ValueError(
@@ -111,11 +119,26 @@ class ModelRunner:
         self._capture_graphs()
 
     def _init_model(self) -> None:
-        weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
+        # `host_layout`: how the loader packs adapters (the whole model's); `lora_layout`: this pool's
+        self.host_layout = LoraLayout.for_model(self.full_cfg, self.cfg.max_lora_rank)
+        self.shard_adapter = None
+        if self.tp is None:
+            weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
+        else:  # read on the host, then only this rank's shard goes to the device
+            tp = self.tp
+            whole = load_weights(self.cfg.model_dir, self.full_cfg, self.dtype, torch.device("cpu"))
+            weights = to_device(shard_weights(whole, self.full_cfg, tp.rank, tp.size), self.device)
+            del whole
+            self.model_cfg = shard_config(self.full_cfg, tp.size)
         self.lora_layout = LoraLayout.for_model(self.model_cfg, self.cfg.max_lora_rank)
         self.model = LlamaModel(
             self.model_cfg, weights, self.lora_layout, self.attention_backend, self.pointwise_backend
         )
+        if self.tp is not None:
+            tensor_parallel(self.model, self.tp)
+            self.shard_adapter = AdapterSharder(
+                self.host_layout, self.lora_layout, self.tp.rank, self.tp.size
+            )
 
     def _init_lora(self) -> None:
         """The adapter pool, sized before the KV cache (which takes what is left)."""
@@ -126,6 +149,8 @@ class ModelRunner:
             else default_pool_bytes(self.lora_layout, self.dtype, self.device)
         )
         rows, ids = pool_geometry(self.lora_layout, self.dtype, nbytes)
+        if self.tp is not None:  # every rank holds the same rank rows and ids
+            rows, ids = self.tp.min_int(rows), self.tp.min_int(ids)
         self.pool = LoraPool(self.lora_layout, rows, ids, self.dtype, self.device)
         name = self.cfg.lora_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.lora = make_backend(name, self.pool, self.cfg.max_tokens_per_step, self.max_seqs)
@@ -155,6 +180,8 @@ class ModelRunner:
             num_pages = int(spare // per_page)
         elif num_pages is None:
             num_pages = (self.cfg.cpu_kv_tokens + ps - 1) // ps
+        if self.tp is not None:  # every rank holds the same pages (of its own KV heads)
+            num_pages = self.tp.min_int(num_pages)
         if num_pages < 1:
             raise RuntimeError("no memory left for the KV cache")
         self.kv = KVCache(
@@ -261,6 +288,10 @@ class ModelRunner:
         stream: torch.cuda.Stream | None = None,
         layer_events: bool = False,
     ) -> list[torch.cuda.Event] | None:
+        """Copy `adapter` (packed in `host_layout`, as the loader packs it) into the pool; a
+        tensor-parallel rank copies its own shard of it."""
+        if self.shard_adapter is not None:
+            adapter = self.shard_adapter(adapter)
         return self.pool.load(lora_id, adapter, runs, stream, layer_events)
 
     @torch.inference_mode()

@@ -71,6 +71,7 @@ from proto.plan import (
     WorkerStarted,
 )
 from proto.sampling import SamplingParams
+from proto.tensor_parallel import AddAdapter, BeginRun, EndRun, FinishStep, LaunchStep, StopRanks
 
 LONG_IDS = TokenIds.of(range(5000))  # 20 kB: travels as an extra frame
 SHORT_IDS = TokenIds.of([1, 2, 3])  # inline
@@ -170,6 +171,12 @@ EXAMPLES: list[Message] = [
         step_time=0.002,
     ),
     SlotsReady(slots_ready=[1]),
+    LaunchStep(plan=BatchPlan(step=12, new_requests=[NewRequestData(request_id="g5", prompt_ids=LONG_IDS)])),
+    FinishStep(),
+    AddAdapter(name="a", path="/adapters/a"),
+    BeginRun(max_model_len=512, seed=3, overlap_loading=False),
+    EndRun(),
+    StopRanks(),
     WorkerStarted(
         num_pages=128, page_size=16, max_model_len=2048, lora_rows=512, lora_ids=128, lora_row_bytes=9216
     ),

@@ -14,6 +14,7 @@ from stages.worker.model.attention import attention_fn
 from stages.worker.model.forward_batch import ForwardBatch
 from stages.worker.model.kv_cache import KVCache
 from stages.worker.model.pointwise import pointwise_ops
+from stages.worker.model.split import WHOLE
 from stages.worker.model.weights import LayerWeights, ModelWeights
 
 
@@ -42,6 +43,8 @@ class LlamaModel:
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
         self.scale = cfg.head_dim**-0.5
+        # where the weights are whole (here) or split over ranks (stages/worker/tp/transform.py)
+        self.split = WHOLE
 
     def forward(
         self, fb: ForwardBatch, kv: KVCache, lora: LoraBackend | None, layer_waits: list[list] | None = None
@@ -62,7 +65,7 @@ class LlamaModel:
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Hidden states [T, H] and the rotary cos/sin [T, 1, D] of the tokens' positions."""
-        h = self.w.embed[input_ids]  # [T, H]
+        h = self.split.lookup(self.w.embed, input_ids)  # [T, H]
         return h, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     def pre_attention(self, i: int, h, kv_rows, kv: KVCache, lora, cos, sin) -> torch.Tensor:
@@ -78,12 +81,13 @@ class LlamaModel:
         lw = self.w.layers[i]
         o = F.linear(attn, lw.o, lw.o_bias)  # [T, H]
         self._lora(lora, attn, o, i, "o")
+        o = self.split.sum_partial(o)
         h, x = self.ops.add_norm(h, o, lw.post_norm, self.cfg.rms_norm_eps)  # h + o and its norm
         return h + self._mlp(i, lw, x, lora)
 
     def logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         last = self.ops.norm(h[logits_indices], self.w.norm, self.cfg.rms_norm_eps)  # [B, H]
-        return F.linear(last, self.w.lm_head).float()  # [B, V]
+        return self.split.vocab_logits(last, self.w.lm_head)  # [B, V]
 
     def _lora(self, lora: LoraBackend | None, x, out, layer: int, group: str) -> None:
         if lora is not None:
@@ -97,4 +101,4 @@ class LlamaModel:
             act = lora.apply_act(x, gate_up, i, self.lora_layout.group("gate_up"), self.ops.act)
         down = F.linear(act, lw.down, lw.down_bias)  # [T, H]
         self._lora(lora, act, down, i, "down")
-        return down
+        return self.split.sum_partial(down)

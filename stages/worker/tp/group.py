@@ -1,0 +1,111 @@
+"""A tensor-parallel group of worker processes: the collectives the sharded forward needs (the sum of
+partial outputs, the gather of vocabulary shards, on the compute device: NCCL on CUDA, gloo on the CPU)
+and the control channel on which rank 0 hands every rank its next step (msgspec bytes over a gloo group:
+no pickle)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# NVLink multicast (NVLS) is off on the lent multi-GPU machines; honoured unless the caller set it.
+NCCL_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0"}
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    """Where a rank joins its group: the rendezvous store rank 0 listens on at `host`:`port`."""
+
+    rank: int
+    size: int
+    host: str
+    port: int
+    timeout_s: float = 300.0  # a collective that waits longer (a rank died or hangs) fails the group
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} outside a group of {self.size}")
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of `rank` when the group runs on `device` ("cuda" or "cuda:0": cuda:rank; cpu: cpu)."""
+    return f"cuda:{rank}" if device.startswith("cuda") else device
+
+
+class TPGroup:
+    def __init__(self, spec: TPSpec, device: torch.device, store: dist.Store | None = None):
+        """Joins the group (blocks until every rank has). `store`: rank 0's rendezvous store, already
+        listening; other ranks connect to it at the spec's address."""
+        self.rank, self.size, self.device = spec.rank, spec.size, device
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        cuda = device.type == "cuda"
+        if cuda:
+            for k, v in NCCL_ENV_DEFAULTS.items():
+                os.environ.setdefault(k, v)
+            torch.cuda.set_device(device)
+        if store is None:
+            store = dist.TCPStore(spec.host, spec.port, spec.size, is_master=False, timeout=timeout)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            store=store,
+            rank=spec.rank,
+            world_size=spec.size,
+            timeout=timeout,
+            device_id=device if cuda else None,
+        )
+        # control messages and host-side agreement travel on the CPU, whatever the compute device
+        self.control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
+        self._gloo_compute = not cuda
+
+    # -- collectives of the forward (compute device, CUDA-graph capturable on NCCL) --------------------
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over ranks in place; returns it."""
+        dist.all_reduce(t)
+        return t
+
+    def gather_columns(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, C] on every rank → [B, size * C], rank k's columns at [k * C, (k + 1) * C)."""
+        t = t.contiguous()
+        if self._gloo_compute:
+            parts = [torch.empty_like(t) for _ in range(self.size)]
+            dist.all_gather(parts, t)
+            return torch.cat(parts, dim=1)
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t)
+        return out.permute(1, 0, 2).reshape(t.shape[0], -1)
+
+    # -- control (CPU, gloo) ---------------------------------------------------------------------------
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's `data` on every rank (other ranks pass None)."""
+        size = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(size, 0, group=self.control)
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if self.rank == 0 and data
+            else torch.empty(int(size.item()), dtype=torch.uint8)
+        )
+        if buf.numel():
+            dist.broadcast(buf, 0, group=self.control)
+        return data if self.rank == 0 else bytes(buf.numpy())
+
+    def min_int(self, value: int) -> int:
+        """The smallest `value` over ranks (what every rank can hold: KV pages, pool rows)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return int(t.item())
+
+    def close(self) -> None:
+        """Leave the group without waiting for the other ranks. On NCCL that is an abort: a graceful
+        teardown waits for every rank's and hung on two H100s while the CUDA graphs that captured the
+        collectives were still alive (docs/benchmarks.md, twentieth session); nothing is in flight when
+        a rank leaves. There is no public abort yet (torch 2.11)."""
+        if not dist.is_initialized():
+            return
+        if self._gloo_compute:
+            dist.destroy_process_group()
+        else:
+            dist.distributed_c10d._abort_process_group()
