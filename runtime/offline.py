@@ -245,13 +245,19 @@ class LLM:
         outputs: dict[str, list[int]] = {rid: [] for rid in rids}
         reasons: dict[str, str] = {}
         errors: dict[str, str] = {}
-        for result, tokens in self._steps(planner, executor):
-            for err in result.errors:
-                reasons[err.request_id], errors[err.request_id] = "error", err.message
-            for item in tokens.items:
-                outputs[item.request_id].extend(item.token_ids)
-                if item.finish_reason:
-                    reasons[item.request_id] = item.finish_reason
+        try:
+            for result, tokens in self._steps(planner, executor):
+                for err in result.errors:
+                    reasons[err.request_id], errors[err.request_id] = "error", err.message
+                for item in tokens.items:
+                    outputs[item.request_id].extend(item.token_ids)
+                    if item.finish_reason:
+                        reasons[item.request_id] = item.finish_reason
+        except BaseException:
+            if self.ranks is not None:  # they may wait in a collective this rank left: stop them
+                ranks, self.ranks = self.ranks, None
+                ranks.abandon()
+            raise
         self._to_ranks(EndRun())
         self.last_phase_seconds = dict(executor.phase_seconds)
         return [

@@ -130,6 +130,14 @@ class RankProcesses:
             self.kill()
             self._dir.cleanup()
 
+    def abandon(self) -> None:
+        """After a failure on rank 0: kill the other ranks (they may wait in a collective rank 0 will
+        never join) and leave the group."""
+        self.kill()
+        if not _within(self.group.close, STOP_TIMEOUT_S):
+            log.warning("leaving the tensor-parallel group took over %g s; going on", STOP_TIMEOUT_S)
+        self._dir.cleanup()
+
     def kill(self) -> None:
         for p in self.procs:
             if p.poll() is None:

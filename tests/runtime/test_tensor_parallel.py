@@ -171,3 +171,25 @@ def test_a_rank_that_dies_fails_the_engine_and_leaves_no_process(tiny_llama, lla
         llm.generate(PROMPTS[:2], adapters=["full8", None], sampling=SAMPLING)
     llm.close()
     assert proc.poll() is not None
+
+
+def test_a_failure_on_rank_0_mid_run_stops_every_rank(tiny_llama, llama_adapters, monkeypatch):
+    from stages.worker.executor import StepExecutor
+
+    llm = LLM(tiny_llama, adapters=llama_adapters, dtype="float32", max_lora_rank=16, tensor_parallel_size=2)
+    (proc,) = llm.ranks.procs
+    finish, calls = StepExecutor.finish, []
+
+    def failing_finish(self, step):  # rank 0's second step fails after rank 1 launched the third
+        calls.append(step)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure on rank 0")
+        return finish(self, step)
+
+    monkeypatch.setattr(StepExecutor, "finish", failing_finish)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.generate(PROMPTS[:3], adapters=["full8", None, "qv5"], sampling=SAMPLING)
+    assert proc.poll() is not None, "rank 1 outlived rank 0's failure"
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        llm.generate(PROMPTS[:1], sampling=SAMPLING)
+    llm.close()
