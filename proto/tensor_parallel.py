@@ -1,6 +1,6 @@
-"""Rank 0 of a tensor-parallel worker → its other ranks (a gloo broadcast, msgspec-encoded, one frame):
-what every rank must do in the order rank 0 does it. Each step's plan travels once, as the scheduler
-sent it (`LaunchStep`); `FinishStep` finishes the oldest step in flight."""
+"""Rank 0 of a tensor-parallel worker (offline engine or server) → its other ranks (a gloo broadcast,
+msgspec-encoded, one frame): what every rank must do in the order rank 0 does it. Each step's plan
+travels once, as the scheduler sent it (`LaunchStep`); `FinishStep` finishes the oldest step in flight."""
 
 from __future__ import annotations
 
@@ -12,6 +12,11 @@ class LaunchStep(Message):
     """Launch this plan (as the scheduler sent it to rank 0)."""
 
     plan: BatchPlan
+
+
+class SyncCopies(Message):
+    """Wait until this rank's adapter copies are done, then meet the others (rank 0 reports a slot ready
+    only after every rank has copied it)."""
 
 
 class AddAdapter(Message):
@@ -41,4 +46,6 @@ class StopRanks(Message):
     """Leave the group and exit."""
 
 
-RankZeroToRanks = edge("rank0_to_ranks", LaunchStep, FinishStep, AddAdapter, BeginRun, EndRun, StopRanks)
+RankZeroToRanks = edge(
+    "rank0_to_ranks", LaunchStep, FinishStep, SyncCopies, AddAdapter, BeginRun, EndRun, StopRanks
+)

@@ -52,6 +52,8 @@ class EngineArgs:
     # plans the scheduler keeps at the worker at every load; None: the default depths (plan_depths)
     max_plans_in_flight: int | None = None
     warmup: bool = True  # compile every reachable kernel variant before ready (CUDA; nothing on CPU)
+    # ranks the model and its adapters are sharded over, one process and one GPU each (stages/worker/tp/)
+    tensor_parallel_size: int = 1
 
     def resolved_device(self) -> str:
         if self.device is not None:

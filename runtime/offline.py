@@ -22,13 +22,13 @@ from runtime.common.model_config import ModelConfig
 from runtime.common.names import check_adapter_name
 from runtime.common.packed import PackedAdapter
 from runtime.engine_args import EngineArgs, context_length, planner_policy, runner_config
-from runtime.tp_ranks import RankProcesses
 from stages.loader.adapter_reader import read_adapter
 from stages.scheduler.planner import Planner, PlannerConfig, PlannerStats
 from stages.worker.executor import StepExecutor
 from stages.worker.lora.pool import row_bytes, runs_of
 from stages.worker.runner import ModelRunner
 from stages.worker.tp.group import rank_device
+from stages.worker.tp.ranks import RankProcesses
 from stages.worker.tp.shard import check_divisible
 
 
@@ -125,6 +125,7 @@ class LLM:
             seed=seed,
             overlap_schedule=overlap_schedule,
             warmup=warmup,
+            tensor_parallel_size=tensor_parallel_size,
         )
         mcfg = ModelConfig.from_dir(model)
         # config.json read once; the runner refuses a max_model_len past the model's positions
@@ -137,7 +138,7 @@ class LLM:
         else:
             check_divisible(mcfg, tensor_parallel_size)
             rc = dataclasses.replace(rc, device=rank_device(rc.device, 0))
-            self.ranks = RankProcesses(rc, tensor_parallel_size)
+            self.ranks = RankProcesses(rc, tensor_parallel_size, module="runtime.tp_ranks")
             try:
                 self.runner = self.ranks.watch(lambda: ModelRunner(rc, mcfg, tp=self.ranks.group))
             except BaseException:

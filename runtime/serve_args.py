@@ -97,6 +97,14 @@ def _model_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         "--device", choices=("cpu", "cuda"), default=None, help="where to run (default: cuda if available)"
     )
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="serving dtype (auto: the checkpoint's)")
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        default=d.tensor_parallel_size,
+        help="shard the model and every adapter over N GPUs (cuda:0..N-1; N processes on cpu), one "
+        "worker process each",
+    )
     g.add_argument("--seed", type=int, metavar="N", default=d.seed, help="seed of requests that set none")
 
 

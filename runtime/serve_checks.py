@@ -82,6 +82,7 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
         ("--max-model-len", args.max_model_len),
         ("--startup-timeout", args.startup_timeout_s),
         ("--max-plans-in-flight", args.max_plans_in_flight),
+        ("--tensor-parallel-size", args.tensor_parallel_size),
     ]:
         if value is not None and value <= 0:
             raise ServeArgsError(f"{flag} must be positive, got {value}")
@@ -101,11 +102,33 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
     http_args.check(args.port, args.served_model_name, ServeArgsError)
     if not -1 <= args.metrics_port <= 65535:
         raise ServeArgsError(f"--metrics-port {args.metrics_port}: not a port (0: any free port, -1: none)")
+    _check_tensor_parallel(args, model_cfg)
     if args.max_model_len is not None and args.max_model_len > model_cfg.max_position_embeddings:
         raise ServeArgsError(
             f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings "
             f"{model_cfg.max_position_embeddings}"
         )
+
+
+def _check_tensor_parallel(args: ServeArgs, model_cfg: ModelConfig) -> None:
+    """N must divide the heads, KV heads and MLP width; on CUDA, N GPUs must be there."""
+    n = args.tensor_parallel_size
+    if n <= 1:
+        return
+    from runtime.common.model_config import ModelConfigError
+    from stages.worker.tp.shard import check_divisible
+
+    try:
+        check_divisible(model_cfg, n)
+    except ModelConfigError as exc:
+        raise ServeArgsError(f"--tensor-parallel-size {n}: {exc}") from None
+    if args.resolved_device() == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < n:
+            raise ServeArgsError(
+                f"--tensor-parallel-size {n}: only {torch.cuda.device_count()} CUDA devices are visible"
+            )
 
 
 def _check_device(args: ServeArgs) -> None:

@@ -83,6 +83,7 @@ def stage_configs(
             seed=args.seed,
             overlap_loading=args.overlap_loading,
             overlap_schedule=args.overlap_schedule,
+            tensor_parallel_size=args.tensor_parallel_size,
             profile_dir=args.profile_dir,
             profile_steps=args.profile_steps,
             **pool,

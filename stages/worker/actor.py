@@ -37,6 +37,7 @@ from stages.worker.runner import ModelRunner
 from stages.worker.slot_loads import LoadHandle
 from stages.worker.step_loop import StepLoop, StepOutcome
 from stages.worker.step_profiler import StepProfiler
+from stages.worker.tp.rank_zero import RankZero
 
 
 class WorkerActor(Actor[WorkerConfig]):
@@ -55,6 +56,7 @@ class WorkerActor(Actor[WorkerConfig]):
         self.host_pool: Any = None  # the shared host pool (multiprocessing SharedMemory), mapped once
         self.cuda = False
         self.load_stream: torch.cuda.Stream | None = None
+        self.rank_zero: RankZero | None = None
         self.to_scheduler = self.mailbox("to_scheduler")
         self.to_tokenizer = self.mailbox("to_tokenizer")
         self._init_metrics()
@@ -116,7 +118,11 @@ class WorkerActor(Actor[WorkerConfig]):
 
     async def setup(self) -> None:
         cfg, ep = self.config, self.config.endpoints
-        self.runner = await asyncio.get_running_loop().run_in_executor(self.thread, ModelRunner, cfg.runner)
+        loop = asyncio.get_running_loop()
+        # tensor parallel: this process is rank 0 and starts the others from the step thread
+        self.rank_zero = RankZero(cfg) if cfg.tensor_parallel_size > 1 else None
+        start = self.rank_zero.start if self.rank_zero is not None else lambda: ModelRunner(cfg.runner)
+        self.runner = await loop.run_in_executor(self.thread, start)
         graphs, steps = self.runner.graphs, self.runner.step_graphs
         if graphs is not None:
             self.log.info(
@@ -146,6 +152,9 @@ class WorkerActor(Actor[WorkerConfig]):
             overlap_loading=cfg.overlap_loading,
             on_load_done=self._load_done,
         )
+        if self.rank_zero is not None:
+            self.executor = await loop.run_in_executor(self.thread, self.rank_zero.wrap, self.executor)
+            self.add_loop("ranks", self.rank_zero.watch)
         plans = self.mailbox("plans", 4)
         self.add_receiver(
             "scheduler", self.socket(PullSocket(ep.scheduler_to_worker, SchedulerToWorker)), plans
@@ -241,6 +250,8 @@ class WorkerActor(Actor[WorkerConfig]):
 
     async def drain(self) -> None:
         await super().drain()
+        if self.rank_zero is not None:
+            await asyncio.get_running_loop().run_in_executor(self.thread, self.rank_zero.close)
         if self.cuda:
             torch.cuda.synchronize(self.runner.device)
             unregister_pinned(self.host_pool)

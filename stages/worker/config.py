@@ -16,5 +16,6 @@ class WorkerConfig(StageConfig, frozen=True, kw_only=True):
     seed: int = 0
     overlap_loading: bool = True  # a slot copy stalls only the steps that use the slot
     overlap_schedule: bool = True  # launch the next queued plan before reading a step's tokens
+    tensor_parallel_size: int = 1  # ranks 1..N-1 are processes this stage starts (stages/worker/tp/)
     profile_dir: str | None = None  # where the step profiler writes its trace (--profile-dir)
     profile_steps: tuple[int, int] | None = None  # (plans launched before the window, steps in it)

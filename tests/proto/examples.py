@@ -71,7 +71,7 @@ from proto.plan import (
     WorkerStarted,
 )
 from proto.sampling import SamplingParams
-from proto.tensor_parallel import AddAdapter, BeginRun, EndRun, FinishStep, LaunchStep, StopRanks
+from proto.tensor_parallel import AddAdapter, BeginRun, EndRun, FinishStep, LaunchStep, StopRanks, SyncCopies
 
 LONG_IDS = TokenIds.of(range(5000))  # 20 kB: travels as an extra frame
 SHORT_IDS = TokenIds.of([1, 2, 3])  # inline
@@ -173,6 +173,7 @@ EXAMPLES: list[Message] = [
     SlotsReady(slots_ready=[1]),
     LaunchStep(plan=BatchPlan(step=12, new_requests=[NewRequestData(request_id="g5", prompt_ids=LONG_IDS)])),
     FinishStep(),
+    SyncCopies(),
     AddAdapter(name="a", path="/adapters/a"),
     BeginRun(max_model_len=512, seed=3, overlap_loading=False),
     EndRun(),

@@ -15,10 +15,10 @@ from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig, ModelConfigError
 from runtime.offline import LLM
 from runtime.synthetic.model import TINY_VOCAB, make_model
-from runtime.tp_ranks import RankFailed
 from stages.loader.adapter_reader import read_adapter
 from stages.worker.lora.pool import row_bytes
 from stages.worker.tp.lora_shard import AdapterSharder
+from stages.worker.tp.ranks import RankFailed
 from stages.worker.tp.shard import shard_config
 from tests.conftest import mixed_adapters
 from tests.peft_reference import PeftReference

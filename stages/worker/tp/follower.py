@@ -1,18 +1,26 @@
-"""A tensor-parallel rank other than 0 (its process: `runtime/tp_ranks.py`). It builds its shard of the
-model, then does what rank 0 broadcasts, in rank 0's order (`proto/tensor_parallel.py`):
-its forward's collectives meet rank 0's, its sampling matches rank 0's (the same logits, the same seeded
-generators), and only rank 0 reports anything. It exits on `StopRanks`, when rank 0 leaves the group
-(a collective fails), or when its parent dies."""
+"""A tensor-parallel rank other than 0 (its process: `runtime/tp_ranks.py` for the offline engine,
+`tp/serve_rank.py` for the server's worker). It builds its shard of the model, then does what rank 0
+broadcasts, in rank 0's order (`proto/tensor_parallel.py`): its forward's collectives meet rank 0's,
+its sampling matches rank 0's (the same logits, the same seeded generators), and only rank 0 reports
+anything. It exits on `StopRanks`, when rank 0 leaves the group (a collective fails), or when rank 0's
+process dies (the kernel's parent-death signal, SIGKILL)."""
 
 from __future__ import annotations
 
 import collections
+import logging
+import os
+import signal
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import torch
+import torch.distributed as dist
 
 from proto.codec import Codec
+from proto.plan import SlotLoad
 from proto.tensor_parallel import (
     AddAdapter,
     BeginRun,
@@ -21,31 +29,47 @@ from proto.tensor_parallel import (
     LaunchStep,
     RankZeroToRanks,
     StopRanks,
+    SyncCopies,
 )
+from runtime.base.parent_death import arm
 from runtime.common.packed import PackedAdapter
 from stages.worker.executor import StepExecutor
 from stages.worker.lora.pool import runs_of
 from stages.worker.runner import ModelRunner, RunnerConfig
 from stages.worker.tp.group import TPGroup, TPSpec
 
+log = logging.getLogger("lorapipe.tp")
 ONE_FRAME = 1 << 62  # every buffer inline: a broadcast carries one frame
+
+Read = Callable[[ModelRunner, AddAdapter], PackedAdapter]  # an adapter rank 0 added, from its files
+FromHost = Callable[[ModelRunner, SlotLoad], PackedAdapter]  # a slot load's block in the host cache
 
 
 class FollowerConfig(msgspec.Struct, frozen=True, kw_only=True):
     runner: RunnerConfig  # this rank's (its device)
     spec: TPSpec
     parent_pid: int  # the process that started this rank (rank 0); its death ends this one
+    host_pool_name: str | None = None  # the server's shared host cache (None: the offline engine)
 
 
 def rank_codec() -> Codec:
     return Codec(RankZeroToRanks, inline_max=ONE_FRAME)
 
 
+def sync_copies(group: TPGroup) -> None:
+    """Every rank's adapter copies issued so far are done once this returns on every rank (each waits for
+    its device, then all meet in a barrier)."""
+    if group.device.type == "cuda":
+        torch.cuda.synchronize(group.device)
+    dist.barrier(group=group.control)
+
+
 class Follower:
-    def __init__(self, cfg: FollowerConfig, read: Callable[[ModelRunner, AddAdapter], PackedAdapter]):
-        """`read`: how this rank reads, checks and packs an adapter rank 0 added (in `host_layout`)."""
+    def __init__(self, cfg: FollowerConfig, read: Read | None = None, from_host: FromHost | None = None):
+        """`read` (offline engine) or `from_host` (server): where a slot load's packed adapter (in
+        `host_layout`) comes from."""
         self.cfg = cfg
-        self.read = read
+        self.read, self.from_host = read, from_host
         self.group = TPGroup(cfg.spec, torch.device(cfg.runner.device))
         self.runner = ModelRunner(cfg.runner, tp=self.group)
         self.codec = rank_codec()
@@ -65,6 +89,8 @@ class Follower:
             self.launched.append(self.executor.launch(msg.plan))
         elif isinstance(msg, FinishStep):
             self.executor.finish(self.launched.popleft())
+        elif isinstance(msg, SyncCopies):
+            sync_copies(self.group)
         elif isinstance(msg, AddAdapter):
             self.adapters[msg.name] = self.read(self.runner, msg)
         elif isinstance(msg, BeginRun):
@@ -79,10 +105,35 @@ class Follower:
         elif isinstance(msg, EndRun):
             self.executor, self.launched = None, collections.deque()
 
-    def _load_slot(self, load) -> None:
-        self.runner.load_adapter(
-            load.slot, self.adapters[load.adapter], runs_of(load.row_starts, load.row_counts)
-        )
+    def _load_slot(self, load: SlotLoad) -> None:
+        """The copy goes on the compute stream, ahead of the step's forward (and of its collectives,
+        which rank 0's step then waits for)."""
+        if self.from_host is not None:
+            packed = self.from_host(self.runner, load)
+        else:
+            packed = self.adapters[load.adapter]
+        self.runner.load_adapter(load.slot, packed, runs_of(load.row_starts, load.row_counts))
 
     def close(self) -> None:
         self.group.close()
+
+
+def run_rank(argv: list[str], read: Read | None = None, from_host: FromHost | None = None) -> int:
+    """A rank process's main: `argv[1]` is its FollowerConfig (JSON)."""
+    cfg = msgspec.json.decode(Path(argv[1]).read_bytes(), type=FollowerConfig)
+    fmt = f"%(asctime)s tp-rank{cfg.spec.rank} %(levelname)s %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt)
+    # This rank dies with rank 0's process, even blocked in a collective (the thread that started it
+    # must outlive it, as PR_SET_PDEATHSIG follows the spawning thread).
+    if not arm(signal.SIGKILL, cfg.parent_pid):
+        log.error("rank 0 (pid %d) exited before rank %d started", cfg.parent_pid, cfg.spec.rank)
+        return 1
+    follower = Follower(cfg, read, from_host)
+    follower.run()  # an error propagates: the rank exits non-zero and rank 0 reports it
+    follower.close()
+    # Stopped by rank 0: leave now, without the interpreter's teardown, whose CUDA and NCCL destructors
+    # can wait on ranks that have already gone.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
