@@ -5,6 +5,9 @@ rank 0 does and copies each slot load's shard from the block the loader packed."
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+import msgspec
 
 from proto.plan import SlotLoad
 from runtime.common.host_pool import attach_pool, packed_from_pool, register_pinned
@@ -29,10 +32,6 @@ class HostCache:
 
 
 def main(argv: list[str]) -> int:
-    from pathlib import Path
-
-    import msgspec
-
     cfg = msgspec.json.decode(Path(argv[1]).read_bytes(), type=FollowerConfig)
     if cfg.host_pool_name is None:
         raise SystemExit("a server rank needs the host cache's name (host_pool_name)")
