@@ -1,7 +1,7 @@
 #!/bin/bash
 # Prepared for the next session with a multi-GPU machine (nvidia-h100-x2), not yet run: the 8B model
 # first (about 2 min), then the tensor-parallel tests on two GPUs with room to compile, then TP=1 and TP=2
-# A-B-B-A on the same machine, then the server at TP=2 (health and one request).
+# A-B-B-A on the same machine, and the greedy tokens of the two sizes compared.
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi -L
 t=$(date +%s); python3 tools/make_tiny_model.py /tmp/m8b --arch llama --preset 8b > /dev/null
