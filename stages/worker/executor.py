@@ -52,6 +52,9 @@ class StepExecutor:
         self._load_adapter = load_adapter
         self.requests: dict[str, WorkerRequest] = {}
         self.retried_steps = 0  # steps whose forward failed and ran again adapter by adapter
+        # a tensor-parallel rank never runs a forward again on its own: the others would not join its
+        # collectives (stages/worker/tp/), so a failed forward fails the step
+        self.retry_apart = runner.tp is None
         self.dropped_rows = 0  # rows computed for requests that a step launched before had ended
         self._launches = itertools.count(1)
         self._last_launch = 0
@@ -178,8 +181,10 @@ class StepExecutor:
         try:
             return self.runner.execute_grouped(seqs, layer_waits, pending)
         except Exception as exc:
-            if len({req.slot for req, _ in step.scheduled}) < 2 and len(step.scheduled) < 2:
-                raise  # nothing to tell apart: the caller fails this step's requests
+            if not self.retry_apart or (
+                len({req.slot for req, _ in step.scheduled}) < 2 and len(step.scheduled) < 2
+            ):
+                raise  # nothing to tell apart (or no rank may): the caller fails this step's requests
             return self._execute_apart(step, seqs, layer_waits, pending, exc), None
 
     def _execute_apart(

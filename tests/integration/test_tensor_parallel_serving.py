@@ -22,6 +22,7 @@ from runtime.serve_args import ServeArgsError
 from runtime.serve_checks import parse_serve_args
 from runtime.stage_configs import stage_configs
 from stages.worker.lora.pool import row_bytes
+from stages.worker.tp.rank_zero import RankZero
 from stages.worker.tp.shard import shard_config
 from tests.integration.hostile import descendants, live_descendants, wait_until
 from tests.integration.serving import serve
@@ -107,3 +108,6 @@ def test_the_worker_config_carries_the_size(tiny_llama, tmp_path):
     cfg = ModelConfig.from_dir(tiny_llama)
     worker = stage_configs(args, cfg, Endpoints.in_run_dir(tmp_path), "pool", 1 << 20)["worker"]
     assert worker.tensor_parallel_size == 2
+    # no rank copies layer by layer, so that every rank's steps take the same path (and collectives)
+    assert worker.runner.layered_min_bytes is not None
+    assert RankZero(worker).runner_config().layered_min_bytes is None

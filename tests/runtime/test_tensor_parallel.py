@@ -193,3 +193,26 @@ def test_a_failure_on_rank_0_mid_run_stops_every_rank(tiny_llama, llama_adapters
     with pytest.raises(RuntimeError, match="engine is closed"):
         llm.generate(PROMPTS[:1], sampling=SAMPLING)
     llm.close()
+
+
+def test_a_failed_forward_is_not_retried_apart_on_one_rank(tiny_llama, llama_adapters, monkeypatch):
+    """One rank alone must not run the batch again adapter by adapter (as one GPU does): the other
+    ranks would not join its collectives. The step fails, and the engine stops its ranks."""
+    from stages.worker.runner import ModelRunner
+
+    llm = LLM(tiny_llama, adapters=llama_adapters, dtype="float32", max_lora_rank=16, tensor_parallel_size=2)
+    (proc,) = llm.ranks.procs
+    assert llm.runner.tp is not None
+    execute = ModelRunner.execute_grouped
+
+    def failing(self, seqs, *args):  # rank 0's first forward of several adapters fails
+        if len({s.slot for s in seqs}) > 1 and not getattr(failing, "done", False):
+            failing.done = True
+            raise RuntimeError("injected forward failure on rank 0")
+        return execute(self, seqs, *args)
+
+    monkeypatch.setattr(ModelRunner, "execute_grouped", failing)
+    with pytest.raises(RuntimeError, match="injected forward failure"):
+        llm.generate(PROMPTS[:3], adapters=["full8", None, "qv5"], sampling=SAMPLING)
+    assert proc.poll() is not None, "rank 1 outlived rank 0's failure"
+    llm.close()

@@ -14,7 +14,7 @@ from proto.plan import BatchPlan, StepResult
 from proto.tensor_parallel import BeginRun, FinishStep, LaunchStep
 from stages.worker.config import WorkerConfig
 from stages.worker.executor import StepExecutor
-from stages.worker.runner import ModelRunner
+from stages.worker.runner import ModelRunner, RunnerConfig
 from stages.worker.tp.group import rank_device
 from stages.worker.tp.ranks import RankFailed, RankProcesses
 
@@ -26,10 +26,18 @@ class RankZero:
         self.config = config
         self.ranks: RankProcesses | None = None
 
+    def runner_config(self) -> RunnerConfig:
+        """Rank 0's runner config; the other ranks get it with their own device. No adapter is copied
+        layer by layer: a step waiting on per-layer copies takes another path than a step without
+        (eager, or a gated graph of another padded size), and every rank must take the same path, or
+        their collectives would not match; only rank 0 would have such copies in flight."""
+        cfg = self.config.runner
+        return dataclasses.replace(cfg, device=rank_device(cfg.device, 0), layered_min_bytes=None)
+
     def start(self) -> ModelRunner:
         """On the step thread (which must live as long as the stage: the ranks die with it)."""
         cfg = self.config
-        rc = dataclasses.replace(cfg.runner, device=rank_device(cfg.runner.device, 0))
+        rc = self.runner_config()
         self.ranks = RankProcesses(
             rc, cfg.tensor_parallel_size, "stages.worker.tp.serve_rank", host_pool_name=cfg.host_pool_name
         )
