@@ -197,7 +197,6 @@ class LLM:
 
     def _to_ranks(self, msg) -> None:
         if self.ranks is not None:
-            self.ranks.check()
             self.ranks.send(msg)
 
     def generate(

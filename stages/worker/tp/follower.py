@@ -32,6 +32,7 @@ from proto.tensor_parallel import (
     SyncCopies,
 )
 from runtime.base.parent_death import arm
+from runtime.common.host_pool import attach_pool, packed_from_pool, register_pinned
 from runtime.common.packed import PackedAdapter
 from stages.worker.executor import StepExecutor
 from stages.worker.lora.pool import runs_of
@@ -42,7 +43,6 @@ log = logging.getLogger("lorapipe.tp")
 ONE_FRAME = 1 << 62  # every buffer inline: a broadcast carries one frame
 
 Read = Callable[[ModelRunner, AddAdapter], PackedAdapter]  # an adapter rank 0 added, from its files
-FromHost = Callable[[ModelRunner, SlotLoad], PackedAdapter]  # a slot load's block in the host cache
 
 
 class FollowerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,12 +64,28 @@ def sync_copies(group: TPGroup) -> None:
     dist.barrier(group=group.control)
 
 
+class HostBlocks:
+    """The server's shared host cache, mapped (and pinned on CUDA) at the first load, as the worker
+    maps it: a slot load's packed adapter is the block the loader wrote."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.pool = None
+
+    def __call__(self, runner: ModelRunner, load: SlotLoad) -> PackedAdapter:
+        if self.pool is None:
+            self.pool = attach_pool(self.name)
+            if runner.device.type == "cuda":
+                register_pinned(self.pool)
+        return packed_from_pool(self.pool, load, runner.host_layout, runner.dtype)
+
+
 class Follower:
-    def __init__(self, cfg: FollowerConfig, read: Read | None = None, from_host: FromHost | None = None):
-        """`read` (offline engine) or `from_host` (server): where a slot load's packed adapter (in
-        `host_layout`) comes from."""
-        self.cfg = cfg
-        self.read, self.from_host = read, from_host
+    def __init__(self, cfg: FollowerConfig, read: Read | None = None):
+        """A slot load's packed adapter (in `host_layout`) comes from the server's host cache
+        (`cfg.host_pool_name`), or from what `read` made of an adapter rank 0 added (offline engine)."""
+        self.read = read
+        self.host = HostBlocks(cfg.host_pool_name) if cfg.host_pool_name is not None else None
         self.group = TPGroup(cfg.spec, torch.device(cfg.runner.device))
         self.runner = ModelRunner(cfg.runner, tp=self.group)
         self.codec = rank_codec()
@@ -108,17 +124,14 @@ class Follower:
     def _load_slot(self, load: SlotLoad) -> None:
         """The copy goes on the compute stream, ahead of the step's forward (and of its collectives,
         which rank 0's step then waits for)."""
-        if self.from_host is not None:
-            packed = self.from_host(self.runner, load)
-        else:
-            packed = self.adapters[load.adapter]
+        packed = self.host(self.runner, load) if self.host is not None else self.adapters[load.adapter]
         self.runner.load_adapter(load.slot, packed, runs_of(load.row_starts, load.row_counts))
 
     def close(self) -> None:
         self.group.close()
 
 
-def run_rank(argv: list[str], read: Read | None = None, from_host: FromHost | None = None) -> int:
+def run_rank(argv: list[str], read: Read | None = None) -> int:
     """A rank process's main: `argv[1]` is its FollowerConfig (JSON)."""
     cfg = msgspec.json.decode(Path(argv[1]).read_bytes(), type=FollowerConfig)
     fmt = f"%(asctime)s tp-rank{cfg.spec.rank} %(levelname)s %(message)s"
@@ -128,7 +141,7 @@ def run_rank(argv: list[str], read: Read | None = None, from_host: FromHost | No
     if not arm(signal.SIGKILL, cfg.parent_pid):
         log.error("rank 0 (pid %d) exited before rank %d started", cfg.parent_pid, cfg.spec.rank)
         return 1
-    follower = Follower(cfg, read, from_host)
+    follower = Follower(cfg, read)
     follower.run()  # an error propagates: the rank exits non-zero and rank 0 reports it
     follower.close()
     # Stopped by rank 0: leave now, without the interpreter's teardown, whose CUDA and NCCL destructors

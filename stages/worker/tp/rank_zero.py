@@ -75,7 +75,6 @@ class RankZeroExecutor:
         return getattr(self.executor, name)
 
     def launch(self, plan: BatchPlan):
-        self.ranks.check()
         self.ranks.send(LaunchStep(plan=plan))
         return self.executor.launch(plan)
 

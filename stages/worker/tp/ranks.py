@@ -107,13 +107,14 @@ class RankProcesses:
                 raise RankFailed(f"tensor-parallel rank {rank} exited ({code}); its log is above")
 
     def send(self, msg) -> None:
-        """Hand every other rank `msg` (they act on it in the order sent)."""
+        """Hand every other rank `msg` (they act on it in the order sent); `RankFailed` if one has
+        exited, rather than waiting on it in the broadcast."""
+        self.check()
         (frame,) = self.codec.encode(msg)
         self.group.broadcast_bytes(bytes(frame))
 
     def sync_copies(self) -> None:
         """Return once every rank's adapter copies issued so far are done (rank 0's included)."""
-        self.check()
         self.send(SyncCopies())
         sync_copies(self.group)
 
@@ -123,8 +124,7 @@ class RankProcesses:
         try:
             if all(p.poll() is None for p in self.procs):
                 self.send(StopRanks())
-            if not _within(self.group.close, STOP_TIMEOUT_S):
-                log.warning("leaving the tensor-parallel group took over %g s; going on", STOP_TIMEOUT_S)
+            self._leave()
             deadline = time.monotonic() + STOP_TIMEOUT_S
             for p in self.procs:
                 p.wait(max(0.0, deadline - time.monotonic()))
@@ -138,9 +138,13 @@ class RankProcesses:
         """After a failure on rank 0: kill the other ranks (they may wait in a collective rank 0 will
         never join) and leave the group."""
         self.kill()
+        self._leave()
+        self._dir.cleanup()
+
+    def _leave(self) -> None:
+        """Leave the group, giving up after STOP_TIMEOUT_S (the teardown is left on its thread)."""
         if not _within(self.group.close, STOP_TIMEOUT_S):
             log.warning("leaving the tensor-parallel group took over %g s; going on", STOP_TIMEOUT_S)
-        self._dir.cleanup()
 
     def kill(self) -> None:
         for p in self.procs:
