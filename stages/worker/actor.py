@@ -225,11 +225,7 @@ class WorkerActor(Actor[WorkerConfig]):
                 begin = torch.cuda.Event(enable_timing=True)
                 begin.record(self.load_stream)
                 layers = self.runner.load_adapter(
-                    load.slot,
-                    packed,
-                    runs,
-                    stream=self.load_stream,
-                    layer_events=load.layered and self.rank_zero is None,
+                    load.slot, packed, runs, stream=self.load_stream, layer_events=load.layered
                 )
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(self.load_stream)

@@ -289,9 +289,12 @@ class ModelRunner:
         layer_events: bool = False,
     ) -> list[torch.cuda.Event] | None:
         """Copy `adapter` (packed in `host_layout`, as the loader packs it) into the pool; a
-        tensor-parallel rank copies its own shard of it."""
+        tensor-parallel rank copies its own shard of it. `layer_events` is honoured only where the config
+        allows layered copies (`layered_min_bytes`): a tensor-parallel rank 0 turns them off, since a
+        step waiting on per-layer copies would take another path than its other ranks."""
         if self.shard_adapter is not None:
             adapter = self.shard_adapter(adapter)
+        layer_events = layer_events and self.cfg.layered_min_bytes is not None
         return self.pool.load(lora_id, adapter, runs, stream, layer_events)
 
     @torch.inference_mode()

@@ -113,6 +113,7 @@ def _runner(model, graphs: bool) -> ModelRunner:
         max_lora_rank=16,
         lora_backend="triton",
         num_pages=64,
+        layered_min_bytes=1,  # as a server with overlapped loading: any adapter may be copied by layer
         **kw,
     )
     return ModelRunner(cfg)
