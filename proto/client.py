@@ -19,6 +19,8 @@ ErrorKind = Literal[
     "aborted",  # the request was aborted server-side
     "protocol_mismatch",  # client and server speak different PROTOCOL_VERSIONs
     "forbidden",  # the server's configuration refuses the operation (runtime loading off, path outside root)
+    "adapter_timeout",  # the request's adapter made no progress for --adapter-wait-timeout (names the tier)
+    "stage_failed",  # a stage's handler failed on a message this request depended on (names the stage)
 ]
 FinishReason = Literal["stop", "length", "abort"]
 Tier = Literal["gpu", "host", "disk", "loading"]

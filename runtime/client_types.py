@@ -56,6 +56,15 @@ class Unauthorized(LorapipeError):
     """The server refused the connection's credentials: API key missing, wrong, or not expected."""
 
 
+class AdapterTimeout(LorapipeError, TimeoutError):
+    """The request's adapter made no progress towards the GPU within the server's adapter-wait timeout;
+    the message names the adapter and the tier it waited on."""
+
+
+class StageFailed(ServerError):
+    """A server stage failed on a message this request depended on; the message names the stage."""
+
+
 _ERRORS: dict[str, type[LorapipeError]] = {
     "invalid_request": InvalidRequest,
     "unknown_adapter": UnknownAdapter,
@@ -64,6 +73,8 @@ _ERRORS: dict[str, type[LorapipeError]] = {
     "aborted": Aborted,
     "protocol_mismatch": ProtocolMismatchError,
     "forbidden": Forbidden,
+    "adapter_timeout": AdapterTimeout,
+    "stage_failed": StageFailed,
 }
 
 

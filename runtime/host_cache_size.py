@@ -28,6 +28,16 @@ def host_cache_bytes(args: ServeArgs, model_cfg: ModelConfig) -> int:
     return int(gib * 2**30) // ALIGN * ALIGN
 
 
+def max_block_bytes(model_cfg: ModelConfig, max_rank: int, dtype: str) -> int:
+    """The aligned bytes of one adapter block of rank `max_rank`: the most one host range must hold."""
+    from runtime.common.host_pool import pool_bytes_for
+    from runtime.common.lora_layout import LoraLayout
+    from runtime.common.model_config import parse_dtype
+
+    layout = LoraLayout.for_model(model_cfg, max_rank)
+    return pool_bytes_for(layout, max_rank, parse_dtype(dtype, model_cfg.dtype), 1)
+
+
 def default_loader_threads() -> int:
     """Half the cores, 2 to 8: one adapter's reads and copies spread over them."""
     return min(8, max(2, (os.cpu_count() or 2) // 2))

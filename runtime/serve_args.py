@@ -42,6 +42,8 @@ class ServeArgs(EngineArgs):
     log_file: str | None = None  # stage output goes here instead of the launcher's stderr
     startup_timeout_s: float = 600.0  # the worker loads weights before it is Ready
     drain_timeout_s: float = 30.0  # SIGTERM: how long open requests may take to finish
+    # a waiting request fails once its adapter has made no progress (no tier change) for this long
+    adapter_wait_timeout_s: float = 120.0
     compile_cache_dir: str | None = None  # None: $TRITON_CACHE_DIR, else the XDG cache dir
     profile_dir: str | None = None  # the worker's step profiler writes its trace here
     profile_steps: tuple[int, int] | None = None  # (steps before the window, steps in it)
@@ -296,6 +298,14 @@ def _process_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         help="on SIGTERM, seconds open requests have to finish",
     )
     g.add_argument(
+        "--adapter-wait-timeout",
+        type=float,
+        metavar="S",
+        default=d.adapter_wait_timeout_s,
+        help="a request fails once its adapter has made no progress towards the GPU for S seconds "
+        "(the error names the tier it waited on)",
+    )
+    g.add_argument(
         "--profile-dir",
         metavar="DIR",
         default=None,
@@ -349,6 +359,7 @@ _RENAMED = {  # argparse dest → ServeArgs field
     "pin_adapter": "pinned_adapters",
     "startup_timeout": "startup_timeout_s",
     "drain_timeout": "drain_timeout_s",
+    "adapter_wait_timeout": "adapter_wait_timeout_s",
 }
 
 

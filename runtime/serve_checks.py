@@ -81,6 +81,7 @@ def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:
         ("--num-pages", args.num_pages),
         ("--max-model-len", args.max_model_len),
         ("--startup-timeout", args.startup_timeout_s),
+        ("--adapter-wait-timeout", args.adapter_wait_timeout_s),
         ("--max-plans-in-flight", args.max_plans_in_flight),
         ("--tensor-parallel-size", args.tensor_parallel_size),
     ]:

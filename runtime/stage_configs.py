@@ -19,7 +19,7 @@ from runtime.engine_args import (
     runner_config,
     serving_dtype,
 )
-from runtime.host_cache_size import loader_threads, loader_writers
+from runtime.host_cache_size import loader_threads, loader_writers, max_block_bytes
 from runtime.serve_args import ServeArgs
 from runtime.serve_security import real_path, resolved_api_key, trusted_adapter_paths
 
@@ -71,6 +71,8 @@ def stage_configs(
         "scheduler": SchedulerConfig(
             max_cpu_loras=args.max_cpu_loras,
             host_cache_bytes=pool_bytes,
+            max_block_bytes=max_block_bytes(model_cfg, args.max_lora_rank, dtype),
+            adapter_wait_timeout_s=args.adapter_wait_timeout_s,
             max_model_len=context,
             policy=planner_policy(args),
             adapters=args.adapter_paths,
@@ -93,7 +95,6 @@ def stage_configs(
             model_dir=args.model,
             dtype=dtype,
             max_lora_rank=args.max_lora_rank,
-            max_cpu_loras=args.max_cpu_loras,
             adapter_root=real_path(args.adapter_root),
             trusted_paths=trusted_adapter_paths(args),
             load_threads=loader_threads(args),

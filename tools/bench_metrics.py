@@ -38,7 +38,7 @@ GAUGES: dict[str, tuple[str, dict[str, str]]] = {
     **{f"waiting_{tier}": ("lorapipe_waiting_requests_by_tier", {"tier": tier}) for tier in WAITING_TIERS},
     **{f"holds_{st}": ("lorapipe_host_holds", {"state": st}) for st in HOLD_STATES},
     "pool_adapters": ("lorapipe_lora_pool_adapters", {}),
-    "loader_loading": ("lorapipe_host_cache_adapters", {"state": "loading"}),
+    "loader_writing": ("lorapipe_host_cache_adapters", {"state": "writing"}),
     "load_seconds_sum": ("lorapipe_adapter_load_seconds_sum", {}),
     "load_seconds_count": ("lorapipe_adapter_load_seconds_count", {}),
     "step_seconds_sum": ("lorapipe_step_seconds_sum", {}),

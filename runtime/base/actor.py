@@ -35,6 +35,7 @@ from proto.control import (
     StageToLauncher,
 )
 from runtime.base import parent_death
+from runtime.base.faults import FaultInjection
 from runtime.base.gc_pauses import GcPauses
 from runtime.base.metrics import StageMetrics
 from runtime.base.sockets import DealerSocket, _Base
@@ -63,12 +64,10 @@ class StageFatal(Exception):
     """Raised by a handler when the stage cannot go on: the actor reports FatalError and exits 1."""
 
 
-class _Stop(Exception):
-    pass
+class _Stop(Exception): ...
 
 
-class _ParentDied(Exception):
-    pass
+class _ParentDied(Exception): ...
 
 
 class Mailbox(asyncio.Queue[T]):
@@ -97,8 +96,7 @@ class Actor(Generic[C]):
         self.log = logging.getLogger(f"lorapipe.{self.stage}")
         self.metrics = StageMetrics(self.stage)
         self.draining = False
-        # a stage process (stage_main) freezes what setup made out of the collector's scans; in-process
-        # actors (tests, tools) leave their interpreter's collector alone
+        # stage_main freezes what setup made out of the collector's scans; in-process actors do not
         self.freeze_gc_after_setup = False
         self.parent_pid = os.getppid()  # stage_main sets the launcher's (the pid it was spawned by)
         self._parent_signal = asyncio.Event()  # PARENT_DEATH_SIGNAL arrived
@@ -112,6 +110,8 @@ class Actor(Generic[C]):
         self.drain_timeout = config.drain_timeout_s  # Shutdown(deadline_s) may shorten it
         self.shutdown_reason = ""  # Shutdown(reason): why the pipeline is going down, if a stage failed
         self._merged_queries: dict[int, asyncio.Future[str]] = {}
+        self.handler_failures = 0  # messages a handler raised on
+        self._faults = FaultInjection.from_env(self.stage)
 
     # --- building blocks for subclasses -------------------------------------------------------------
     async def setup(self) -> None:
@@ -150,26 +150,38 @@ class Actor(Generic[C]):
         self._loops.append((f"recv:{name}", loop))
 
     def add_handler(self, name: str, inbox: Mailbox[Any], handle: Callable[[Any], Awaitable[None]]) -> None:
-        """inbox → handle(item). An exception is logged and counted; StageFatal stops the stage."""
+        """inbox → dispatch(handle, item), timed."""
         hist = self.metrics.service_seconds.labels(queue=inbox.name)
-        errors = self.metrics.handler_errors.labels(queue=inbox.name)
 
         async def loop() -> None:
             while True:
                 item = await inbox.get()
                 t0 = time.perf_counter()
                 try:
-                    await handle(item)
-                except (StageFatal, asyncio.CancelledError):
-                    raise
-                except Exception:
-                    errors.inc()
-                    self.log.exception("handler %s failed on %s", name, type(_msg_of(item)).__name__)
+                    await self.dispatch(name, handle, item)
                 finally:
                     hist.observe(time.perf_counter() - t0)
                     inbox.task_done()
 
         self._loops.append((f"handle:{name}", loop))
+
+    async def dispatch(self, name: str, handle: Callable[[Any], Awaitable[None]], item: Any) -> None:
+        """handle(item); an exception is logged, counted and answered by `on_handler_failed` (the stage
+        serves on, degraded); StageFatal and cancellation stop the stage."""
+        try:
+            self._faults.check(_msg_of(item))
+            await handle(item)
+        except (StageFatal, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            self.metrics.handler_errors.labels(queue=name).inc()
+            self.handler_failures += 1
+            kind = type(_msg_of(item)).__name__
+            self.log.exception("handler %s failed on %s", name, kind)
+            try:
+                await self.on_handler_failed(name, item, exc)
+            except Exception:  # answering the failure must not stop the handler either
+                self.log.exception("on_handler_failed failed on %s", kind)
 
     def add_sender(self, name: str, outbox: Mailbox[Any], send: Callable[[Any], Awaitable[None]]) -> None:
         """outbox → send(item) (e.g. `sock.send`, or a lambda unpacking (identity, msg) for a ROUTER)."""
@@ -188,6 +200,9 @@ class Actor(Generic[C]):
 
     def add_loop(self, name: str, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
         self._loops.append((name, fn))
+
+    async def on_handler_failed(self, queue: str, item: Any, exc: Exception) -> None:
+        """A handler raised on `item` (logged, counted): fail what depended on it, typed, at once."""
 
     async def on_malformed(self, socket: str, exc: ProtocolError) -> None:
         self.log.warning("dropped a malformed message on %s: %s", socket, exc)

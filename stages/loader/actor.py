@@ -1,8 +1,9 @@
 """The adapter-loader stage actor. Sockets: PULL from the scheduler (bound), PUSH to the scheduler, and a
 ROUTER to its part-writer processes (`writers.py`, with --loader-writers). Mailboxes: scheduler_requests
-(StageAdapter/ReleaseAdapter/DropAdapter) → loads (misses: up to `load_threads` at once, each planned from
-its header, then its parts read and packed straight into the reserved pool block by the writer processes,
-or by the thread pool without them) → to_scheduler (LoaderStarted, AdapterStaged/Failed, Evicted)."""
+(StageAdapter: write this adapter at this range of the host pool) → loads (up to `load_threads` at once,
+each planned from its header, then its parts read and packed straight into the range by the writer
+processes, or by the thread pool without them) → to_scheduler (LoaderStarted, AdapterStaged/Failed,
+LoaderHealth). The scheduler owns the host cache's table; the loader keeps only the writes in flight."""
 
 from __future__ import annotations
 
@@ -22,12 +23,9 @@ import torch
 from proto.loader import (
     AdapterFailed,
     AdapterStaged,
-    DropAdapter,
-    Evicted,
     LoaderHealth,
     LoaderStarted,
     LoaderToScheduler,
-    ReleaseAdapter,
     SchedulerToLoader,
     StageAdapter,
 )
@@ -43,7 +41,6 @@ from stages.loader.block_writer import SegmentBuffer, prepare, write_part, zero_
 from stages.loader.config import LoaderConfig
 from stages.loader.delta_bound import check_packed_deltas
 from stages.loader.files import FileRefused, inside_root
-from stages.loader.host_cache import HostCache, HostCacheFull
 from stages.loader.writers import PartWriters
 
 SPARE_READ_THREADS = 4  # threads beyond load_threads, taking over from reads stuck in a hung file system
@@ -53,13 +50,13 @@ LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
 
 @dataclass
 class _Load:
-    """One read of one adapter from disk; StageAdapters for the same name meanwhile join it."""
+    """One StageAdapter: read `path` and pack it into [offset, offset + capacity) of the pool."""
 
-    name: str
-    path: str
-    waiters: int = 1  # StageAdapters it answers (each answer pins the block once)
-    released: int = 0  # ReleaseAdapters that came before the answer (their pins are already given back)
-    dropped: bool = False  # DropAdapter came meanwhile: free the block once written, answer failed
+    msg: StageAdapter
+
+    @property
+    def name(self) -> str:
+        return self.msg.name
 
 
 class LoaderActor(Actor[LoaderConfig]):
@@ -67,11 +64,7 @@ class LoaderActor(Actor[LoaderConfig]):
 
     def __init__(self, config: LoaderConfig) -> None:
         super().__init__(config)
-        self.cache = HostCache(config.host_pool_bytes, config.max_cpu_loras)
-        self.staged: dict[str, AdapterStaged] = {}  # blocks fully written (what a cache hit answers)
-        self.loading: dict[str, _Load] = {}
-        self.doomed: set[str] = set()  # dropped while pinned: freed on the last ReleaseAdapter
-        self.restage: dict[str, list[str]] = {}  # StageAdapter paths waiting for a dropped name to go
+        self.loading: dict[int, _Load] = {}  # write_id -> its write, until answered
         self.read_threads = config.load_threads + SPARE_READ_THREADS
         self.executor = ThreadPoolExecutor(self.read_threads, thread_name_prefix="loader")
         self.stuck: dict[str, float] = {}  # adapter name#read -> when its overdue read started
@@ -92,30 +85,22 @@ class LoaderActor(Actor[LoaderConfig]):
         self._init_metrics()
 
     def _init_metrics(self) -> None:
-        m, cache = self.metrics, self.cache
+        m = self.metrics
         self.m_loads = m.counter("lorapipe_adapter_loads", "Adapter loads from disk by result", ["result"])
         self.m_load_bytes = m.counter("lorapipe_adapter_load_bytes", "Packed bytes written to the host cache")
         self.m_load_seconds = m.histogram(
             "lorapipe_adapter_load_seconds", "Disk to host cache: read, check, pack, write", (), LOAD_BUCKETS
         )
-        self.m_hits = m.counter("lorapipe_host_cache_hits", "StageAdapter answered from the host cache")
-        self.m_misses = m.counter("lorapipe_host_cache_misses", "StageAdapter that needed a load from disk")
-        self.m_evictions = m.counter("lorapipe_host_cache_evictions", "Blocks evicted (LRU) to make room")
-        resident = m.gauge("lorapipe_host_cache_adapters", "Adapters in the host cache", ["state"])
-        resident.labels(state="resident").set_function(lambda: len(cache.blocks))
-        resident.labels(state="pinned").set_function(lambda: sum(b.pins > 0 for b in cache.blocks.values()))
-        resident.labels(state="loading").set_function(lambda: len(self.loading))
-        used = m.gauge("lorapipe_host_cache_bytes_used", "Bytes of packed blocks in the host cache")
-        used.set_function(lambda: cache.used_bytes)
-        m.gauge("lorapipe_host_cache_capacity_bytes", "Size of the host-cache pool").set(cache.capacity)
-        largest = m.gauge("lorapipe_host_cache_largest_free_bytes", "Largest block placed without evicting")
-        largest.set_function(cache.largest_free)
+        m.gauge("lorapipe_loader_writes_in_flight", "StageAdapters being read and packed").set_function(
+            lambda: len(self.loading)
+        )
         m.gauge(
             "lorapipe_loader_stuck_reads", "Reads past their deadline still holding a thread"
         ).set_function(lambda: len(self.stuck))
 
-    async def setup(self) -> None:
-        cfg, ep = self.config, self.config.endpoints
+    def open_pool(self) -> None:
+        """The model's layout and the shared host pool (StageFatal if either is unusable)."""
+        cfg = self.config
         try:
             self.model_cfg = ModelConfig.from_dir(cfg.model_dir)
             self.dtype = parse_dtype(cfg.dtype, self.model_cfg.dtype)
@@ -130,6 +115,10 @@ class LoaderActor(Actor[LoaderConfig]):
         if self.pool.size < cfg.host_pool_bytes:
             size, want = self.pool.size, cfg.host_pool_bytes
             raise StageFatal(f"host pool {cfg.host_pool_name} holds {size} bytes, the config says {want}")
+
+    async def setup(self) -> None:
+        cfg, ep = self.config, self.config.endpoints
+        self.open_pool()
         if cfg.writers > 0:
             if not ep.run_dir:
                 self.writers_dir = tempfile.mkdtemp(prefix="lorapipe-writers-")
@@ -155,67 +144,22 @@ class LoaderActor(Actor[LoaderConfig]):
         match msg:
             case StageAdapter():
                 await self.on_stage_adapter(msg)
-            case ReleaseAdapter(name=name):
-                await self.on_release_adapter(name)
-            case DropAdapter(name=name):
-                await self.on_drop_adapter(name)
 
     async def on_stage_adapter(self, msg: StageAdapter) -> None:
-        name = msg.name
-        job = self.loading.get(name)
-        if (job is not None and job.dropped) or name in self.doomed:
-            self.restage.setdefault(name, []).append(msg.path)  # after the old block is gone
-        elif job is not None:
-            job.waiters += 1
-        elif name in self.staged:
-            self.cache.get(name)  # most recently used
-            self.cache.pin(name)
-            self.m_hits.inc()
-            staged = msgspec.structs.replace(self.staged[name], load_time=0.0, cache_hit=True)
-            await self.to_scheduler.put(staged)
-        else:
-            await self._start_load(name, msg.path, waiters=1)
-
-    async def on_release_adapter(self, name: str) -> None:
-        job = self.loading.get(name)
-        if job is not None:  # released before its answer: that answer pins one time less
-            job.released += 1
-            return
-        self.cache.unpin(name)
-        block = self.cache.blocks.get(name)
-        if name in self.doomed and (block is None or block.pins == 0):
-            self.doomed.discard(name)
-            await self._free(name)
-
-    async def on_drop_adapter(self, name: str) -> None:
-        waiting = self.restage.pop(name, [])  # StageAdapters between two DropAdapters: answered failed
-        job = self.loading.get(name)
-        block = self.cache.blocks.get(name)
-        if job is not None:
-            job.dropped = True
-        elif block is not None and block.pins > 0:
-            self.staged.pop(name, None)
-            self.doomed.add(name)  # the worker may be copying from it right now
-        else:
-            self.staged.pop(name, None)
-            self.cache.drop(name)
-        gone = AdapterFailed(name=name, message=f"adapter {name!r} was unloaded")
-        for _ in waiting:
-            await self.to_scheduler.put(gone)
-
-    async def _free(self, name: str) -> None:
-        """Drop `name`'s block, then stage it again if StageAdapters came after the DropAdapter."""
-        self.cache.drop(name)
-        self.staged.pop(name, None)
-        paths = self.restage.pop(name, [])
-        if paths:
-            await self._start_load(name, paths[-1], waiters=len(paths))
-
-    async def _start_load(self, name: str, path: str, waiters: int) -> None:
-        self.m_misses.inc(waiters)
-        job = _Load(name, path, waiters)
-        self.loading[name] = job
+        if msg.write_id in self.loading:  # the scheduler numbers writes once each: a duplicate is its bug
+            raise RuntimeError(f"write {msg.write_id} of adapter {msg.name!r} is already in flight")
+        job = _Load(msg)
+        self.loading[msg.write_id] = job
         await self.loads.put(job)
+
+    async def on_handler_failed(self, queue: str, msg: Any, exc: Exception) -> None:
+        """A StageAdapter the handler failed on is answered, so the scheduler frees its range and fails
+        or retries what waits on it; health says the stage is degraded."""
+        if isinstance(msg, StageAdapter) and msg.write_id not in self.loading:
+            text = f"the adapter-loader failed on adapter {msg.name!r}: {type(exc).__name__}: {exc}"
+            failed = AdapterFailed(name=msg.name, message=text, write_id=msg.write_id, stage_fault=True)
+            await self.to_scheduler.put(failed)
+        await self._report_health()
 
     # --- loads: disk → packed block in the pool -------------------------------------------------------
     async def _load_loop(self) -> None:
@@ -225,65 +169,52 @@ class LoaderActor(Actor[LoaderConfig]):
                 await self._load(job)
             except Exception as exc:  # a bad adapter (or a bug in one load) must not stop the stage
                 self.log.exception("load of adapter %r failed", job.name)
-                if self.loading.get(job.name) is job:
-                    message = f"adapter {job.name!r}: {type(exc).__name__}: {exc}"
-                    await self._finish(job, AdapterFailed(name=job.name, message=message))
+                if self.loading.get(job.msg.write_id) is job:
+                    text = f"the adapter-loader failed on adapter {job.name!r}: {type(exc).__name__}: {exc}"
+                    failed = AdapterFailed(name=job.name, message=text, stage_fault=True)
+                    await self._finish(job, failed)
             finally:
                 self.loads.task_done()
 
     async def _load(self, job: _Load) -> None:
-        """Plan from the header (no tensor data read), reserve the block, then read and pack the file's
-        chunks straight into it on the thread pool, in parallel; any failure frees the block."""
+        """Plan from the header (no tensor data read), then read and pack the file's chunks straight into
+        the range on the thread pool, in parallel; every failure is answered (the range is the
+        scheduler's to free)."""
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        msg = job.msg
+        if msg.offset < 0 or msg.offset + msg.capacity > self.pool.size:
+            text = f"adapter {job.name!r}: host range {msg.offset}+{msg.capacity} is outside the pool"
+            return await self._finish(job, AdapterFailed(name=job.name, message=text, stage_fault=True))
         try:
             plan = await self._read_with_deadline(job)
         except AdapterError as exc:
             return await self._finish(job, AdapterFailed(name=job.name, message=str(exc)))
         with plan:
+            if plan.nbytes > msg.capacity:
+                text = f"adapter {job.name!r} needs {plan.nbytes} bytes; its host range holds {msg.capacity}"
+                return await self._finish(job, AdapterFailed(name=job.name, message=text))
             try:
-                block, evicted = self.cache.reserve(job.name, plan.nbytes)
-            except HostCacheFull as exc:  # retryable: room comes back once pinned blocks are released
-                failed = AdapterFailed(name=job.name, message=str(exc), retryable=exc.retryable)
-                return await self._finish(job, failed)
-            self.cache.pin(job.name)  # the write's own pin: never evicted while half written
-            for victim in evicted:
-                self.staged.pop(victim, None)
-            self.m_evictions.inc(len(evicted))
-            for victim in evicted:
-                await self.to_scheduler.put(Evicted(name=victim))
-            try:
-                await self._write(plan, block.offset)
-                view = block_tensor(self.pool, block.offset, plan.rank, self.layout, self.dtype)
+                await self._write(plan, msg.offset)
+                view = block_tensor(self.pool, msg.offset, plan.rank, self.layout, self.dtype)
                 check = (job.name, self.layout, view, plan.ranks, plan.scalings, plan.peak)
                 await loop.run_in_executor(self.executor, check_packed_deltas, *check)
                 del view
-            except BaseException as exc:
-                self.cache.drop(job.name)
-                if isinstance(exc, AdapterError):  # bad values or a failed read: the adapter's fault
-                    return await self._finish(job, AdapterFailed(name=job.name, message=str(exc)))
-                raise
+            except AdapterError as exc:  # bad values or a failed read: the adapter's fault
+                return await self._finish(job, AdapterFailed(name=job.name, message=str(exc)))
         load_time = time.perf_counter() - t0
         self.m_load_bytes.inc(plan.nbytes)
         self.m_load_seconds.observe(load_time)
-        self.cache.unpin(job.name)  # the write's pin; _finish pins once per answer, with no await between
-        await self._finish(job, self._staged_msg(plan, block.offset, load_time))
+        await self._finish(job, self._staged_msg(plan, msg.offset, load_time))
 
     async def _finish(self, job: _Load, answer: AdapterStaged | AdapterFailed) -> None:
-        """Answer every StageAdapter the load served; a load dropped meanwhile frees its block instead."""
-        del self.loading[job.name]
+        """Answer the StageAdapter (once: a write leaves `loading` here)."""
+        del self.loading[job.msg.write_id]
+        answer = msgspec.structs.replace(answer, write_id=job.msg.write_id)
         self.m_loads.labels(result="staged" if isinstance(answer, AdapterStaged) else "failed").inc()
         if isinstance(answer, AdapterFailed):
             self.log.warning("%s", answer.message)
-        if job.dropped:
-            answer = AdapterFailed(name=job.name, message=f"adapter {job.name!r} was unloaded while loading")
-            await self._free(job.name)
-        elif isinstance(answer, AdapterStaged):
-            self.staged[job.name] = answer
-            for _ in range(max(0, job.waiters - job.released)):
-                self.cache.pin(job.name)
-        for _ in range(job.waiters):
-            await self.to_scheduler.put(answer)
+        await self.to_scheduler.put(answer)
 
     async def _read_with_deadline(self, job: _Load) -> AdapterPlan:
         """Plan in a thread; past `read_timeout_s` the load fails and its thread counts as stuck (a
@@ -321,7 +252,12 @@ class LoaderActor(Actor[LoaderConfig]):
         now = time.monotonic()
         detail = ", ".join(f"{k.split('#')[0]!r} for {now - t:.0f}s" for k, t in self.stuck.items())
         detail = f"reads stuck: {detail}" if detail else ""
-        return LoaderHealth(stuck_reads=len(self.stuck), read_threads=self.read_threads, detail=detail[:500])
+        return LoaderHealth(
+            stuck_reads=len(self.stuck),
+            read_threads=self.read_threads,
+            detail=detail[:500],
+            handler_failures=self.handler_failures,
+        )
 
     def _limits_now(self) -> ReadLimits:
         """With writers, a load alone is cut into a part per writer; loads at once share them, at least
@@ -385,7 +321,6 @@ class LoaderActor(Actor[LoaderConfig]):
             slice_ranks=plan.ranks.flatten().tolist(),  # [num_layers * NUM_SLICES], layer-major
             slice_scalings=plan.scalings.flatten().tolist(),
             load_time=load_time,
-            cache_hit=False,
         )
 
     # --- lifecycle ------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ class LoaderConfig(StageConfig, frozen=True, kw_only=True):
     max_lora_rank: int
     host_pool_name: str  # shared memory created by the launcher (it outlives a loader restart)
     host_pool_bytes: int  # the host cache's capacity: blocks take their own rank's bytes
-    max_cpu_loras: int | None = None  # an optional cap on adapters in the host cache (None: bytes only)
     load_threads: int = 2  # loads at once (and, without writers, the threads reading and packing them)
     writers: int = 0  # part-writer processes reading and packing (0: the threads do)
     max_adapter_file_bytes: int = 8 << 30  # adapter_model.safetensors larger than this is refused

@@ -13,7 +13,6 @@ from proto.client import StageHealth
 from proto.loader import (
     AdapterFailed,
     AdapterStaged,
-    Evicted,
     LoaderHealth,
     LoaderStarted,
     LoaderToScheduler,
@@ -46,15 +45,17 @@ from runtime.base.sockets import PullSocket, PushSocket
 from runtime.common.names import adapter_name_problem
 from stages.scheduler.adapter_lifecycle import AdapterLifecycle
 from stages.scheduler.adapter_ops import AdapterOps
-from stages.scheduler.adapters import AdapterRegistry, AdapterState
+from stages.scheduler.adapter_waits import AdapterDeadlines, overdue_requests
+from stages.scheduler.adapters import AdapterRegistry, AdapterState, HostTier
 from stages.scheduler.config import SchedulerConfig, plan_limit
 from stages.scheduler.gateway_metrics import add_gateway_metrics
+from stages.scheduler.host_table import HostTable
 from stages.scheduler.metrics import SchedulerMetrics
 from stages.scheduler.planner import Planner, PlannerConfig
 from stages.scheduler.warm_start import StartupWarmer
 
-# Host blocks held for adapters whose pool load is not issued yet, when --max-loras-per-batch does not
-# say how many one step can use: staging runs this far ahead of the waiting queue.
+# Adapters of the waiting queue staged ahead of their pool load (and loader writes in flight), when
+# --max-loras-per-batch does not say how many one step can use.
 STAGE_AHEAD = 64
 
 
@@ -83,17 +84,18 @@ class SchedulerActor(Actor[SchedulerConfig]):
             waiting_tiers=lambda: self.ops.waiting_tiers(self.planner),
             hold_counts=lambda: self.ops.hold_counts(),
         )
+        self.host_table = HostTable(config.host_cache_bytes, config.max_cpu_loras)
         self.lifecycle = AdapterLifecycle(
             self.adapters,
+            self.host_table,
+            config.max_block_bytes,
             self.to_loader,
             self._fail,
             self.series,
-            max_held=config.max_cpu_loras,
-            max_held_waiting=config.policy.max_loras_per_batch or STAGE_AHEAD,
-            warmer=StartupWarmer(
-                self.adapters, config.adapters, config.host_cache_bytes, config.max_cpu_loras
-            ),
+            stage_ahead=config.policy.max_loras_per_batch or STAGE_AHEAD,
+            warmer=StartupWarmer(config.adapters),
         )
+        self.series.host_gauges(self.metrics, self.host_table, self._host_blocks)
         self.ops = AdapterOps(self.adapters, self.lifecycle, self.to_tokenizer, self._fail)
         add_gateway_metrics(
             self.metrics,
@@ -118,6 +120,7 @@ class SchedulerActor(Actor[SchedulerConfig]):
         self.add_sender("worker", self.to_worker, worker.send)
         self.add_sender("tokenizer", self.to_tokenizer, tokenizer.send)
         self.add_sender("loader", to_loader, loader.send)
+        self.add_loop("adapter_deadlines", self._tick_deadlines)
 
     def _is_idle(self) -> bool:
         return not (self.early or self.in_flight or (self.planner and self.planner.has_work))
@@ -135,12 +138,11 @@ class SchedulerActor(Actor[SchedulerConfig]):
             case AbortRequest(request_id=rid):
                 if planner is not None:
                     planner.abort(rid)
-                    await life.release_unneeded(planner)
                 self.early = [r for r in self.early if r.request_id != rid]
             case StepResult():
                 await self.on_step_result(msg)
             case SlotsReady():
-                await life.loads_ready(msg.slots_ready, planner)
+                await life.settle_loads(msg.slots_ready, msg.slot_errors, planner)
             case WorkerStarted():
                 await self.on_worker_started(msg)
             case LoaderStarted():
@@ -149,13 +151,13 @@ class SchedulerActor(Actor[SchedulerConfig]):
             case LoaderHealth():
                 self.loader_health = msg
             case AdapterStaged():
-                await ops.on_adapter_staged(msg)
-                await life.on_adapter_staged(msg, planner)
+                if (e := life.on_adapter_staged(msg)) is not None:
+                    await ops.on_adapter_staged(e)
             case AdapterFailed():
-                life.on_adapter_failed(msg)
-                await ops.on_adapter_failed(msg, planner)
-            case Evicted():
-                life.on_evicted(msg)
+                if (e := life.on_adapter_failed(msg)) is not None:
+                    await ops.on_adapter_failed(e, msg, planner)
+            case AdapterDeadlines():
+                await self._fail_overdue()
             case LoadAdapterOp() | UnloadAdapterOp() if problem := adapter_name_problem(msg.name):
                 await self.to_tokenizer.put(
                     OpFailed(op_id=msg.op_id, kind="invalid_request", message=problem)
@@ -168,12 +170,72 @@ class SchedulerActor(Actor[SchedulerConfig]):
                 await self.to_tokenizer.put(AdapterListing(op_id=op_id, adapters=ops.listing(planner)))
             case HealthProbe(op_id=op_id):
                 await self.to_tokenizer.put(HealthStatus(op_id=op_id, stages=self._health()))
-        self.pending_clears.extend(await ops.finish_unloads(self.planner))
+        await self._settle()
+
+    async def _settle(self) -> None:
+        """After every event: finish unloads, send plans, and note whether the stage is idle."""
+        self.pending_clears.extend(await self.ops.finish_unloads(self.planner))
         await self._kick()
         if self._is_idle():
             self.idle.set()
         else:
             self.idle.clear()
+
+    async def on_handler_failed(self, queue: str, msg: Any, exc: Exception) -> None:
+        """No request waits on a message the handler failed on: the requests it names, or that wait on
+        the adapter it names, fail with `stage_failed` (the loader's write is given up, so the adapter
+        can be staged again)."""
+        text = f"the scheduler failed on {type(msg).__name__}: {type(exc).__name__}: {exc}"
+        planner = self.planner
+        rids: list[str] = []
+        match msg:
+            case TokenizedRequest(request_id=rid):
+                rids = [rid]
+                self.early = [r for r in self.early if r.request_id != rid]
+            case StepResult():
+                rids = [f.request_id for f in msg.finished] + [e.request_id for e in msg.errors]
+            case AdapterStaged() | AdapterFailed():
+                e = self.adapters.get(msg.name)
+                if e is not None and e.host is HostTier.WRITING and e.write_id == msg.write_id:
+                    given_up = AdapterFailed(name=msg.name, message=text, write_id=msg.write_id)
+                    self.lifecycle.on_adapter_failed(given_up)
+                if planner is not None:
+                    rids = [r.request_id for r in planner.waiting if r.adapter == msg.name]
+                text = f"adapter {msg.name!r}: {text}"
+        for rid in rids:
+            if planner is not None:
+                planner.abort(rid)
+            await self._fail(rid, "stage_failed", text)
+        await self._settle()
+
+    async def _tick_deadlines(self) -> None:
+        """Puts an AdapterDeadlines event into the one events mailbox, so that the adapter-wait timeout
+        is checked by the handler that owns all scheduler state."""
+        period = min(1.0, self.config.adapter_wait_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            if self.planner is not None and self.planner.waiting:
+                await self.events.put(AdapterDeadlines())
+
+    async def _fail_overdue(self) -> None:
+        planner = self.planner
+        if planner is None:
+            return
+        timeout = self.config.adapter_wait_timeout_s
+        for req, tier in overdue_requests(planner, self.adapters, timeout, self.lifecycle.clock()):
+            planner.abort(req.request_id)
+            text = (
+                f"adapter {req.adapter!r} made no progress for {timeout:g}s: the request waited on the {tier}"
+            )
+            await self._fail(req.request_id, "adapter_timeout", text)
+
+    def _host_blocks(self, state: str) -> int:
+        entries = self.adapters.entries.values()
+        if state == "writing":
+            return self.adapters.count(HostTier.WRITING)
+        if state == "copying":
+            return sum(1 for e in entries if e.ready and e.copies)
+        return self.adapters.count(HostTier.HOST)
 
     # --- requests ---------------------------------------------------------------------------------------
     async def on_tokenized_request(self, req: TokenizedRequest) -> None:
@@ -219,10 +281,18 @@ class SchedulerActor(Actor[SchedulerConfig]):
         self.in_flight.pop(res.step, None)
         if self.planner is None:
             return
+        # a request whose adapter's copy failed in this step failed with the worker, not by itself
+        copy_failed = {se.adapter for se in res.slot_errors}
+        adapter_of = {err.request_id: self.planner.adapter_of(err.request_id) for err in res.errors}
         self.planner.update(res)
         for err in res.errors:
-            await self._fail(err.request_id, "server_error", err.message)
-        await self.lifecycle.after_step(res, self.planner)
+            adapter = adapter_of[err.request_id]
+            if adapter is not None and adapter in copy_failed:
+                text = f"the gpu-worker failed to copy adapter {adapter!r}: {err.message}"
+                await self._fail(err.request_id, "stage_failed", text)
+            else:
+                await self._fail(err.request_id, "server_error", err.message)
+        await self.lifecycle.settle_loads(res.slots_ready, res.slot_errors, self.planner)
 
     async def _fail(self, request_id: str, kind: str, message: str) -> None:
         self.series.failed.labels(kind=kind).inc()
@@ -252,11 +322,18 @@ class SchedulerActor(Actor[SchedulerConfig]):
     def _health(self) -> list[StageHealth]:
         p = self.planner
         detail = f"{len(p.waiting)} waiting, {len(p.running)} running" if p else "waiting for the worker"
+        if self.handler_failures:
+            detail += f"; its handlers failed on {self.handler_failures} messages"
+        copy_failures = self.lifecycle.copy_failures
+        worker = "ok" if p and not copy_failures else "degraded"
+        worker_detail = f"{len(self.in_flight)} plans queued"
+        if copy_failures:
+            worker_detail += f"; {copy_failures} adapter copies failed"
         return [
-            StageHealth(stage="scheduler", status="ok", detail=detail),
             StageHealth(
-                stage="worker", status="ok" if p else "degraded", detail=f"{len(self.in_flight)} plans queued"
+                stage="scheduler", status="degraded" if self.handler_failures else "ok", detail=detail
             ),
+            StageHealth(stage="worker", status=worker, detail=worker_detail),
             self._loader_health(),
         ]
 
@@ -264,7 +341,11 @@ class SchedulerActor(Actor[SchedulerConfig]):
         h = self.loader_health
         if not self.lifecycle.loader_up:
             return StageHealth(stage="loader", status="down")
-        if h is None or not h.stuck_reads:
+        if h is None or not (h.stuck_reads or h.handler_failures):
             return StageHealth(stage="loader", status="ok")
         status = "down" if h.stuck_reads >= h.read_threads else "degraded"
-        return StageHealth(stage="loader", status=status, detail=h.detail)
+        detail = h.detail
+        if h.handler_failures:
+            detail = f"{detail}; " if detail else ""
+            detail += f"its handlers failed on {h.handler_failures} messages"
+        return StageHealth(stage="loader", status=status, detail=detail)

@@ -1,193 +1,255 @@
-"""The scheduler's side of adapter movement: staging host blocks with the loader, its answers, the holds
-the registry keeps, and the pool loads in flight. Owns no sockets: it puts StageAdapter/ReleaseAdapter
-onto the actor's `to_loader` mailbox. The planner is passed to each call that needs it (None until the
-worker has started)."""
+"""Every move of an adapter between tiers (`adapters.py` draws them): host ranges placed in the host
+table and written by the loader, blocks evicted, pool copies issued and completed, the loader's answers
+and restarts, and start-up warming. Owns no sockets: it puts StageAdapter onto the actor's `to_loader`
+mailbox. The planner is passed to each call that needs it (None until the worker has started)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
-from proto.loader import AdapterFailed, AdapterStaged, Evicted, ReleaseAdapter, StageAdapter
-from proto.plan import SlotLoad, StepResult
+from proto.loader import AdapterFailed, AdapterStaged, StageAdapter
+from proto.plan import SlotError, SlotLoad
 from runtime.base.actor import Mailbox
 from runtime.common.host_pool import slot_load_for
-from stages.scheduler.adapters import AdapterRegistry
+from stages.scheduler.adapters import AdapterRegistry, AdapterState, HostTier, RegisteredAdapter
+from stages.scheduler.host_table import HostTable
 from stages.scheduler.metrics import SchedulerMetrics
 from stages.scheduler.planner import Planner
 from stages.scheduler.warm_start import StartupWarmer
 
 log = logging.getLogger("scheduler")
 Fail = Callable[[str, str, str], Awaitable[None]]  # (request_id, kind, message): fail one request
+STAGEABLE = (AdapterState.REGISTERED, AdapterState.UNLOADING, AdapterState.VALIDATING)
 
 
 class AdapterLifecycle:
     def __init__(
         self,
         adapters: AdapterRegistry,
+        table: HostTable,
+        max_block_bytes: int,
         to_loader: Mailbox[Any],
         fail: Fail,
         series: SchedulerMetrics,
-        max_held: int | None,
-        max_held_waiting: int,
+        stage_ahead: int,
         warmer: StartupWarmer | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`max_held`: host blocks held or asked for at most (None: no cap, the host cache's bytes bound it);
-        `max_held_waiting`: of those, held for loads not issued yet (how far staging runs ahead);
-        `warmer`: stages the start-up adapters into the host cache and the pool before any request (by
-        default one with none to warm)."""
+        """`max_block_bytes`: the range a staging reserves while the adapter's rank is unknown;
+        `stage_ahead`: adapters of the waiting queue staged ahead of their pool load, and writes in
+        flight, at most; `warmer`: the start-up adapters to stage and copy before any request."""
         self.adapters = adapters
+        self.table = table
+        self.max_block_bytes = max_block_bytes
         self.to_loader = to_loader
         self.fail = fail
         self.series = series
-        self.max_held = max_held
-        self.max_held_waiting = max_held_waiting
-        self.pool_loads: dict[int, tuple[str, int]] = {}  # id -> (adapter, loader generation), copying
+        self.stage_ahead = stage_ahead
+        self.clock = clock
+        self.warmer = warmer if warmer is not None else StartupWarmer(())
+        self.pool_loads: dict[int, str] = {}  # pool id -> adapter whose copy into it is in flight
         self.loader_up = False
-        self.restage: list[str] = []  # names a restarted loader must be asked for again
+        self.copy_failures = 0  # pool copies the worker reported failed (its fault, not the adapter's)
+        self._write_ids = itertools.count(1)
         self._host_looked: set[str] = set()  # adapters counted in host lookups since their last pool load
-        self.warmer = warmer if warmer is not None else StartupWarmer(adapters, ())
 
     def load_bytes(self, name: str) -> int:
         e = self.adapters.get(name)
         return e.staged.nbytes if e is not None and e.staged is not None else 0
 
+    # --- host tier transitions ----------------------------------------------------------------------
+    def _move(self, e: RegisteredAdapter, tier: HostTier) -> None:
+        e.host = tier
+        e.since = self.clock()
+        if tier is not HostTier.HOST:
+            e.staged = None
+
+    async def _write(self, e: RegisteredAdapter, victims: Collection[str]) -> bool:
+        """DISK → WRITING: reserve a range (evicting some of `victims`, or nothing if it cannot fit) and
+        have the loader write it. False, with nothing changed, when there is no room."""
+        placed = self.table.place(e.name, e.nbytes or self.max_block_bytes, victims)
+        if placed is None:
+            return False
+        offset, evicted = placed
+        for name in evicted:
+            self._evicted(self.adapters.entries[name])
+        e.write_id = next(self._write_ids)
+        self._move(e, HostTier.WRITING)
+        capacity = self.table.get(e.name).size
+        await self.to_loader.put(StageAdapter(e.name, e.path, offset, capacity, e.write_id))
+        return True
+
+    def _evicted(self, e: RegisteredAdapter) -> None:
+        """HOST → DISK: the table already gave its range away (it had no copy in flight)."""
+        assert e.evictable, f"adapter {e.name!r} evicted while {e.host.value} with {e.copies} copies"
+        self._move(e, HostTier.DISK)
+        self.series.host_evictions.inc()
+        self.warmer.on_evicted(e.name)
+
+    def _drop_range(self, e: RegisteredAdapter) -> None:
+        """Back to DISK, freeing the range (a write that failed or was lost, or an unload)."""
+        self.table.free(e.name)
+        self._move(e, HostTier.DISK)
+
+    def _victims(self, needed: Collection[str], later: list[str] = ()) -> list[str]:
+        """Blocks a staging may evict, in order: those no waiting request needs (least recently used
+        first), then those needed only behind it in the queue (`later`, the furthest first). A block
+        that a pool copy reads, or a range being written, is never among them."""
+        entries = self.adapters.entries
+        free = [n for n in self.table.lru() if n not in needed and entries[n].evictable]
+        return free + [n for n in reversed(later) if entries[n].evictable]
+
     # --- pool loads ---------------------------------------------------------------------------------
     def issue_load(self, load: SlotLoad) -> SlotLoad:
-        """The planner names id, rows and adapter; the host block's whereabouts come from the loader."""
-        self.adapters.load_issued(load.adapter)
+        """The planner names id, rows and adapter; the block's range comes from the staged answer. The
+        block is held (not evicted) until the copy is reported done."""
+        e = self.adapters.entries[load.adapter]
+        assert e.ready, f"pool load of {load.adapter!r} whose block is {e.host.value}"
+        e.copies += 1
+        e.since = self.clock()
+        self.table.touch(e.name)
         self._host_looked.discard(load.adapter)
-        self.pool_loads[load.slot] = (load.adapter, self.adapters.generation)
+        self.pool_loads[load.slot] = load.adapter
         self.series.slot_loads.inc()
         runs = list(zip(load.row_starts, load.row_counts, strict=True))
-        return slot_load_for(self.adapters.get(load.adapter).staged, load.slot, runs, load.layered)
+        return slot_load_for(e.staged, load.slot, runs, load.layered)
 
-    async def after_step(self, res: StepResult, planner: Planner) -> None:
-        """Settle the pool loads a step result reports done or failed (the planner has seen it)."""
-        await self.loads_ready(res.slots_ready, planner)
-        for se in res.slot_errors:
-            self.pool_loads.pop(se.slot, None)
-            self.adapters.load_done(se.adapter)
+    def _copy_done(self, name: str) -> None:
+        e = self.adapters.get(name)
+        if e is not None and e.copies:
+            e.copies -= 1
+            e.since = self.clock()
+
+    async def settle_loads(self, ready: list[int], errors: list[SlotError], planner: Planner | None) -> None:
+        """Settle the pool loads a step result (or SlotsReady) reports done or failed. A failed copy is
+        the worker's fault: its adapter's requests fail with `stage_failed` and its id is freed."""
+        self.loads_ready(ready, planner)
+        self.copy_failures += len(errors)
+        for se in errors:
+            if self.pool_loads.pop(se.slot, None) is not None:
+                self._copy_done(se.adapter)
+            if planner is None:
+                continue
+            text = f"the gpu-worker failed to copy adapter {se.adapter!r}: {se.message}"
             for r in [r for r in [*planner.running, *planner.waiting] if r.adapter == se.adapter]:
                 planner.abort(r.request_id)
-                await self.fail(r.request_id, "adapter_load_failed", se.message)
+                await self.fail(r.request_id, "stage_failed", text)
             planner.evict_adapter(se.adapter)
-            await self._maybe_release(se.adapter, planner)
 
-    async def loads_ready(self, ids: list[int], planner: Planner | None) -> None:
+    def loads_ready(self, ids: list[int], planner: Planner | None) -> None:
         for lora_id in ids:
             if planner is not None:
                 planner.lora_ready(lora_id)
-            name, _ = self.pool_loads.pop(lora_id, (None, -1))
+            name = self.pool_loads.pop(lora_id, None)
             if name is not None:
-                self.adapters.load_done(name)
-                await self._maybe_release(name, planner)
-        await self._restage()
-
-    async def _maybe_release(self, name: str, planner: Planner | None) -> None:
-        needed = planner is not None and name in planner.adapters_needed()
-        needed = needed or self.warmer.wants(name)
-        if self.adapters.release(name, needed):
-            await self.to_loader.put(ReleaseAdapter(name=name))
-
-    async def release_hold(self, name: str) -> None:
-        if self.adapters.release(name, needed=False):
-            await self.to_loader.put(ReleaseAdapter(name=name))
-
-    async def release_unneeded(self, planner: Planner | None) -> None:
-        """Give back holds no waiting request needs any more (e.g. its requests were aborted)."""
-        needed = set(planner.adapters_needed()) if planner is not None else set()
-        for e in list(self.adapters.entries.values()):
-            if e.held and e.name not in needed and not e.pending_ops:
-                await self.release_hold(e.name)
-
-    def _stale_copies(self) -> bool:
-        """Copies issued under a loader that restarted: their bytes may be reused by the new loader's
-        placements, so nothing is staged until they are done."""
-        return any(gen != self.adapters.generation for _, gen in self.pool_loads.values())
+                self._copy_done(name)
 
     # --- staging ------------------------------------------------------------------------------------
     async def stage_upcoming(self, planner: Planner) -> None:
-        """Ask the loader for the host blocks of adapters the waiting queue needs next, in queue order;
-        held blocks are never evicted, so this stays bounded."""
-        if not self.loader_up or self._stale_copies():
+        """Stage the blocks of the adapters the waiting queue needs next, in queue order, up to
+        `stage_ahead` of them and of writes in flight; a staging evicts only blocks no nearer request
+        needs, and the first that finds no room ends the pass (the rest would need room too)."""
+        if not self.loader_up:
             return
-        if planner.waiting:  # demand goes first: warm holds must not keep its adapters out
-            for name in self.warmer.yield_to_demand():
-                await self._maybe_release(name, planner)
-        full = self._staging_full()  # counted over every registered adapter: once, and after each ask
-        for name in planner.adapters_needed():
-            self._count_host_lookup(name)
-            if full:
+        await self._stage_validating(planner)
+        needed = planner.adapters_needed()[: self.stage_ahead]
+        wanted = set(needed)
+        writes = self.adapters.count(HostTier.WRITING)
+        for pos, name in enumerate(needed):
+            e = self.adapters.get(name)
+            if e is None:
+                continue
+            self._count_host_lookup(e)
+            if e.host is not HostTier.DISK or e.state not in STAGEABLE:
+                continue
+            if writes >= self.stage_ahead:
                 return
-            if self.adapters.needs_stage(name):
-                await self.to_loader.put(StageAdapter(name=name, path=self.adapters.get(name).path))
-                full = self._staging_full()
+            if not await self._write(e, self._victims(wanted, needed[pos + 1 :])):
+                return
+            writes += 1
 
-    def _staging_full(self) -> bool:
-        """Whether the holds (or asks) for loads not issued yet, or all holds, are at their caps."""
-        if self.adapters.held_waiting() >= self.max_held_waiting:
-            return True
-        return self.max_held is not None and self.adapters.held() >= self.max_held
+    async def _stage_validating(self, planner: Planner | None) -> None:
+        """Load ops wait for their adapter's first staging: ask for it whenever there is room."""
+        needed = set(planner.adapters_needed()) if planner is not None else set()
+        for e in list(self.adapters.entries.values()):
+            if e.state is AdapterState.VALIDATING and e.host is HostTier.DISK:
+                if not await self._write(e, self._victims(needed)):
+                    return
 
-    def _count_host_lookup(self, name: str) -> None:
-        e = self.adapters.get(name)
-        if name in self._host_looked or e is None:
+    def _count_host_lookup(self, e: RegisteredAdapter) -> None:
+        if e.name in self._host_looked:
             return
-        self._host_looked.add(name)
-        self.series.host_lookups.labels(result="hit" if e.staged is not None else "miss").inc()
+        self._host_looked.add(e.name)
+        (self.series.host_hits if e.host is HostTier.HOST else self.series.host_misses).inc()
 
     async def stage(self, name: str) -> None:
-        """Ask for one block now (a load op's validation), if the loader is up and it is not held."""
-        if self.loader_up and self.adapters.needs_stage(name):
-            await self.to_loader.put(StageAdapter(name=name, path=self.adapters.get(name).path))
+        """Ask for one block now (a load op's validation), if there is room."""
+        e = self.adapters.get(name)
+        if self.loader_up and e is not None and e.host is HostTier.DISK:
+            await self._write(e, self._victims(()))
 
     async def on_loader_started(self) -> None:
+        """A (re)started loader answers no write the last one had in flight: their ranges are freed and
+        staged again on demand. Blocks already packed stay valid (the pool outlives the loader)."""
         self.loader_up = True
-        self.restage = self.adapters.on_loader_restart()
-        if self.adapters.generation > 1:
-            self.warmer.stop()  # a restarted loader: its cache is empty, demand refills it
-        await self._restage()
+        for e in self.adapters.entries.values():
+            if e.host is HostTier.WRITING:
+                self._drop_range(e)
+                self.warmer.on_failed(e.name)
+        await self._stage_validating(None)
 
-    async def _restage(self) -> None:
-        """Ask a restarted loader again for what the old one never answered (once stale copies end)."""
-        if self._stale_copies():
-            return
-        again, self.restage = self.restage, []
-        for name in again:
-            await self.stage(name)
+    def _current(self, name: str, write_id: int) -> RegisteredAdapter | None:
+        """The adapter whose outstanding write this answers; None for an answer to a write given up."""
+        e = self.adapters.get(name)
+        if e is None or e.host is not HostTier.WRITING or e.write_id != write_id:
+            return None
+        return e
 
-    async def on_adapter_staged(self, msg: AdapterStaged, planner: Planner | None) -> None:
-        """Hold the block while a waiting request needs it loaded or a load op waits to validate;
-        otherwise give it back at once."""
-        self.warmer.on_staged(msg)
-        e = self.adapters.on_staged(msg)
+    def on_adapter_staged(self, msg: AdapterStaged) -> RegisteredAdapter | None:
+        """WRITING → HOST, the range trimmed to the block's own bytes; None for a stale answer."""
+        e = self._current(msg.name, msg.write_id)
         if e is None:
-            return await self.to_loader.put(ReleaseAdapter(name=msg.name))
-        if not e.pending_ops:
-            await self._maybe_release(e.name, planner)
+            return None
+        self.table.shrink(e.name, msg.nbytes)
+        e.nbytes = msg.nbytes
+        self._move(e, HostTier.HOST)
+        e.staged = msg
+        self.warmer.on_staged(msg)
+        return e
 
-    def on_evicted(self, msg: Evicted) -> None:
-        self.adapters.on_evicted(msg.name)
-        self.warmer.on_evicted(msg.name)
+    def on_adapter_failed(self, msg: AdapterFailed) -> RegisteredAdapter | None:
+        """WRITING → DISK, the range freed; None for a stale answer."""
+        e = self._current(msg.name, msg.write_id)
+        if e is None:
+            return None
+        self._drop_range(e)
+        self.warmer.on_failed(e.name)
+        return e
 
-    def on_adapter_failed(self, msg: AdapterFailed) -> None:
-        self.warmer.on_failed(msg.name, msg.retryable)
+    def remove(self, e: RegisteredAdapter) -> None:
+        """An unloaded adapter leaves (no copy in flight, no write outstanding: the caller checked)."""
+        assert e.copies == 0 and e.host is not HostTier.WRITING
+        self.table.free(e.name)
+        del self.adapters.entries[e.name]
 
     # --- start-up warming ---------------------------------------------------------------------------
     async def warm(self, planner: Planner | None) -> list[SlotLoad]:
-        """Ask the loader for the blocks the warmer wants staged or held, give back holds it no longer
-        wants, and return its pool loads for the next plan (not issued yet)."""
+        """Stage the start-up adapters into free host room (never evicting) and copy them into free pool
+        rows, in the order given; returns the pool loads for the next plan (not issued yet). Nothing
+        while requests wait: demand goes first, and evicts warmed blocks like any other."""
         w = self.warmer
-        if not w.active or not self.loader_up or self._stale_copies():
+        if not w.active or not self.loader_up or (planner is not None and planner.waiting):
             return []
-        loads: list[SlotLoad] = []
-        hold, dropped = w.pool_step(planner, loads)
-        for name in [*w.to_stage(planner), *hold]:
-            await self.to_loader.put(StageAdapter(name=name, path=self.adapters.get(name).path))
-        for name in dropped:
-            await self._maybe_release(name, planner)
+        for name in w.to_stage(self.adapters):
+            if not await self._write(self.adapters.entries[name], ()):
+                w.host_full()
+                break
+            w.asked.add(name)
+        loads = w.pool_step(self.adapters, planner) if planner is not None else []
         if not w.active:
             mib = w.host_warmed_bytes / 2**20
             log.info(

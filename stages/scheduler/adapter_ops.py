@@ -1,6 +1,7 @@
 """Adapter load/unload ops and adapter reports on the scheduler: registering an adapter once the loader
-has validated it, unloading it once no request uses it, and the listing and per-tier counts. Owns no
-sockets: it puts op replies and adapter updates onto the actor's `to_tokenizer` mailbox."""
+has validated it, unloading it once no request uses it, failing what waited on an adapter that cannot be
+staged, and the listing and per-tier counts. Owns no sockets: it puts op replies and adapter updates
+onto the actor's `to_tokenizer` mailbox."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from proto.client import AdapterEntry as ListedAdapter
-from proto.loader import AdapterFailed, AdapterStaged, DropAdapter
+from proto.loader import AdapterFailed
 from proto.pipeline import AdapterUpdate, LoadAdapterOp, OpDone, OpFailed, UnloadAdapterOp
 from runtime.base.actor import Mailbox
 from stages.scheduler.adapter_lifecycle import AdapterLifecycle
-from stages.scheduler.adapters import AdapterRegistry, AdapterState
+from stages.scheduler.adapters import AdapterRegistry, AdapterState, HostTier, RegisteredAdapter
 from stages.scheduler.metrics import TIERS, WAITING_TIERS
 from stages.scheduler.planner import Planner
 
@@ -28,10 +29,9 @@ class AdapterOps:
         self.to_tokenizer = to_tokenizer
         self.fail = fail
 
-    async def on_adapter_staged(self, msg: AdapterStaged) -> None:
-        """A load op's adapter validated: it is registered (before the lifecycle decides on the hold)."""
-        e = self.adapters.get(msg.name)
-        if e is None or e.state is not AdapterState.VALIDATING:
+    async def on_adapter_staged(self, e: RegisteredAdapter) -> None:
+        """A load op's adapter validated (its first staging): it is registered."""
+        if e.state is not AdapterState.VALIDATING:
             return
         e.state = AdapterState.REGISTERED
         await self.to_tokenizer.put(AdapterUpdate(name=e.name, state="registered"))
@@ -39,24 +39,25 @@ class AdapterOps:
             await self.to_tokenizer.put(OpDone(op_id=op_id))
         e.pending_ops = []
 
-    async def on_adapter_failed(self, msg: AdapterFailed, planner: Planner | None) -> None:
-        if msg.retryable:
-            self.adapters.on_retry_later(msg.name)  # staged again once held blocks are released
-            return
-        e = self.adapters.on_failed(msg.name, msg.message)
-        if e is None:
-            return
+    async def on_adapter_failed(
+        self, e: RegisteredAdapter, msg: AdapterFailed, planner: Planner | None
+    ) -> None:
+        """A write failed. The adapter's own fault (its files) makes it FAILED; the loader's (a handler
+        error) fails only what waited on this write, and the adapter may be staged again later."""
+        kind = "stage_failed" if msg.stage_fault else "adapter_load_failed"
         for op_id in e.pending_ops:
-            await self.to_tokenizer.put(
-                OpFailed(op_id=op_id, kind="adapter_load_failed", message=msg.message)
-            )
-        if e.pending_ops:  # a load op: nothing was registered
-            del self.adapters.entries[e.name]
-        await self.to_tokenizer.put(AdapterUpdate(name=e.name, state="removed"))
+            await self.to_tokenizer.put(OpFailed(op_id=op_id, kind=kind, message=msg.message))
+        validating = e.state is AdapterState.VALIDATING
+        if validating:  # a load op: nothing was registered
+            self.lifecycle.remove(e)
+            await self.to_tokenizer.put(AdapterUpdate(name=e.name, state="removed"))
+        elif not msg.stage_fault:
+            e.state, e.error = AdapterState.FAILED, msg.message
+            await self.to_tokenizer.put(AdapterUpdate(name=e.name, state="removed"))
         if planner is not None:
             for r in [r for r in planner.waiting if r.adapter == e.name]:
                 planner.abort(r.request_id)
-                await self.fail(r.request_id, "adapter_load_failed", msg.message)
+                await self.fail(r.request_id, kind, msg.message)
 
     async def on_load_adapter_op(self, op: LoadAdapterOp) -> None:
         e = self.adapters.get(op.name)
@@ -77,7 +78,7 @@ class AdapterOps:
                 why = "is still being unloaded; load it again once it is gone"
                 text = f"adapter {op.name!r} (from {e.path}) {why}"
             return await self.to_tokenizer.put(OpFailed(op_id=op.op_id, kind="invalid_request", message=text))
-        self.adapters.add_validating(op.name, op.path, op.op_id)
+        self.adapters.add_validating(op.name, op.path, op.op_id, self.lifecycle.clock())
         await self.lifecycle.stage(op.name)
 
     async def on_unload_adapter_op(self, op: UnloadAdapterOp) -> None:
@@ -90,19 +91,17 @@ class AdapterOps:
         await self.to_tokenizer.put(OpDone(op_id=op.op_id))
 
     async def finish_unloads(self, planner: Planner | None) -> list[int]:
-        """Remove unloading adapters once no request uses them and no copy of them is in flight;
-        returns the ids they held, to be cleared by the next plan. The DropAdapter also ends a hold."""
+        """Remove unloading adapters once no request uses them, no copy reads their block and no write
+        to it is outstanding; returns the ids they held, to be cleared by the next plan."""
         clears = []
         for e in [e for e in self.adapters.entries.values() if e.state is AdapterState.UNLOADING]:
-            if e.loads_in_flight or (planner is not None and planner.users_of(e.name)):
+            if e.copies or e.host is HostTier.WRITING or (planner is not None and planner.users_of(e.name)):
                 continue
             if planner is not None:
                 lora_id = planner.evict_adapter(e.name)
                 if lora_id is not None:
                     clears.append(lora_id)
-            await self.lifecycle.release_hold(e.name)  # before the drop: the loader frees it at once
-            del self.adapters.entries[e.name]
-            await self.lifecycle.to_loader.put(DropAdapter(name=e.name))
+            self.lifecycle.remove(e)
             await self.to_tokenizer.put(AdapterUpdate(name=e.name, state="removed"))
         return clears
 
@@ -116,7 +115,7 @@ class AdapterOps:
             if res is not None:
                 counts["loading" if res.loading else "gpu"] += 1
             else:
-                counts["host" if e.staged is not None else "disk"] += 1
+                counts["host" if e.ready else "disk"] += 1
         return counts
 
     def waiting_tiers(self, planner: Planner | None) -> dict[str, int]:
@@ -133,19 +132,13 @@ class AdapterOps:
             elif e is not None and e.ready:
                 tier = "host"
             else:
-                tier = "asked" if e is not None and e.staging else "disk"
+                tier = "asked" if e is not None and e.host is HostTier.WRITING else "disk"
             counts[tier] += 1
         return counts
 
     def hold_counts(self) -> dict[str, int]:
-        """Host blocks the scheduler holds with no pool load issued (`waiting`), holds in all, StageAdapters
-        outstanding, and adapters refused for host room until a hold is released."""
-        return {
-            "waiting": self.adapters.held_waiting(),
-            "held": sum(e.held for e in self.adapters.entries.values()),
-            "asked": sum(e.staging for e in self.adapters.entries.values()),
-            "refused": self.adapters.refused(),
-        }
+        """Holds on host blocks: pool copies reading them, and writes the loader has not answered."""
+        return {"copies": self.adapters.copies(), "writes": self.adapters.count(HostTier.WRITING)}
 
     def listing(self, planner: Planner | None) -> list[ListedAdapter]:
         out = []
@@ -154,7 +147,7 @@ class AdapterOps:
             tier = (
                 "gpu"
                 if lora_id is not None
-                else ("host" if e.staged else ("loading" if e.staging else "disk"))
+                else ("host" if e.ready else ("loading" if e.host is HostTier.WRITING else "disk"))
             )
             state = {AdapterState.REGISTERED: "ready", AdapterState.VALIDATING: "loading"}.get(
                 e.state, e.state.value

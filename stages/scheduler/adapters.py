@@ -1,12 +1,15 @@
-"""The scheduler's registry of adapters: each one's path, lifecycle state (an enum), where its host block
-is, and the scheduler's hold on that block. Plain CPU code.
+"""The scheduler's registry of adapters: one record per adapter, with its lifecycle state, its host tier
+(disk, a range being written, a packed block) and the holds on that block. Plain CPU code.
 
-The scheduler is the one owner of holds: it sends StageAdapter only for a block it does not hold (the
-answer, AdapterStaged, means the loader now keeps that block for it) and ReleaseAdapter exactly once
-per hold, when no pool load of it is in flight and no waiting request still needs it loaded. The loader
-keeps one "held" flag per block, set and cleared by those two messages; it counts nothing. A pool load
-may only be issued for a held block (the loader never evicts one, so the worker's copy cannot race a
-reuse of those bytes)."""
+The scheduler is the one owner of adapter state. It places every host block (`host_table.py`), tells
+the loader where to write it, and evicts only blocks no pool copy reads; the loader and the worker act
+on its commands and keep no table of their own. The transitions, and who makes them:
+
+    DISK ──stage (range reserved)──► WRITING ──AdapterStaged──► HOST ──evict (no copy in flight)──► DISK
+                 ▲                      │ AdapterFailed, loader restart       │ pool load: copies += 1
+                 └──────────────────────┘ (range freed)                       └ copy done: copies -= 1
+
+All of them are made by `AdapterLifecycle`; the GPU tier (pool rows) is the planner's `PoolTable`."""
 
 from __future__ import annotations
 
@@ -23,35 +26,47 @@ class AdapterState(Enum):
     FAILED = "failed"  # it cannot be loaded (`error` says why)
 
 
+class HostTier(Enum):
+    DISK = "disk"  # no host range
+    WRITING = "writing"  # a range is reserved and the loader is writing it (StageAdapter `write_id`)
+    HOST = "host"  # packed in its range: a pool load may copy it
+
+
 @dataclass
 class RegisteredAdapter:
     name: str
     path: str
     state: AdapterState = AdapterState.REGISTERED
-    staged: AdapterStaged | None = None  # where the host block is; None when not in the host cache
-    held: bool = False  # the loader keeps the block for us (AdapterStaged answered, not released since)
-    staging: bool = False  # a StageAdapter is outstanding
-    loads_in_flight: int = 0  # pool loads issued whose copy is not reported done
+    host: HostTier = HostTier.DISK
+    staged: AdapterStaged | None = None  # the loader's answer, while `host` is HOST
+    nbytes: int = 0  # its block's bytes once staged (0: unknown; a staging then reserves the largest)
+    write_id: int = 0  # the outstanding StageAdapter's, while WRITING
+    copies: int = 0  # pool loads in flight reading its block: it is not evicted meanwhile
+    since: float = 0.0  # when its tier last changed (the adapter-wait timeout counts from here)
     error: str = ""
     pending_ops: list[int] = field(default_factory=list)  # LoadAdapterOp ids awaiting validation
 
     @property
     def ready(self) -> bool:
         """A pool load can be issued now."""
-        return self.staged is not None and self.held
+        return self.host is HostTier.HOST
+
+    @property
+    def evictable(self) -> bool:
+        return self.host is HostTier.HOST and self.copies == 0
 
 
 class AdapterRegistry:
     def __init__(self, adapters: dict[str, str]):
         self.entries: dict[str, RegisteredAdapter] = {n: RegisteredAdapter(n, p) for n, p in adapters.items()}
-        self._blocked: set[str] = set()  # refused for lack of host room: ask again after a release
-        self.generation = 0  # bumped at every LoaderStarted: holds of an older loader are void
 
     def get(self, name: str) -> RegisteredAdapter | None:
         return self.entries.get(name)
 
-    def add_validating(self, name: str, path: str, op_id: int) -> None:
-        self.entries[name] = RegisteredAdapter(name, path, AdapterState.VALIDATING, pending_ops=[op_id])
+    def add_validating(self, name: str, path: str, op_id: int, now: float) -> None:
+        self.entries[name] = RegisteredAdapter(
+            name, path, AdapterState.VALIDATING, since=now, pending_ops=[op_id]
+        )
 
     def usable(self, name: str) -> bool:
         e = self.entries.get(name)
@@ -66,83 +81,8 @@ class AdapterRegistry:
         e = self.entries.get(name)
         return e.staged.rank if e is not None and e.staged is not None else 0
 
-    def needs_stage(self, name: str) -> bool:
-        """True when a StageAdapter should be sent now (and marks it outstanding)."""
-        e = self.entries.get(name)
-        if e is None or e.staging or e.held or e.state is AdapterState.FAILED or name in self._blocked:
-            return False
-        e.staging = True
-        return True
+    def count(self, tier: HostTier) -> int:
+        return sum(1 for e in self.entries.values() if e.host is tier)
 
-    def on_staged(self, msg: AdapterStaged) -> RegisteredAdapter | None:
-        """The loader holds the block for us now; None (and nothing held) for an unknown name."""
-        e = self.entries.get(msg.name)
-        if e is None:
-            return None
-        e.staging, e.staged, e.held = False, msg, True
-        return e
-
-    def on_failed(self, name: str, message: str) -> RegisteredAdapter | None:
-        e = self.entries.get(name)
-        if e is None:
-            return None
-        e.staging = False
-        e.state, e.error = AdapterState.FAILED, message
-        return e
-
-    def on_evicted(self, name: str) -> None:
-        e = self.entries.get(name)
-        if e is not None and not e.held:
-            e.staged = None
-
-    def on_loader_restart(self) -> list[str]:
-        """The host cache is empty again: forget every block and hold; returns the names that had a
-        StageAdapter outstanding (to be sent again)."""
-        self.generation += 1
-        again = []
-        for e in self.entries.values():
-            if e.staging or e.state is AdapterState.VALIDATING:
-                again.append(e.name)
-            e.staged, e.held, e.staging = None, False, False
-        return again
-
-    def load_issued(self, name: str) -> None:
-        self.entries[name].loads_in_flight += 1
-
-    def load_done(self, name: str) -> None:
-        e = self.entries.get(name)
-        if e is not None and e.loads_in_flight:
-            e.loads_in_flight -= 1
-
-    def release(self, name: str, needed: bool) -> bool:
-        """Give the hold back if nothing needs it (no copy in flight, not `needed` by a waiting request
-        that must load it). True: send ReleaseAdapter (a restarted loader voided every hold already)."""
-        e = self.entries.get(name)
-        if e is None or not e.held or e.loads_in_flight or needed:
-            return False
-        e.held = False
-        self._blocked.clear()  # adapters refused for room may be asked for again
-        return True
-
-    def held_waiting(self) -> int:
-        """Blocks held or asked for whose pool load has not been issued (bounded prefetch)."""
-        return sum(1 for e in self.entries.values() if (e.held or e.staging) and not e.loads_in_flight)
-
-    def held(self) -> int:
-        """Host-cache blocks held or asked for: must stay below the host cache's capacity."""
-        return sum(1 for e in self.entries.values() if e.held or e.staging)
-
-    def refused(self) -> int:
-        """Adapters the loader refused for lack of host room, not asked for again until a release."""
-        return len(self._blocked)
-
-    def on_retry_later(self, name: str) -> None:
-        """The loader had no room for `name` now: ask again once a held or outstanding block is given
-        back. With none left nothing would ever wake a blocked name, so every block is lifted then."""
-        e = self.entries.get(name)
-        if e is not None:
-            e.staging = False
-            if any(x.held or x.staging for x in self.entries.values()):
-                self._blocked.add(name)
-            else:
-                self._blocked.clear()
+    def copies(self) -> int:
+        return sum(e.copies for e in self.entries.values())

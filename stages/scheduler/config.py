@@ -12,8 +12,14 @@ from stages.scheduler.planner_config import PlannerPolicy
 
 class SchedulerConfig(StageConfig, frozen=True, kw_only=True):
     endpoints: Endpoints
-    max_cpu_loras: int | None = None  # host-cache cap, if any: the scheduler never holds more blocks
-    host_cache_bytes: int = 0  # the host cache's capacity: start-up warming stops short of it (0: unknown)
+    # the host cache the scheduler places adapter blocks in: its bytes, the optional cap on blocks, and
+    # the aligned bytes of a block of --max-lora-rank (what a first staging reserves: the rank of an
+    # adapter is known only once the loader has read it)
+    host_cache_bytes: int
+    max_cpu_loras: int | None = None
+    max_block_bytes: int
+    # seconds a waiting request's adapter may make no progress (no tier change) before the request fails
+    adapter_wait_timeout_s: float
     max_model_len: int
     # the planner's settings (runtime/engine_args.py derives them); the pool's size comes from the worker
     policy: PlannerPolicy = msgspec.field(default_factory=PlannerPolicy)

@@ -10,11 +10,12 @@ from typing import Any
 from proto.plan import BatchPlan
 from runtime.base.metrics import StageMetrics
 from stages.scheduler.gateway_metrics import RUNNING_REQUESTS, WAITING_REQUESTS
+from stages.scheduler.host_table import HostTable
 from stages.scheduler.planner import Planner
 
 TIERS = ("gpu", "loading", "host", "disk")  # where an adapter is, fastest first
 WAITING_TIERS = ("base", "gpu", "loading", "host", "asked", "disk")  # where a waiting request's adapter is
-HOLD_STATES = ("waiting", "held", "asked", "refused")
+HOLD_STATES = ("copies", "writes")  # holds on host blocks: pool copies reading them, writes outstanding
 # 1 ms .. 64 s, four buckets per doubling: fine enough to read a P99 off the histogram within ~19%
 WAIT_BUCKETS = [1e-3 * 2 ** (i / 4) for i in range(65)]
 QUANTILES = (0.5, 0.9, 0.99)
@@ -85,17 +86,20 @@ class SchedulerMetrics:
         )
         m.gauge_map(
             "lorapipe_host_holds",
-            "Host blocks held for the GPU pool (waiting: no pool load issued yet), StageAdapters "
-            "outstanding, adapters refused for host room",
+            "Holds on host blocks (never evicted while held): pool copies reading them, loader writes "
+            "not answered yet",
             "state",
             HOLD_STATES,
             hold_counts,
         )
-        self.host_lookups = m.counter(
-            "lorapipe_host_lookups",
-            "Adapters needed in the GPU pool: block already in the host cache (hit) or read from disk (miss)",
-            ["result"],
+        self.host_hits = m.counter(
+            "lorapipe_host_cache_hits", "Adapters needed in the GPU pool whose block was in the host cache"
         )
+        self.host_misses = m.counter(
+            "lorapipe_host_cache_misses",
+            "Adapters needed in the GPU pool whose block had to be read from disk",
+        )
+        self.host_evictions = m.counter("lorapipe_host_cache_evictions", "Host blocks evicted (LRU) for room")
         self.adapter_wait = m.histogram(
             "lorapipe_adapter_wait_seconds",
             "Arrival to admission of requests that waited for their adapter to load",
@@ -116,6 +120,21 @@ class SchedulerMetrics:
         )
         for q in QUANTILES:
             waits.labels(quantile=str(q)).set_function(lambda q=q: quantile(list(self.recent_waits), q))
+
+    @staticmethod
+    def host_gauges(m: StageMetrics, table: HostTable, blocks: Callable[[str], int]) -> None:
+        """The host cache as the scheduler's table has it; `blocks(state)`: adapters packed in it
+        (`resident`), of those being copied into the pool (`copying`), ranges being written (`writing`)."""
+        g = m.gauge("lorapipe_host_cache_adapters", "Adapters in the host cache", ["state"])
+        for state in ("resident", "copying", "writing"):
+            g.labels(state=state).set_function(lambda state=state: blocks(state))
+        m.gauge("lorapipe_host_cache_bytes_used", "Bytes of host ranges reserved").set_function(
+            lambda: table.used_bytes
+        )
+        m.gauge("lorapipe_host_cache_capacity_bytes", "Size of the host-cache pool").set(table.capacity)
+        m.gauge(
+            "lorapipe_host_cache_largest_free_bytes", "Largest block placed without evicting"
+        ).set_function(table.largest_free)
 
     def count_plan(self, running: Sequence[Any]) -> None:
         """A plan was sent: count it and its distinct adapters (`running`: the planner's running requests)."""

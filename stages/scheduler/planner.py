@@ -116,6 +116,10 @@ class Planner:
             self._finish(req)
         return True
 
+    def adapter_of(self, request_id: str) -> str | None:
+        req = self._by_id.get(request_id)
+        return None if req is None else req.adapter
+
     def users_of(self, adapter: str) -> int:
         """Waiting and running requests that use `adapter`."""
         return sum(1 for r in self.waiting if r.adapter == adapter) + sum(

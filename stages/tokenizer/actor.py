@@ -59,6 +59,7 @@ from runtime.base.sockets import MAX_CLIENT_FRAMES, PeerGone, PullSocket, PushSo
 from stages.tokenizer.adapter_ops import check_adapter_op
 from stages.tokenizer.config import TokenizerConfig
 from stages.tokenizer.detokenizer import IncrementalDetokenizer
+from stages.tokenizer.failures import fail_dependents
 from stages.tokenizer.local_clients import LocalClients
 from stages.tokenizer.metrics import TokenizerMetrics
 from stages.tokenizer.requests import OpenRequest, RequestTable
@@ -353,6 +354,9 @@ class TokenizerActor(Actor[TokenizerConfig]):
         if socket == "client" and exc.identity is not None:
             rid = peek_request_id(exc.body)
             await self._error(exc.identity, rid, "invalid_request", f"malformed message: {exc}")
+
+    async def on_handler_failed(self, queue: str, item: Any, exc: Exception) -> None:
+        await fail_dependents(self, queue, item, exc)
 
     def _shutdown_message(self) -> str:
         reason = f": {self.shutdown_reason}" if self.shutdown_reason else ""

@@ -146,7 +146,7 @@ class WorkerActor(Actor[WorkerConfig]):
             self.load_stream = torch.cuda.Stream(self.runner.device)
         self.executor = StepExecutor(
             self.runner,
-            self._load_slot,
+            self._issue_load,
             cfg.max_model_len,
             seed=cfg.seed,
             overlap_loading=cfg.overlap_loading,
@@ -209,6 +209,11 @@ class WorkerActor(Actor[WorkerConfig]):
 
     def _stepping(self) -> bool:
         return self.steps is not None and self.steps.busy
+
+    def _issue_load(self, load: SlotLoad) -> LoadHandle:
+        """A pool load from a plan (a fault injected here fails as a copy would: a SlotError)."""
+        self._faults.check(load)
+        return self._load_slot(load)
 
     def _load_slot(self, load: SlotLoad) -> LoadHandle:
         """Issue a staged block's copy into its pool rows. On CUDA it runs on the load stream after every

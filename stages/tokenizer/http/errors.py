@@ -13,6 +13,8 @@ STATUS_OF_KIND = {
     "server_error": 500,
     "aborted": 500,
     "protocol_mismatch": 500,
+    "adapter_timeout": 503,
+    "stage_failed": 500,
 }
 TYPE_OF_STATUS = {
     400: "invalid_request_error",
