@@ -270,7 +270,7 @@ class LoaderActor(Actor[LoaderConfig]):
     def _read(self, job: _Load, limits: ReadLimits) -> AdapterPlan:
         cfg = self.config
         try:
-            path = inside_root(job.path, cfg.adapter_root, cfg.trusted_paths)
+            path = inside_root(job.msg.path, cfg.adapter_root, cfg.trusted_paths)
         except FileRefused as exc:
             raise AdapterError(job.name, str(exc)) from None
         return plan_adapter(job.name, path, self.model_cfg, self.layout, self.dtype, limits)
@@ -331,5 +331,7 @@ class LoaderActor(Actor[LoaderConfig]):
         if self.writers_dir is not None:
             shutil.rmtree(self.writers_dir, ignore_errors=True)
         self.executor.shutdown(wait=False, cancel_futures=True)
-        if self.pool is not None and not close_pool(self.pool):
-            self.log.info("host pool still mapped by a running copy; the exit unmaps it")
+        # a write still in flight (stopped without draining) has threads packing into the pool that
+        # cannot be stopped: unmapping it under them would end the process with SIGSEGV
+        if self.pool is not None and (self.loading or not close_pool(self.pool)):
+            self.log.info("host pool still mapped by a write in flight or a view; the exit unmaps it")

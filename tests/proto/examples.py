@@ -34,11 +34,8 @@ from proto.control import (
 from proto.loader import (
     AdapterFailed,
     AdapterStaged,
-    DropAdapter,
-    Evicted,
     LoaderHealth,
     LoaderStarted,
-    ReleaseAdapter,
     StageAdapter,
 )
 from proto.loader_parts import FileId, Gap, Part, PartDone, Piece, Run, TensorEntry, WritePart, WriterReady
@@ -124,6 +121,7 @@ EXAMPLES: list[Message] = [
         ]
     ),
     ErrorReply(request_id="g1", kind="unknown_adapter", message="unknown adapter 'b'"),
+    ErrorReply(request_id="g5", kind="adapter_timeout", message="adapter 'a' made no progress (host)"),
     AdapterList(request_id="la", adapters=[ENTRY, AdapterEntry(name="b", path="/b", tier="disk")]),
     HealthReply(request_id="he", ok=False, stages=STAGES),
     Ack(request_id="l"),
@@ -139,6 +137,7 @@ EXAMPLES: list[Message] = [
     AdapterListing(op_id=3, adapters=[ENTRY]),
     HealthStatus(op_id=4, stages=STAGES),
     RequestFailed(request_id="g2", kind="adapter_load_failed", message="bad file"),
+    RequestFailed(request_id="g3", kind="stage_failed", message="the adapter-loader failed on adapter 'a'"),
     AdapterUpdate(name="a", state="unloading"),
     TokenBatch(step=9, items=[TokenDelta(request_id="g2", token_ids=[7]), TokenDelta("g3", [8, 2], "stop")]),
     BatchPlan(
@@ -181,9 +180,7 @@ EXAMPLES: list[Message] = [
     WorkerStarted(
         num_pages=128, page_size=16, max_model_len=2048, lora_rows=512, lora_ids=128, lora_row_bytes=9216
     ),
-    StageAdapter(name="a", path="/ad/a"),
-    ReleaseAdapter(name="a"),
-    DropAdapter(name="a"),
+    StageAdapter(name="a", path="/ad/a", offset=8192, capacity=16384, write_id=5),
     AdapterStaged(
         name="a",
         shm_name="psm_1",
@@ -194,10 +191,11 @@ EXAMPLES: list[Message] = [
         slice_ranks=[8] * 14,
         slice_scalings=[2.0] * 14,
         load_time=0.1,
+        write_id=5,
     ),
-    AdapterFailed(name="b", message="DoRA adapters are not supported"),
-    Evicted(name="a"),
-    LoaderHealth(stuck_reads=1, read_threads=6, detail="reads stuck: 'a' for 61s"),
+    AdapterFailed(name="b", message="DoRA adapters are not supported", write_id=6),
+    AdapterFailed(name="c", message="the adapter-loader failed on adapter 'c'", write_id=7, stage_fault=True),
+    LoaderHealth(stuck_reads=1, read_threads=6, detail="reads stuck: 'a' for 61s", handler_failures=2),
     LoaderStarted(pid=7),
     WritePart(
         job=3,

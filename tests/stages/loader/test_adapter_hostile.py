@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from proto.loader import AdapterFailed, AdapterStaged, LoaderHealth, LoaderStarted, StageAdapter
+from proto.loader import AdapterFailed, AdapterStaged, LoaderHealth, LoaderStarted
 from stages.loader.actor import LoaderActor
 from stages.loader.adapter_config import MAX_CONFIG_BYTES, AdapterError
 from stages.loader.adapter_reader import read_adapter
@@ -147,11 +147,13 @@ def test_a_hung_read_fails_its_load_and_shows_in_health(tmp_path, tiny_llama, mo
         task = asyncio.create_task(actor.run())
         try:
             await s.recv(LoaderStarted)
-            await s.send(StageAdapter(name="hang", path=str(llama_adapters["full8"])))
+            hang = s.request("hang", llama_adapters["full8"])
+            await s.send(hang)
             health = await s.recv(LoaderHealth)
-            assert health.stuck_reads == 1 and "'hang'" in health.detail
+            assert health.stuck_reads == 1 and "'hang'" in health.detail and health.handler_failures == 0
             failed = await s.recv(AdapterFailed)
             assert failed.name == "hang" and "longer than 1s" in failed.message
+            assert failed.write_id == hang.write_id
             # the other threads keep loading
             assert isinstance(await s.stage("qv5", llama_adapters["qv5"]), AdapterStaged)
             HungReadLoader.release.set()

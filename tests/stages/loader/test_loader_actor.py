@@ -1,16 +1,19 @@
-"""The adapter-loader stage over ipc://, with the test playing the scheduler: staged bytes equal the
-reader's packed block, host-cache hits, LRU eviction that spares pinned blocks, bad adapters failing
-beside good ones, drops, and a killed loader process restarting on the same pool."""
+"""The adapter-loader stage over ipc://, with the test playing the scheduler (its own HostTable places
+every range, as the scheduler's does): staged bytes equal the reader's packed block at the range the
+loader was told, bad adapters fail beside good ones, a range outside the pool and a failing handler are
+answered as the loader's own faults while it serves on, and a killed loader restarting on the same pool
+leaves the blocks written before intact and never answers the writes it lost."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import os
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,26 +24,34 @@ import torch
 from proto.loader import (
     AdapterFailed,
     AdapterStaged,
-    DropAdapter,
-    Evicted,
+    LoaderHealth,
     LoaderStarted,
     LoaderToScheduler,
-    ReleaseAdapter,
     SchedulerToLoader,
     StageAdapter,
 )
+from runtime.base import faults
 from runtime.base.endpoints import Endpoints
 from runtime.base.sockets import PullSocket, PushSocket
-from runtime.common.host_pool import attach_pool, block_tensor, create_pool, pool_bytes_for, unlink_pool
+from runtime.common.host_pool import (
+    ALIGN,
+    attach_pool,
+    block_tensor,
+    create_pool,
+    pool_bytes_for,
+    unlink_pool,
+)
 from runtime.common.lora_layout import LoraLayout
 from stages.loader.actor import LoaderActor
 from stages.loader.adapter_config import AdapterError
 from stages.loader.adapter_reader import read_adapter
 from stages.loader.config import LoaderConfig
+from stages.scheduler.host_table import HostTable, aligned
 
 ROOT = Path(__file__).resolve().parents[3]
 MAX_RANK = 16
 DTYPE = torch.bfloat16  # the tiny checkpoint is float32: staging also converts
+SENTINEL = 0xA5  # pool bytes no write may touch
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -49,28 +60,36 @@ def packed(model, adapters: dict[str, Path], name: str):
 
 
 class Scheduler:
-    """A pool, a LoaderConfig and the scheduler's two sockets; the loader runs in-process or not."""
+    """A pool, a LoaderConfig, the scheduler's two sockets and its host table; the loader runs in-process
+    or not. Like the scheduler, it reserves a max-rank block for a staging of unknown rank (the rank is
+    known only once the adapter is read), numbers writes, trims a staged range to the answer's bytes,
+    frees the range of a failed write, and on LoaderStarted frees the ranges of the writes in flight (the
+    restarted loader will not answer them). Every answer must answer a write in flight, once."""
 
     def __init__(
         self,
         run_dir: Path,
         model_dir: Path,
         layout: LoraLayout,
-        max_cpu_loras: int | None,
+        blocks: int | None = 4,
         pool_bytes: int | None = None,
         **config: Any,
     ) -> None:
-        """The pool holds `max_cpu_loras` max-rank blocks unless `pool_bytes` says otherwise."""
-        assert pool_bytes or max_cpu_loras
-        pool_bytes = pool_bytes or pool_bytes_for(layout, layout.max_rank, DTYPE, max_cpu_loras)
+        """The pool holds `blocks` max-rank blocks unless `pool_bytes` says otherwise."""
+        self.max_block = pool_bytes_for(layout, layout.max_rank, DTYPE, 1)  # aligned
+        assert pool_bytes or blocks
+        pool_bytes = pool_bytes or blocks * self.max_block
         self.pool = create_pool("lptest-", pool_bytes)
+        self.table = HostTable(pool_bytes)
+        self.write_ids = itertools.count(1)
+        self.writing: dict[int, StageAdapter] = {}  # write_id -> its StageAdapter, until answered
+        self.unplaced: set[int] = set()  # write_ids of ranges the table did not place
         self.ep = Endpoints.in_run_dir(run_dir, client=f"ipc://{run_dir}/client.sock")
         self.cfg = LoaderConfig(
             endpoints=self.ep,
             model_dir=str(model_dir),
             dtype="bfloat16",
             max_lora_rank=layout.max_rank,
-            max_cpu_loras=max_cpu_loras,
             host_pool_name=self.pool.name,
             host_pool_bytes=pool_bytes,
             drain_timeout_s=5,
@@ -80,6 +99,24 @@ class Scheduler:
         self.out = PushSocket(self.ep.scheduler_to_loader, SchedulerToLoader)
         self.inp = PullSocket(self.ep.loader_to_scheduler, LoaderToScheduler)
 
+    def request(self, name: str, path: Path | str, nbytes: int | None = None) -> StageAdapter:
+        """A StageAdapter for a range the table places: `nbytes` when the block's size is known, else a
+        max-rank block's."""
+        placed = self.table.place(name, nbytes or self.max_block)
+        assert placed is not None, f"the test's pool has no room for {name!r}"
+        offset, _ = placed
+        capacity = self.table.get(name).size
+        msg = StageAdapter(name, str(path), offset, capacity, next(self.write_ids))
+        self.writing[msg.write_id] = msg
+        return msg
+
+    def unplaced_request(self, name: str, path: Path | str, offset: int, capacity: int) -> StageAdapter:
+        """A StageAdapter for a range the table did not place (as a scheduler bug would send)."""
+        msg = StageAdapter(name, str(path), offset, capacity, next(self.write_ids))
+        self.writing[msg.write_id] = msg
+        self.unplaced.add(msg.write_id)
+        return msg
+
     async def send(self, *msgs: Any) -> None:
         for msg in msgs:
             await self.out.send(msg)
@@ -87,14 +124,38 @@ class Scheduler:
     async def recv(self, kind: type | None = None) -> Any:
         msg = await asyncio.wait_for(self.inp.recv(), 20)
         assert kind is None or isinstance(msg, kind), msg
+        if isinstance(msg, AdapterStaged | AdapterFailed):
+            sent = self.writing.pop(msg.write_id, None)
+            assert sent is not None and sent.name == msg.name, f"{msg} answers no write in flight"
+            placed = msg.write_id not in self.unplaced
+            if isinstance(msg, AdapterStaged):
+                assert msg.offset == sent.offset and msg.nbytes <= sent.capacity, (msg, sent)
+                if placed:
+                    self.table.shrink(msg.name, msg.nbytes)
+            elif placed:
+                self.table.free(msg.name)
+        elif isinstance(msg, LoaderStarted):  # the writes in flight are lost: their ranges are free
+            for sent in self.writing.values():
+                if sent.write_id not in self.unplaced:
+                    self.table.free(sent.name)
+            self.writing.clear()
         return msg
 
-    async def stage(self, name: str, path: Path) -> Any:
-        await self.send(StageAdapter(name=name, path=str(path)))
-        return await self.recv()
+    async def stage(self, name: str, path: Path | str, nbytes: int | None = None) -> Any:
+        """Stage one adapter and return its answer (which must carry the write's id)."""
+        sent = self.request(name, path, nbytes)
+        await self.send(sent)
+        answer = await self.recv(AdapterStaged | AdapterFailed)
+        assert answer.write_id == sent.write_id, (answer, sent)
+        return answer
 
     def block(self, staged: AdapterStaged) -> torch.Tensor:
         return block_tensor(self.pool, staged.offset, staged.rank, self.layout, DTYPE).clone()
+
+    def fill(self, byte: int = SENTINEL) -> bytes:
+        """Fill the pool with `byte`; returns its contents."""
+        self.pool.buf[:] = bytes([byte]) * self.pool.size
+        return bytes(self.pool.buf)
 
     def close(self) -> None:
         self.out.close()
@@ -102,8 +163,8 @@ class Scheduler:
         unlink_pool(self.pool)
 
 
-def run_loader(run_dir, tiny_llama, model, body, max_cpu_loras: int | None = 4, **kw: Any) -> None:
-    s = Scheduler(run_dir, tiny_llama, model[1], max_cpu_loras, **kw)
+def run_loader(run_dir, tiny_llama, model, body, blocks: int | None = 4, **kw: Any) -> None:
+    s = Scheduler(run_dir, tiny_llama, model[1], blocks, **kw)
 
     async def main() -> None:
         actor = LoaderActor(s.cfg)
@@ -112,6 +173,7 @@ def run_loader(run_dir, tiny_llama, model, body, max_cpu_loras: int | None = 4, 
             await s.recv(LoaderStarted)
             await body(s, actor)
             assert not task.done(), "the loader stopped"
+            assert not s.writing, f"writes never answered: {s.writing}"
         finally:
             actor.request_drain()
             actor.request_drain()
@@ -127,64 +189,31 @@ def metric(actor: LoaderActor, name: str, **labels: str) -> float | None:
     return actor.metrics.registry.get_sample_value(name, {"stage": "loader", **labels})
 
 
-def test_staged_block_equals_the_readers_and_a_second_stage_hits(run_dir, tiny_llama, model, llama_adapters):
+def test_staged_blocks_equal_the_readers_at_the_ranges_given(run_dir, tiny_llama, model, llama_adapters):
     async def body(s: Scheduler, actor: LoaderActor) -> None:
+        qv5 = await s.stage("qv5", llama_adapters["qv5"])
+        assert isinstance(qv5, AdapterStaged) and qv5.offset == 0
+        # full8 goes right after qv5's trimmed range: the loader writes where it is told, not at 0
         want = packed(model, llama_adapters, "full8")
-        staged = await s.stage("full8", llama_adapters["full8"])
-        assert isinstance(staged, AdapterStaged) and not staged.cache_hit and staged.load_time > 0
+        sent = s.request("full8", llama_adapters["full8"])
+        assert sent.offset == aligned(qv5.nbytes) > 0
+        await s.send(sent)
+        staged = await s.recv(AdapterStaged)
         assert (staged.name, staged.shm_name, staged.rank) == ("full8", s.pool.name, 8)
-        assert staged.dtype == "bfloat16"
+        assert (staged.offset, staged.write_id) == (sent.offset, sent.write_id)
+        assert staged.dtype == "bfloat16" and staged.load_time > 0
         assert staged.nbytes == want.nbytes and staged.layer_nbytes * model[0].num_layers == want.nbytes
-        assert staged.offset % 4096 == 0
         assert torch.equal(s.block(staged), want.block)  # bit for bit
         assert staged.slice_ranks == want.ranks.flatten().tolist()
         assert staged.slice_scalings == want.scalings.flatten().tolist()
-
-        hit = await s.stage("full8", llama_adapters["full8"])
-        assert hit == msgspec.structs.replace(staged, cache_hit=True, load_time=0.0)
-        # two StageAdapters for one name while it loads: one read from disk, two answers
-        await s.send(*[StageAdapter(name="qv5", path=str(llama_adapters["qv5"]))] * 2)
-        a, b = await s.recv(AdapterStaged), await s.recv(AdapterStaged)
-        assert a.offset == b.offset and a.offset != staged.offset
-        assert torch.equal(s.block(a), packed(model, llama_adapters, "qv5").block)
+        assert torch.equal(s.block(qv5), packed(model, llama_adapters, "qv5").block)  # its neighbour intact
 
         assert metric(actor, "lorapipe_adapter_loads_total", result="staged") == 2
-        assert metric(actor, "lorapipe_host_cache_hits_total") == 1 + (a.cache_hit or b.cache_hit)
-        assert metric(actor, "lorapipe_adapter_load_bytes_total") == want.nbytes + a.nbytes
+        assert metric(actor, "lorapipe_adapter_load_bytes_total") == want.nbytes + qv5.nbytes
         assert metric(actor, "lorapipe_adapter_load_seconds_count") == 2
-        assert metric(actor, "lorapipe_host_cache_adapters", state="resident") == 2
-        assert metric(actor, "lorapipe_host_cache_adapters", state="pinned") == 2
-        assert metric(actor, "lorapipe_host_cache_bytes_used") == want.nbytes + a.nbytes
+        assert metric(actor, "lorapipe_loader_writes_in_flight") == 0
 
     run_loader(run_dir, tiny_llama, model, body)
-
-
-def test_lru_eviction_spares_pinned_blocks(run_dir, tiny_llama, model, llama_adapters):
-    paths = llama_adapters
-
-    async def body(s: Scheduler, actor: LoaderActor) -> None:
-        a = await s.stage("full8", paths["full8"])
-        await s.stage("qv5", paths["qv5"])
-        full = await s.stage("mlp1", paths["mlp1"])  # both cached blocks are pinned: nothing to evict
-        assert isinstance(full, AdapterFailed) and "every cached adapter is in use" in full.message
-        assert full.retryable
-        await s.send(ReleaseAdapter(name="full8"), ReleaseAdapter(name="qv5"))
-        assert (await s.stage("full8", paths["full8"])).cache_hit  # full8 is now the most recent
-        await s.send(ReleaseAdapter(name="full8"))
-
-        assert await s.stage("mlp1", paths["mlp1"]) == Evicted(name="qv5")  # least recently used
-        mlp1 = await s.recv(AdapterStaged)
-        assert await s.stage("rs12", paths["rs12"]) == Evicted(name="full8")  # mlp1 is pinned
-        rs12 = await s.recv(AdapterStaged)
-        assert not rs12.cache_hit and a.offset == 0
-        assert mlp1.offset + mlp1.nbytes <= rs12.offset or rs12.offset + rs12.nbytes <= mlp1.offset
-        assert torch.equal(s.block(mlp1), packed(model, paths, "mlp1").block)  # not overwritten
-        assert torch.equal(s.block(rs12), packed(model, paths, "rs12").block)
-        assert isinstance(await s.stage("full8", paths["full8"]), AdapterFailed)  # evicted; both pinned
-        assert metric(actor, "lorapipe_host_cache_evictions_total") == 2
-        assert metric(actor, "lorapipe_adapter_loads_total", result="failed") == 2
-
-    run_loader(run_dir, tiny_llama, model, body, max_cpu_loras=2)
 
 
 def test_a_corrupt_adapter_fails_with_the_readers_message_beside_a_good_one(
@@ -198,66 +227,143 @@ def test_a_corrupt_adapter_fails_with_the_readers_message_beside_a_good_one(
         read_adapter("bad", bad, *model, DTYPE)
 
     async def body(s: Scheduler, actor: LoaderActor) -> None:
-        await s.send(StageAdapter(name="bad", path=str(bad)), StageAdapter(name="empty", path=str(tmp_path)))
-        await s.send(StageAdapter(name="qv5", path=str(llama_adapters["qv5"])))
+        sent = {
+            "bad": s.request("bad", bad),
+            "empty": s.request("empty", tmp_path),
+            "qv5": s.request("qv5", llama_adapters["qv5"]),
+        }
+        await s.send(*sent.values())
         replies = {m.name: m for m in [await s.recv() for _ in range(3)]}
-        assert replies["bad"] == AdapterFailed(name="bad", message=str(reader.value), retryable=False)
-        assert isinstance(replies["empty"], AdapterFailed) and "no adapter_config" in replies["empty"].message
+        # the adapter's own fault (stage_fault False): the scheduler marks it failed, not to be retried
+        assert replies["bad"] == AdapterFailed(
+            name="bad", message=str(reader.value), write_id=sent["bad"].write_id, stage_fault=False
+        )
+        empty = replies["empty"]
+        assert isinstance(empty, AdapterFailed) and "no adapter_config" in empty.message
+        assert empty.write_id == sent["empty"].write_id and not empty.stage_fault
         assert isinstance(replies["qv5"], AdapterStaged)
         assert torch.equal(s.block(replies["qv5"]), packed(model, llama_adapters, "qv5").block)
-        assert await s.stage("bad", bad) == replies["bad"]  # a failure is not cached: read again
+        again = await s.stage("bad", bad)  # asked again, read again: nothing of a failure is kept
+        assert again == msgspec.structs.replace(replies["bad"], write_id=again.write_id)
         assert metric(actor, "lorapipe_adapter_loads_total", result="failed") == 3
-        assert metric(actor, "lorapipe_host_cache_adapters", state="resident") == 1
+        assert metric(actor, "lorapipe_adapter_loads_total", result="staged") == 1
 
     run_loader(run_dir, tiny_llama, model, body)
 
 
-def test_drop_frees_the_block_and_waits_for_pinned_ones(run_dir, tiny_llama, model, llama_adapters):
-    path = str(llama_adapters["mlp1"])
-    gate = threading.Event()  # holds the qv5 read until its DropAdapter was handled
+def test_a_range_outside_the_pool_is_the_loaders_fault_and_it_serves_on(
+    run_dir, tiny_llama, model, llama_adapters
+):
+    """A range the scheduler should never send: answered as the loader's fault (stage_fault, the same
+    write_id) before anything is written, even where the block itself would fit inside the pool."""
+    path = llama_adapters["qv5"]
+    want = packed(model, llama_adapters, "qv5")
 
     async def body(s: Scheduler, actor: LoaderActor) -> None:
-        read = actor._read
-        actor._read = lambda job, limits: (job.name != "qv5" or gate.wait(20)) and read(job, limits)
-        first = await s.stage("mlp1", path)
-        # dropped while pinned: a StageAdapter meanwhile waits for the release, then reads it afresh
-        await s.send(DropAdapter(name="mlp1"), StageAdapter(name="mlp1", path=path))
-        await s.send(ReleaseAdapter(name="mlp1"))
-        again = await s.recv(AdapterStaged)
-        assert not again.cache_hit and again.offset == first.offset
-        await s.send(ReleaseAdapter(name="mlp1"), DropAdapter(name="mlp1"))
-        assert not (await s.stage("mlp1", path)).cache_hit
-        # dropped while loading: the load is answered as failed and its block freed
-        await s.send(StageAdapter(name="qv5", path=str(llama_adapters["qv5"])), DropAdapter(name="qv5"))
-        assert (await s.stage("mlp1", path)).cache_hit  # answered after the DropAdapter was handled
-        gate.set()
-        gone = await s.recv(AdapterFailed)
-        assert gone.name == "qv5" and "unloaded" in gone.message
-        assert metric(actor, "lorapipe_host_cache_adapters", state="resident") == 1
-        assert metric(actor, "lorapipe_host_cache_misses_total") == 4
+        before = s.fill()
+        size, fits = s.pool.size, aligned(want.nbytes)
+        sent = [
+            s.unplaced_request("qv5", path, -ALIGN, fits),  # starts before the pool
+            s.unplaced_request("qv5", path, size - fits, 2 * fits),  # ends past it; the block would fit
+        ]
+        await s.send(*sent)
+        replies = {m.write_id: m for m in [await s.recv(AdapterFailed) for _ in sent]}
+        for msg in sent:
+            failed = replies[msg.write_id]
+            assert failed.stage_fault and failed.name == "qv5", failed
+            assert f"host range {msg.offset}+{msg.capacity} is outside the pool" in failed.message
+        assert bytes(s.pool.buf) == before  # nothing written anywhere
+        staged = await s.stage("qv5", path)
+        assert isinstance(staged, AdapterStaged) and torch.equal(s.block(staged), want.block)
 
-    try:
-        run_loader(run_dir, tiny_llama, model, body)
-    finally:
-        gate.set()
+    run_loader(run_dir, tiny_llama, model, body)
+
+
+def test_a_handler_failure_is_answered_as_the_loaders_fault_beside_a_good_write(
+    run_dir, tiny_llama, model, llama_adapters, monkeypatch
+):
+    """The handler raises on one StageAdapter (an injected stand-in for any bug): that write is answered
+    (the scheduler frees its range and may ask again) naming the adapter and the stage, a write sent
+    with it is staged, and the loader reports the failure in its health and metrics."""
+    monkeypatch.setenv(faults.ENV, "loader:StageAdapter:inject-me")  # read by the actor's constructor
+
+    async def body(s: Scheduler, actor: LoaderActor) -> None:
+        doomed = s.request("inject-me", llama_adapters["full8"])
+        good = s.request("qv5", llama_adapters["qv5"])
+        await s.send(doomed, good)
+        replies = [await s.recv() for _ in range(3)]
+        kinds = [type(m) for m in replies]
+        assert sorted(k.__name__ for k in kinds) == ["AdapterFailed", "AdapterStaged", "LoaderHealth"]
+        failed = replies[kinds.index(AdapterFailed)]
+        assert (failed.name, failed.write_id, failed.stage_fault) == ("inject-me", doomed.write_id, True)
+        assert "'inject-me'" in failed.message and "adapter-loader" in failed.message
+        health = replies[kinds.index(LoaderHealth)]
+        assert kinds.index(LoaderHealth) > kinds.index(AdapterFailed)  # sent after the failure
+        assert health.handler_failures == 1 and health.stuck_reads == 0
+        staged = replies[kinds.index(AdapterStaged)]
+        assert staged.write_id == good.write_id
+        assert torch.equal(s.block(staged), packed(model, llama_adapters, "qv5").block)
+        assert metric(actor, "lorapipe_handler_errors_total", queue="scheduler_requests") == 1
+        assert metric(actor, "lorapipe_loader_writes_in_flight") == 0
+
+    run_loader(run_dir, tiny_llama, model, body)
+
+
+# The loader of the restart test, run as `python -c HANGING_LOADER CONFIG.json FD`: reads of adapters
+# named "hang*" never return (a hung file system: the disk is what the test plays, not the loader); it
+# writes one byte to FD when such a read began, so the test knows the write is in flight.
+HANGING_LOADER = """
+import os, sys, threading
+from runtime.base.actor import stage_main
+from stages.loader.actor import LoaderActor
+from stages.loader.config import LoaderConfig
+
+FD = int(sys.argv.pop())
+
+class HangingLoader(LoaderActor):
+    def _read(self, job, limits):
+        if job.name.startswith("hang"):
+            os.write(FD, b"r")
+            threading.Event().wait()
+        return super()._read(job, limits)
+
+stage_main(HangingLoader, LoaderConfig)
+"""
 
 
 def test_a_killed_loader_restarts_on_the_same_pool(run_dir, tiny_llama, model, llama_adapters):
-    s = Scheduler(run_dir, tiny_llama, model[1], max_cpu_loras=2)
+    s = Scheduler(run_dir, tiny_llama, model[1], blocks=2)
     cfg_path = run_dir / "loader.json"
     cfg_path.write_bytes(msgspec.json.encode(s.cfg))
     want = packed(model, llama_adapters, "rs12")
     procs: list[subprocess.Popen] = []
+    began_r, began_w = os.pipe()
 
-    def spawn() -> subprocess.Popen:
-        procs.append(subprocess.Popen([sys.executable, "-m", "stages.loader", str(cfg_path)], cwd=ROOT))
+    def spawn(hanging: bool = False) -> subprocess.Popen:
+        if hanging:
+            args = ["-c", HANGING_LOADER, str(cfg_path), str(began_w)]
+            try:
+                procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, pass_fds=(began_w,)))
+            finally:
+                os.close(began_w)  # the child's copy alone: its death ends a read of began_r
+        else:
+            procs.append(subprocess.Popen([sys.executable, "-m", "stages.loader", str(cfg_path)], cwd=ROOT))
         return procs[-1]
 
     async def main() -> None:
-        first = spawn()
+        loop = asyncio.get_running_loop()
+        first = spawn(hanging=True)
         assert (await s.recv(LoaderStarted)).pid == first.pid
         staged = await s.stage("rs12", llama_adapters["rs12"])
         assert isinstance(staged, AdapterStaged)
+        lost = s.request("hang", llama_adapters["qv5"])  # the range right after rs12's trimmed block
+        await s.send(lost)
+        began = loop.create_future()
+        loop.add_reader(began_r, lambda: began.done() or began.set_result(os.read(began_r, 1)))
+        try:
+            assert await asyncio.wait_for(began, 20) == b"r"  # the first loader holds the write
+        finally:
+            loop.remove_reader(began_r)
         first.kill()
         first.wait(timeout=10)
         attached = attach_pool(s.pool.name)  # the pool and its bytes survive the loader
@@ -265,10 +371,14 @@ def test_a_killed_loader_restarts_on_the_same_pool(run_dir, tiny_llama, model, l
         attached.close()
 
         second = spawn()
-        assert (await s.recv(LoaderStarted)).pid == second.pid
-        restaged = await s.stage("rs12", llama_adapters["rs12"])  # an empty cache: read again
-        assert isinstance(restaged, AdapterStaged) and not restaged.cache_hit
-        assert restaged.shm_name == s.pool.name and torch.equal(s.block(restaged), want.block)
+        assert (await s.recv(LoaderStarted)).pid == second.pid  # frees the lost write's range
+        # asked again with a new write_id; the next answer must be that one (recv refuses an answer to
+        # the lost write), and writing next to rs12 leaves rs12's block as it was
+        again = await s.stage("hang", llama_adapters["qv5"])
+        assert isinstance(again, AdapterStaged) and again.write_id != lost.write_id
+        assert again.offset == lost.offset and again.shm_name == s.pool.name
+        assert torch.equal(s.block(again), packed(model, llama_adapters, "qv5").block)
+        assert torch.equal(s.block(staged), want.block)
         second.send_signal(signal.SIGTERM)
         assert second.wait(timeout=20) == 0
         attach_pool(s.pool.name).close()  # a clean exit leaves it too
@@ -280,4 +390,5 @@ def test_a_killed_loader_restarts_on_the_same_pool(run_dir, tiny_llama, model, l
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             proc.wait(timeout=10)
+        os.close(began_r)
         s.close()

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from proto.loader import AdapterFailed, AdapterStaged, StageAdapter
+from proto.loader import AdapterFailed, AdapterStaged
 from proto.loader_parts import FileId, WritePart
 from runtime.common.host_pool import create_pool, dtype_name, unlink_pool
 from stages.loader.adapter_reader import plan_adapter
@@ -67,7 +67,7 @@ def test_parts_written_by_processes_equal_the_reader(run_dir, tiny_llama, model,
         assert torch.equal(s.block(again), packed(model, llama_adapters, "full8").block)
         assert actor.writers.restarts == 0
 
-    run_loader(run_dir, tiny_llama, model, body, max_cpu_loras=len(llama_adapters) + 2, writers=3)
+    run_loader(run_dir, tiny_llama, model, body, blocks=len(llama_adapters) + 2, writers=3)
     assert pids and all(map(_gone, pids))  # killed and reaped with the loader
 
 
@@ -87,7 +87,7 @@ def test_a_writer_killed_in_its_part_fails_that_load_and_is_replaced(
 
         writers.sock.send = spy
         os.kill(old, signal.SIGSTOP)  # it takes the part and never answers
-        await s.send(StageAdapter(name="qv5", path=str(llama_adapters["qv5"])))
+        await s.send(s.request("qv5", llama_adapters["qv5"]))
         await asyncio.wait_for(sent.wait(), 20)
         os.kill(old, signal.SIGKILL)
         failed = await s.recv(AdapterFailed)

@@ -12,8 +12,10 @@ from stages.scheduler.planner import Planner
 
 
 class PoolWorker:
-    def __init__(self, planner: Planner, ranks: dict[str, int], overlap: bool):
+    def __init__(self, planner: Planner, ranks: dict[str, int], overlap: bool, adapter_of=None):
+        """`adapter_of(request_id)`: its adapter (default: the planner's, which forgets aborted ones)."""
         self.planner, self.ranks, self.overlap = planner, ranks, overlap
+        self.adapter_of = adapter_of or (lambda rid: planner._by_id[rid].adapter)
         self.pinned: set[str] = set()  # adapters loaded while the planner honoured their pin
         self.owner: list[str | None] = [None] * planner.cfg.pool_rows  # adapter per pool row
         self.id_adapter: dict[int, str] = {}  # ids whose rows are intact
@@ -49,11 +51,11 @@ class PoolWorker:
         cfg = self.planner.cfg
         report, self.pending = self.pending, []
         sync_ready = []
+        for rid in plan.finished_request_ids:  # they run no more: a load may take their rows
+            self.state.pop(rid, None)
         for load in plan.slot_loads:
             self._load(load)
             (self.pending if self.overlap and load.layered else sync_ready).append(load.slot)
-        for rid in plan.finished_request_ids:
-            self.state.pop(rid, None)
         for rid in plan.preempted_request_ids:
             self.state[rid].update(computed=0, active=False, pages=[])
         counts = {}
@@ -62,7 +64,7 @@ class PoolWorker:
             self.state[n.request_id] = dict(
                 tokens=len(prompt), prompt=len(prompt), computed=0, active=True, pages=list(n.page_ids),
                 max_tokens=n.sampling.max_tokens, slot=n.slot,
-                adapter=self.planner._by_id[n.request_id].adapter,
+                adapter=self.adapter_of(n.request_id),
             )  # fmt: skip
             counts[n.request_id] = n.num_scheduled_tokens
         for c in plan.cached_requests:
