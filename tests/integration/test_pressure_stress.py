@@ -175,6 +175,9 @@ def test_pressure_every_request_completes_and_matches_the_offline_engine(
         )
         wrong = [(r.adapter, r.prompt) for r, res in zip(kept, got, strict=True) if res != reference[key(r)]]
         assert not wrong, f"{len(wrong)} of {len(kept)} outputs differ from the offline engine's: {wrong[:5]}"
+        # the sizes this test is about, as the server itself reports them
+        assert server.metric("lorapipe_lora_pool_rows_capacity", "scheduler") == POOL_ADAPTERS * MAX_RANK
+        assert server.metric_labeled("lorapipe_host_cache_adapters", "loader", state="resident") <= host
         # the traffic went through the tiers: the pool copied adapters in again and again, and the tight
         # cache read adapters from disk again after evicting them
         assert server.metric("lorapipe_slot_loads_total", "scheduler") > len(used)
