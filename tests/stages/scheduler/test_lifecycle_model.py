@@ -58,7 +58,7 @@ RUNTIME = ("late0", "late1")  # names only a load op registers
 TIMEOUT_S = 60.0  # the adapter-wait timeout, on the test's clock
 QUIESCE_ROUNDS = 400  # pump rounds after which every request must have ended
 KINDS = ("adapter_load_failed", "stage_failed", "adapter_timeout", "unknown_adapter")  # typed ends
-EXAMPLES = int(os.environ.get("LIFECYCLE_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("LIFECYCLE_EXAMPLES", "1000"))  # about a minute on 2 cores
 pytestmark = pytest.mark.timeout(300)
 
 
