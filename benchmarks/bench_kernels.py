@@ -347,7 +347,9 @@ def measure(case, kind, us, err, bm, cfg, launch_us):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "lorapipe-bench" / "bench_kernels.json"))
+    ap.add_argument(
+        "--out", default=str(Path(tempfile.gettempdir()) / "lorapipe-bench" / "bench_kernels.json")
+    )
     ap.add_argument("--sweep", action="store_true", help="also time block-shape variants (tuning data)")
     ap.add_argument("--sweep-budget-s", type=float, default=240.0)
     ap.add_argument("--deadline-s", type=float, default=1e9, help="stop sweeping this long after start")

@@ -66,7 +66,9 @@ def violations(module: str, source: str) -> list[str]:
             stage = module.split(".")[1]
             if top == "stages" and len(name.split(".")) > 1 and name.split(".")[1] != stage:
                 bad.append(f"{module} imports {name}: stages meet only through proto/ and the floor")
-            elif top in ("tools", "benchmarks", "tests") or (top == "runtime" and not any(_under(name, f) for f in FLOOR)):
+            elif top in ("tools", "benchmarks", "tests") or (
+                top == "runtime" and not any(_under(name, f) for f in FLOOR)
+            ):
                 bad.append(f"{module} imports {name}: a stage imports only proto/ and the lower floor")
         elif top == "benchmarks" and module.split(".")[0] != "benchmarks":
             bad.append(f"{module} imports {name}: shipped code never imports benchmarks/ (not in the wheel)")
