@@ -36,7 +36,7 @@ from proto.client import (
 )
 from proto.codec import ProtocolError
 from runtime.base.auth import API_KEY_ENV
-from runtime.base.endpoints import DEFAULT_CLIENT_PORT, unreachable_reason
+from runtime.base.endpoints import DEFAULT_ENDPOINT, unreachable_reason
 from runtime.base.sockets import ConnectionEvents, DealerSocket
 from runtime.client_types import (
     Aborted,
@@ -57,7 +57,6 @@ from runtime.client_types import (
     make_request,
 )
 
-DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"
 _log = logging.getLogger("lorapipe.client")
 _UNSET: Any = object()
 

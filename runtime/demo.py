@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 import urllib.request
 from collections import defaultdict
@@ -15,6 +14,7 @@ from pathlib import Path
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
+from runtime.base.endpoints import free_port
 from runtime.client import AsyncClient
 from runtime.launcher import Launcher, LaunchError
 from runtime.serve_args import ServeArgs
@@ -66,7 +66,7 @@ def run_demo(root: Path, device: str = "cpu", max_tokens: int = 12) -> int:
         max_loras_per_batch=2,
         max_cpu_loras=3,
         max_lora_rank=16,
-        endpoint=f"tcp://127.0.0.1:{_free_port()}",
+        endpoint=f"tcp://127.0.0.1:{free_port()}",
         metrics_port=0,
         port=0,  # the demo streams through the SDK; no HTTP server
         log_file=str(root / "serve.log"),
@@ -180,9 +180,3 @@ def _labelled(name: str, labels: dict[str, str]) -> str:
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as resp:
         return resp.read().decode()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from runtime import http_args
-from runtime.base.endpoints import DEFAULT_CLIENT_PORT
+from runtime.base.endpoints import DEFAULT_CLIENT_PORT, DEFAULT_ENDPOINT
 from runtime.base.sockets import MAX_CLIENT_MSG_BYTES
 from runtime.common.names import adapter_name_problem
 from runtime.engine_args import EngineArgs
@@ -17,7 +17,6 @@ from runtime.host_cache_size import DEFAULT_CPU_LORA_CACHE_GB
 from runtime.serve_loading_args import add_loading_arguments
 from runtime.serve_security import add_security_arguments
 
-DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"
 DEFAULT_METRICS_PORT = DEFAULT_CLIENT_PORT + 1
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from runtime.base.endpoints import free_port
 from runtime.client import Client, LorapipeError
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stage_up(metrics: dict[tuple[str, str, tuple], float], stage: str) -> float | None:

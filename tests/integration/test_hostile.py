@@ -81,7 +81,7 @@ def server(tiny_llama, llama_adapters, root):
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama, llama_adapters):
-    llm = LLM(tiny_llama, adapters=llama_adapters, max_loras_per_batch=2, max_lora_rank=16)
+    llm = LLM(tiny_llama, device="cpu", adapters=llama_adapters, max_loras_per_batch=2, max_lora_rank=16)
     work = [(p, a) for p in PROMPTS for a in [*llama_adapters, None]]
     outs = llm.generate(
         [p for p, _ in work],

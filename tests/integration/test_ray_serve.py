@@ -21,12 +21,12 @@ import pytest
 import ray
 from ray import serve
 
+from runtime.base.endpoints import free_port
 from runtime.ray_serve.app import build_app
 from runtime.ray_serve.catalog import AdapterCatalog
 from runtime.ray_serve.config import ClusterConfig
 from runtime.ray_serve.ingress import LOADS_HEADER, REPLICA_HEADER
 from runtime.synthetic.adapters import make_adapters
-from tests.integration.serving import free_port
 from tests.peft_reference import PeftReference
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]

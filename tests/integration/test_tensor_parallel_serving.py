@@ -52,7 +52,7 @@ def _rank_pids(server) -> list[int]:
 def test_two_ranks_serve_the_offline_engines_greedy_outputs(tiny_llama, llama_adapters):
     names = [*llama_adapters, None]
     workload = [(p, names[i % len(names)]) for i, p in enumerate(PROMPTS * 2)]
-    llm = LLM(tiny_llama, adapters=llama_adapters, max_loras_per_batch=2, max_lora_rank=16)
+    llm = LLM(tiny_llama, device="cpu", adapters=llama_adapters, max_loras_per_batch=2, max_lora_rank=16)
     want = llm.generate(
         [p for p, _ in workload],
         adapters=[a for _, a in workload],

@@ -34,6 +34,7 @@ from proto.client import (
     UnloadAdapter,
     Welcome,
 )
+from runtime.base.endpoints import free_port
 from runtime.base.sockets import RouterSocket
 from runtime.client import (
     Aborted,
@@ -362,14 +363,8 @@ def test_sync_client(tmp_path):
         thread.join(10)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_no_server_is_reported_within_seconds_with_the_address_and_a_hint():
-    addr = f"tcp://127.0.0.1:{_free_port()}"  # nothing listens there
+    addr = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
     start = time.monotonic()
     with Client(addr, timeout=60) as client, pytest.raises(ServerUnreachable) as exc:
         client.health()
