@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from typing import NoReturn
 
 from runtime import http_args
 from runtime.base.endpoints import DEFAULT_CLIENT_PORT, DEFAULT_ENDPOINT
@@ -72,6 +73,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or action.default in (None, [], argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line, naming the command and where its help is: the usage
+    block argparse prints first (30 lines for `serve`) would bury the one line that matters."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:

@@ -98,6 +98,7 @@ class Actor(Generic[C]):
         self.draining = False
         # stage_main freezes what setup made out of the collector's scans; in-process actors do not
         self.freeze_gc_after_setup = False
+        self._gc_pauses: GcPauses | None = None  # installed with the freeze
         self.parent_pid = os.getppid()  # stage_main sets the launcher's (the pid it was spawned by)
         self._parent_signal = asyncio.Event()  # PARENT_DEATH_SIGNAL arrived
         self._loops: list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]] = []
@@ -245,7 +246,8 @@ class Actor(Generic[C]):
                 # full collection walking them stalls every step for as long as it takes
                 gc.collect()
                 gc.freeze()
-                GcPauses(self.metrics, self.log).install()
+                self._gc_pauses = GcPauses(self.metrics, self.log)
+                self._gc_pauses.install()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_drain)
             loop.add_signal_handler(PARENT_DEATH_SIGNAL, self._parent_signal.set)  # its default ends us
@@ -273,7 +275,18 @@ class Actor(Generic[C]):
             for sig in (signal.SIGTERM, signal.SIGINT, PARENT_DEATH_SIGNAL):
                 loop.remove_signal_handler(sig)
             self.teardown()
+            self._unfreeze_gc()
         return code
+
+    def _unfreeze_gc(self) -> None:
+        """What setup froze is collectable again once the actor is done: frozen objects are never freed,
+        and extension modules that check for leaks when the interpreter finalizes (Triton's nanobind
+        bindings) would print a warning for every object and function still held. The exit's one full
+        collection is not a pause of serving, so it is not timed."""
+        if self._gc_pauses is not None:
+            self._gc_pauses.uninstall()
+            self._gc_pauses = None
+            gc.unfreeze()
 
     def teardown(self) -> None:
         for sock in reversed(self._sockets):
