@@ -261,7 +261,7 @@ class Actor(Generic[C]):
                     await self._tell_launcher(
                         Ready(stage=self.stage, pid=os.getpid(), protocol_version=PROTOCOL_VERSION)
                     )
-                self.log.info("ready (pid %d)", os.getpid())
+                self.log.info("ready (pid %d)%s", os.getpid(), self.ready_note())
         except* _Stop:
             code = EXIT_OK
         except* _ParentDied:
@@ -279,14 +279,16 @@ class Actor(Generic[C]):
         return code
 
     def _unfreeze_gc(self) -> None:
-        """What setup froze is collectable again once the actor is done: frozen objects are never freed,
-        and extension modules that check for leaks when the interpreter finalizes (Triton's nanobind
-        bindings) would print a warning for every object and function still held. The exit's one full
-        collection is not a pause of serving, so it is not timed."""
+        """Frozen objects are never freed, and Triton's nanobind bindings print a leak warning for each
+        one still held when the interpreter finalizes; the exit's collection is not a serving pause."""
         if self._gc_pauses is not None:
             self._gc_pauses.uninstall()
             self._gc_pauses = None
             gc.unfreeze()
+
+    def ready_note(self) -> str:
+        """What the stage's "ready" log line adds: where a user reaches what it serves, if anything."""
+        return ""
 
     def teardown(self) -> None:
         for sock in reversed(self._sockets):
