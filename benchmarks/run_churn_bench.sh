@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 14's targets in one command (docs/benchmarks.md, "Many more adapters than fit"):
+# Many more adapters than fit the GPU, in one command (docs/benchmarks.md: "Many more adapters than fit the
+# GPU" is S1, "Many adapters of mixed ranks, Zipf popularity" is S2):
 #   S1: 2,000 rank-16 adapters, uniform, 1,000 requests 256/128, GPU pool 4 GB, host cache 16 GB, against the
 #       same requests over 8 adapters (A-B-B-A on one server).
 #   S2: 1,000 adapters of ranks 8/16/32/64, zipf:1.0, input 32:1024, output 16:256, GPU pool 4 GB, host cache

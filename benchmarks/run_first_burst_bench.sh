@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 11 (ready means fast) on the GPU in one command. Llama-3.2-1B-shaped model, 32 rank-16 adapters:
+# Time to ready and the first burst after it, on the GPU in one command (Llama-3.2-1B-shaped model, 32
+# rank-16 adapters):
 #   1. start `lorapipe serve` with an empty compile cache and time it to ready (cold start: warm-up
 #      compiles every kernel variant);
 #   2. a 1,000-request burst (256 in / 128 out, all at once, uniform over the adapters), then the identical
@@ -106,7 +107,7 @@ fi
 
 # --- summary -----------------------------------------------------------------------------------------------------
 {
-  echo "# First burst after ready (issue 11): $(date -u +%Y-%m-%dT%H:%MZ), commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+  echo "# First burst after ready: $(date -u +%Y-%m-%dT%H:%MZ), commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
   echo
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /' || true
   "$py" -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')" 2>/dev/null || true

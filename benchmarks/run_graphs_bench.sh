@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15, first half: serving throughput with the step CUDA graphs on against `--cuda-graph-max-tokens 0`
+# Serving throughput with the step CUDA graphs on against `--cuda-graph-max-tokens 0`
 # (steps with prefill tokens eager), in A-B-B-A order on one GPU from this tree. Each server run takes a
 # short warm-up burst, then the measured saturating bursts: base-only, then 32 resident rank-16 adapters
 # (1,000 requests of 256 in / 128 out, all at once), and writes results.md, one JSON per burst and the

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 6 (overlapped adapter loading + prefetch) on the GPU in one command; docs/overlap_bench_plan.md
-# says which file holds which number. Parts (PARTS, in this order):
+# Overlapped adapter loading + prefetch against synchronous loading, on the GPU in one command (docs/benchmarks.md,
+# "Large adapters loaded while serving"). Parts (PARTS, in this order):
 #   h2d   host→device bandwidth of slot copies (benchmarks.bench_h2d)
 #   large Llama-3.1-8B-shaped model, 32 rank-64 adapters (~335 MB), 8 slots, distinct adapters, short
 #         requests: synchronous loading, then overlap + prefetch (a fresh server each, the same warm-up)
@@ -141,7 +141,7 @@ run_itl() { # MODE
   # every adapter fits a slot, so a run without loads follows one with; only the resident ones are
   # registered at start-up, the loading ones are registered (staged in host memory) by adapter_ops
   # every adapter must fit the pool at once, or the resident runs copy too (the default pool, a share of
-  # free memory, held fewer than 32 of 335 MB in session 12); after server_flags, so it wins over theirs
+  # free memory, holds fewer than 32 of 335 MB on an H100); after server_flags, so it wins over theirs
   local pool_gb=${itl_pool_gb:-$(du -sb "$adir" | awk '{v = $1 * 1.1 / 2^30; printf "%.4f", v < 0.01 ? 0.01 : v}')}
   # shellcheck disable=SC2086
   start_server "$out/server_itl_$mode.log" --max-loras-per-batch "$nad" --max-cpu-loras "$nad" \
@@ -238,7 +238,7 @@ pair_tables() { # NAME TITLE TAG...: the runs' table, then each tag's comparison
   echo
 }
 {
-  echo "# Overlapped adapter loading (issue 6): $(date -u +%Y-%m-%dT%H:%MZ), commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+  echo "# Overlapped adapter loading: $(date -u +%Y-%m-%dT%H:%MZ), commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
   echo
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /' || true
   "$py" -c "import torch; print(f'torch {torch.__version__}')"
