@@ -39,6 +39,10 @@ class PlannerConfig:
     max_tokens_per_step: int = 2048
     max_model_len: int = 4096
     pinned_adapters: tuple[str, ...] = ()
+    # The policy's knobs follow, under the planner's names (bypass_limit is max_adapter_bypass,
+    # affinity_steps adapter_affinity_steps, overlap_min_bytes overlap_min_mb in bytes). The engine sets
+    # every one from its policy (`from_policy`); the defaults here are the planner alone, for its unit
+    # tests: overlap, prefetch and affinity off (tests/runtime/test_defaults.py lists each difference).
     # A load marks its slot loading (never a victim) until the worker reports it ready; requests that
     # need it are admitted at once (the worker gates each layer on its copy). Off: the synchronous
     # baseline, where the step that carries a load waits for all of it.

@@ -1,4 +1,4 @@
-"""Issue 12 against a real `lorapipe serve` (tiny model, CPU): garbage on every socket edge, a lone
+"""Hostile inputs against a real `lorapipe serve` (tiny model, CPU): garbage on every socket edge, a lone
 surrogate, a 32 MiB frame and plain TCP noise leave every stage serving; prompts too long are refused
 by size before tokenizing and a long one being tokenized does not hold up another client; runtime
 loads stay inside --adapter-root and names follow one rule on the wire; hostile adapters fail alone;

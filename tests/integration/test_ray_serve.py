@@ -1,4 +1,4 @@
-"""lorapipe under a real Ray Serve on the CPU (issue 17): two replicas, each a real `lorapipe serve`
+"""lorapipe under a real Ray Serve on the CPU: two replicas, each a real `lorapipe serve`
 process group, eight adapters multiplexed by name with room for six per replica, driven through the
 OpenAI ingress by the official `openai` client. Greedy tokens must equal transformers + PEFT; adapters
 must stay with their replicas (a router without affinity would reload them on nearly every request);
