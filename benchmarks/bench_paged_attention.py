@@ -1,11 +1,13 @@
 """Paged attention on Llama-3.2-1B shapes (32 heads, 8 KV heads, D 64, bf16, pages of 16): the Triton
-kernel against the torch loop, with block-shape variants; prints one table, writes $OUT/bench.json."""
+kernel against the torch loop, with block-shape variants; prints one table, writes $OUT/bench.json (default
+$TMPDIR/lorapipe-bench/paged_attention)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -18,7 +20,7 @@ from stages.worker.model.forward_batch import ForwardBatch, SeqExtent  # noqa: E
 from stages.worker.model.kv_cache import KVCache  # noqa: E402
 
 H, KVH, D, PS, DT, DEV = 32, 8, 64, 16, torch.bfloat16, torch.device("cuda")
-OUT = os.environ.get("OUT", ".")
+OUT = os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "lorapipe-bench", "paged_attention")
 SETS = 4  # page-table sets rotated between runs so the KV reads do not come from L2
 results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
@@ -150,6 +152,7 @@ def main():
             torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001
             results.setdefault("cases", []).append({"case": name, "error": repr(e)[:500]})
+        os.makedirs(OUT, exist_ok=True)
         with open(os.path.join(OUT, "bench.json"), "w") as f:
             json.dump(results, f, indent=1)
     try:
