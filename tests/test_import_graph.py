@@ -197,3 +197,15 @@ def test_no_module_of_the_runtime_is_over_the_line_limit():
         if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
     }
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by job): {long}"
+
+
+def test_the_reproduction_scripts_stay_out_of_the_wheel():
+    import fnmatch
+    import tomllib
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = [
+        p for p in find["include"] if fnmatch.fnmatch("benchmarks", p) or fnmatch.fnmatch("benchmarks.x", p)
+    ]
+    assert shipped == [], f"pyproject.toml ships benchmarks/ through {shipped}"
+    assert "tools*" in find["include"]  # what users run does ship

@@ -50,6 +50,15 @@ def demo(tmp_path_factory):
     return out.stdout, root
 
 
+def test_the_readme_says_how_to_reach_lorapipe_after_the_quickstart():
+    """The quickstart installs into .venv, which is not on PATH: the README and the script both say to
+    activate it, and the README that `serve` holds its terminal."""
+    quickstart = _block("bash", "tools/quickstart.sh demo")
+    assert "source .venv/bin/activate" in quickstart
+    assert "holds its terminal" in README
+    assert "source $venv/bin/activate" in (ROOT / "tools" / "quickstart.sh").read_text()
+
+
 def test_the_demo_ends_with_its_table_and_the_readme_serve_command(demo):
     stdout, root = demo
     lines = stdout.rstrip("\n").splitlines()
