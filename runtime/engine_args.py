@@ -1,8 +1,10 @@
 """What `lorapipe serve` and the offline engine (`runtime.offline.LLM`) share, and the one place the
 engine's configs are derived from it: the runner's config, the planner's policy, the context length,
 the CUDA-graph batch and token bounds and the serving dtype. Every engine knob and its default is
-defined here once: `ServeArgs` extends `EngineArgs`, its flags take these defaults, `LLM(**kwargs)` takes
-these names, and the stage configs carry them down under the same names (tests/runtime/test_defaults.py)."""
+defined here once: `ServeArgs` extends `EngineArgs` and its flags take these defaults, `LLM(**kwargs)`
+takes these names, and the planner's policy copies them by name. tests/runtime/test_defaults.py fails on
+any other default or name, and lists what the worker's and planner's own configs still call or default
+otherwise for their unit tests (the engine always sets those fields from here)."""
 
 from __future__ import annotations
 
