@@ -12,8 +12,8 @@ from kernels.batch_info import interpreting
 # Set to 0 to launch every kernel in plain stream order (programmatic dependent launch off), for A/B runs.
 PDL_ENV = "LORAPIPE_PDL"
 # Launches over more tiles than this keep plain stream order: on the H100 a 31 x 256-token prefill step
-# (768 tiles) took 1.1 % longer with its LoRA kernels as dependents, while steps of up to 320 tiles took
-# 0.4-7 % less (docs/benchmarks.md, eighteenth session).
+# (768 tiles) takes 1.1 % longer with its LoRA kernels as dependents, while steps of up to 320 tiles take
+# 0.4-7 % less.
 PDL_MAX_TILES = 512
 
 

@@ -2,9 +2,9 @@
 
 The H100's copy engine serves host-to-device copies in the order they were queued, whatever their stream
 or its priority: a step's 48 KB input copy queued just after an adapter's 32 layer copies (335 MB, on the
-worker's load stream) finished only with the last of them, 6.2 ms later, and the step waited for it
-(docs/benchmarks.md, session 12). So an overlapped load hid nothing from the step that needed it, and every
-step staged while a load was queued started late. An upload here is an ordinary elementwise kernel on the
+worker's load stream) finishes only with the last of them, 6.2 ms later, and the step waits for it. A
+copy would let an overlapped load hide nothing from the step that needs it, and every step staged while
+a load is queued would start late. An upload here is an ordinary elementwise kernel on the
 current stream instead: it reads the pinned host buffer through its device mapping (with unified virtual
 addressing a pinned allocation's host address is valid on the device), so only the stream's own order
 applies. A kernel reads PCIe well below the copy engine's bandwidth, which costs nothing at the tens of KB

@@ -95,8 +95,7 @@ def _lora_expand_kernel(
     # reads only the step's constant data (the batch metadata, the adapter tables and the first chunk of
     # B rows); v and out after it. Every program passes the wait before it returns, so that this
     # kernel's completion implies the shrink's. It does not let the kernel after it start early: where
-    # that was the next group's shrink, the early shrink made rank-16 steps up to 18 % slower
-    # (docs/benchmarks.md, eighteenth session).
+    # that is the next group's shrink, an early shrink makes rank-16 steps up to 18 % slower.
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_t >= tl.load(meta_ptr):

@@ -10,7 +10,7 @@ metadata's column 3 names it, `BatchInfoBuilder`) adds its delta here, one dot p
 of every other block (decodes, run edges) get theirs from the plain expand first (`lora_expand(...,
 skip_uniform=True)`), which skips the uniform blocks: a row of one adapter per program would make a
 fused dot of 16 rows do the work of one, and a loop over a block's adapters serialises their loads (on
-the H100 that made 256-decode steps 36-49 % slower, docs/benchmarks.md, fourteenth session).
+an H100, 256-decode steps 36-49 % slower).
 `TritonLoraBackend.apply_act` runs the three kernels: shrink, expand of the mixed blocks, this."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _lora_expand_act_kernel(
         t_ptrs = rows_ptr + s * stride_ts + offs_k
         v_rows = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + offs_k[None, :]
         # Both halves' B loads are issued before either v: lora_expand's B chunk then v dot, once per
-        # half, made prefill steps 0.9-2.8 % slower (docs/benchmarks.md, fourteenth session).
+        # half, makes prefill steps 0.9-2.8 % slower.
         for k in range(0, tl.maximum(rg, ru), BLOCK_K):
             kk = k + offs_k
             prow = tl.load(t_ptrs + k, mask=kk < table_width, other=0).to(tl.int64)

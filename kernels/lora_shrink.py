@@ -157,13 +157,13 @@ def shrink_config(info: BatchInfo, in_dim: int, num_slices: int, max_split: int 
     split_cap = max(1, min(max_split, 256 // bm, in_dim // (2 * block_k)))
     # Rank tiles above 16 aim for four programs an SM, and sum their partials in the shrink. At one, a
     # decode step's shrinks over such adapters (a few 4-warp programs an SM, each streaming up to 64 rank
-    # rows of A) waited on their loads; at two, 256-decode steps over 62 and 80 adapters of ranks 8-64
-    # took 3-5 % less LoRA time on the H100 and 128 decodes over 40 of them 14 % (docs/benchmarks.md,
-    # fifteenth session); at four, a mixed step over 80 such adapters (graphed at the bound's configs)
-    # another 5 %, decode steps 0-1 % (sixteenth session). That needed the shrink's own sum: with the
-    # expand re-summing the partials in every column block, a larger split lost more than the shrink
-    # gained. Rank-16 tiles keep one program an SM and the expand's sum, whose smallest steps the
-    # shrink's sum (an atomic and a second read on each kernel's critical path) made up to 8 % slower.
+    # rows of A) wait on their loads; at two, 256-decode steps over 62 and 80 adapters of ranks 8-64
+    # take 3-5 % less LoRA time on an H100 and 128 decodes over 40 of them 14 %; at four, a mixed step
+    # over 80 such adapters (graphed at the bound's configs) another 5 %, decode steps 0-1 %. That needs
+    # the shrink's own sum: with the expand re-summing the partials in every column block, a larger split
+    # loses more than the shrink gains. Rank-16 tiles keep one program an SM and the expand's sum, whose
+    # smallest steps the shrink's sum (an atomic and a second read on each kernel's critical path) makes
+    # up to 8 % slower.
     wide = br > 16
     target = (4 if wide else 1) * sms
     if bm <= 16:

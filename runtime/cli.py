@@ -3,18 +3,21 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.serve_args import HelpFormatter, ServeArgsError, add_serve_arguments, from_namespace
+    from runtime.serve_args import (
+        ArgumentParser,
+        HelpFormatter,
+        ServeArgsError,
+        add_serve_arguments,
+        from_namespace,
+    )
     from runtime.serve_checks import validate
 
-    parser = argparse.ArgumentParser(
-        prog="lorapipe", description="Serve one base LLM with many LoRA adapters."
-    )
+    parser = ArgumentParser(prog="lorapipe", description="Serve one base LLM with many LoRA adapters.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve",
@@ -32,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--dir", type=Path, default=Path(".cache/lorapipe-demo"), help="demo files live here")
     demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the demo runs")
     demo.add_argument("--max-tokens", type=int, default=12, help="tokens each request generates")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # told by the subcommand, whose flags they were meant to be
+        {"serve": serve, "demo": demo}[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "serve":
         try:
             serve_args = from_namespace(args)

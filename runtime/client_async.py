@@ -36,7 +36,7 @@ from proto.client import (
 )
 from proto.codec import ProtocolError
 from runtime.base.auth import API_KEY_ENV
-from runtime.base.endpoints import DEFAULT_CLIENT_PORT, unreachable_reason
+from runtime.base.endpoints import DEFAULT_ENDPOINT, unreachable_reason
 from runtime.base.sockets import ConnectionEvents, DealerSocket
 from runtime.client_types import (
     Aborted,
@@ -57,7 +57,6 @@ from runtime.client_types import (
     make_request,
 )
 
-DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"
 _log = logging.getLogger("lorapipe.client")
 _UNSET: Any = object()
 
@@ -88,6 +87,7 @@ class AsyncClient:
         self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._refused: Unauthorized | None = None  # the last refused handshake, until one succeeds
+        self._probed = False  # a failed connection attempt of this handshake was looked into
         self._events: ConnectionEvents | None = None
         self._lock = asyncio.Lock()
 
@@ -116,20 +116,33 @@ class AsyncClient:
                 self._watcher = asyncio.ensure_future(self._watch())
             limit = self.connect_timeout if self.timeout is None else min(self.connect_timeout, self.timeout)
             hello = Hello(request_id=uuid.uuid4().hex, protocol_version=PROTOCOL_VERSION)
+            self._probed = False
             try:
                 reply = await self._call(hello, limit)
+            except ServerUnreachable:  # the address refused a connection: no use waiting out the limit
+                raise
             except Timeout:
                 if self._refused is not None:  # refused before the Hello waited: the key, not the address
                     raise self._refused from None
                 why = await asyncio.to_thread(unreachable_reason, self.endpoint)
-                raise ServerUnreachable(
-                    f"no lorapipe server answered at {self.endpoint} within {limit:g}s: {why}. Is "
-                    f"`lorapipe serve` running there (its --endpoint, default {DEFAULT_ENDPOINT})?"
-                ) from None
+                raise self._unreachable(f"answered within {limit:g}s: {why}") from None
             if not isinstance(reply, Welcome) or reply.protocol_version != PROTOCOL_VERSION:
                 raise ProtocolMismatchError(f"server speaks {reply!r}, client speaks {PROTOCOL_VERSION}")
             self.welcome = reply
             return reply
+
+    def _unreachable(self, what: str) -> ServerUnreachable:
+        return ServerUnreachable(
+            f"no lorapipe server {what}. Is `lorapipe serve` running at {self.endpoint} (its --endpoint, "
+            f"default {DEFAULT_ENDPOINT})?"
+        )
+
+    async def _check_refused(self) -> None:
+        """After a failed connection attempt (zmq retries on its own): a handshake still waiting ends at
+        once when the address refuses connections or has no socket file, which no wait changes."""
+        why = await asyncio.to_thread(unreachable_reason, self.endpoint)
+        if self.welcome is None and why.startswith(("nothing listens", "there is no socket file")):
+            self._fail_all(self._unreachable(f"at {self.endpoint}: {why}"))
 
     async def close(self) -> None:
         """Calls still open end at once with Aborted (the reader that would answer them stops here)."""
@@ -295,6 +308,9 @@ class AsyncClient:
             match await self._events.next():
                 case "connected":
                     self._refused = None
+                case "retrying" if self.welcome is None and not self._probed:
+                    self._probed = True  # once per handshake
+                    await self._check_refused()
                 case "disconnected":
                     self.welcome = None  # a server that comes back is greeted again
                     where = f"the server at {self.endpoint}"

@@ -1,20 +1,20 @@
 """`lorapipe demo`: makes a tiny model and a few adapters if absent, launches the pipeline (more adapters
 than its GPU adapter pool holds), streams a mixed-adapter set of requests through the SDK, prints the
-completions and a per-stage metrics summary read from `/metrics`, and shuts down."""
+completions, one line of what the server counted (from `/metrics`) and how to serve the same files, and
+shuts down."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 import urllib.request
-from collections import defaultdict
 from pathlib import Path
 
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
+from runtime.base.endpoints import free_port
 from runtime.client import AsyncClient
 from runtime.launcher import Launcher, LaunchError
 from runtime.serve_args import ServeArgs
@@ -27,12 +27,17 @@ PROMPTS = [
     "Numbers: one two three",
     "héllo wörld",
 ]
+DEMO_MODEL_NAME = "tiny"  # what HTTP requests name the demo's base model (the README's examples)
 RANDOM_WEIGHTS = (
     "The demo model and its adapters have seeded random weights (made by runtime/synthetic): the\n"
     "completions below are meant to be gibberish. The demo shows the pipeline, not a language model."
 )
-# every actor keeps these; the summary shows them as columns, everything else per stage below
-_COMMON = ("lorapipe_queue_", "lorapipe_messages_", "lorapipe_service_seconds", "lorapipe_handler_errors")
+# what the summary line counts: (label, metric family, its labels or None for all)
+_COUNTED = (
+    ("steps", "lorapipe_plans", None),
+    ("adapter reads from disk", "lorapipe_adapter_loads", {"result": "staged"}),
+    ("copies into the adapter pool", "lorapipe_slot_loads", None),
+)
 
 
 def ensure_demo_files(root: Path) -> tuple[Path, dict[str, Path]]:
@@ -66,7 +71,7 @@ def run_demo(root: Path, device: str = "cpu", max_tokens: int = 12) -> int:
         max_loras_per_batch=2,
         max_cpu_loras=3,
         max_lora_rank=16,
-        endpoint=f"tcp://127.0.0.1:{_free_port()}",
+        endpoint=f"tcp://127.0.0.1:{free_port()}",
         metrics_port=0,
         port=0,  # the demo streams through the SDK; no HTTP server
         log_file=str(root / "serve.log"),
@@ -80,7 +85,8 @@ async def _demo(args: ServeArgs, max_tokens: int) -> int:
     launcher = Launcher(args)
     try:
         async with launcher:
-            print(f"pipeline up in {time.perf_counter() - t0:.1f}s: {launcher.banner()}")
+            took = time.perf_counter() - t0
+            print(f"pipeline up in {took:.1f}s: tokenizer, scheduler, adapter-loader and worker processes")
             code = await _workload(launcher, max_tokens)
     except LaunchError as exc:
         print(f"the pipeline did not start: {exc} (stage logs: {args.log_file})")
@@ -88,7 +94,7 @@ async def _demo(args: ServeArgs, max_tokens: int) -> int:
     if launcher.failure:
         print(f"the pipeline failed: {launcher.failure} (stage logs: {args.log_file})")
         return 1
-    print("shut down cleanly")
+    print(f"shut down cleanly\n\n{serve_hint(args)}")
     return code
 
 
@@ -122,7 +128,7 @@ async def _workload(launcher: Launcher, max_tokens: int) -> int:
             print(f"{adapter or '-':<8} {ttft * 1e3:5.0f}ms {reason:<7} {prompt!r} → {text!r}")
     print(f"{len(PROMPTS) - failed}/{len(PROMPTS)} requests completed in {took:.2f}s")
     if launcher.metrics_url:
-        print("\n" + summarize(await asyncio.to_thread(_get, launcher.metrics_url)))
+        print(summarize(await asyncio.to_thread(_get, launcher.metrics_url)))
     return 1 if failed else 0
 
 
@@ -139,50 +145,29 @@ async def _stream(
 
 
 def summarize(exposition: str) -> str:
-    """One block per stage: message counts and handler time, then that stage's own metrics."""
-    common: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    own: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    """One line of what the server counted over the run (every counter: its `/metrics`)."""
+    found = dict.fromkeys([label for label, _, _ in _COUNTED], 0.0)
     for fam in text_string_to_metric_families(exposition):
-        for s in fam.samples:
-            stage = s.labels.get("stage", "?")
-            if fam.name == "lorapipe_stage_up":
-                common[stage]["up"] = s.value
-            elif fam.name.startswith(_COMMON):
-                if s.name in ("lorapipe_messages_in_total", "lorapipe_messages_out_total"):
-                    common[stage][s.name.split("_")[2]] += s.value
-                elif s.name.startswith("lorapipe_service_seconds_") and not s.name.endswith("_bucket"):
-                    common[stage][s.name.rsplit("_", 1)[1]] += s.value
-            elif fam.type == "histogram" and s.name.endswith(("_count", "_sum")):
-                own[stage][_labelled(s.name, s.labels)] += s.value
-            elif fam.type in ("counter", "gauge"):
-                own[stage][_labelled(s.name, s.labels)] += s.value
-    lines = [f"{'stage':<10} {'up':>3} {'msgs in':>8} {'msgs out':>8} {'handled':>8} {'mean handler':>12}"]
-    for stage, c in common.items():
-        if stage == "launcher":  # its only metric (restarts) is shown under each stage
-            continue
-        mean = c["sum"] / c["count"] * 1e3 if c["count"] else 0.0
-        row = (
-            f"{stage:<10} {c['up']:>3.0f} {c['in']:>8.0f} {c['out']:>8.0f} {c['count']:>8.0f} {mean:>10.2f}ms"
-        )
-        lines.append(row)
-        values = [f"{k.removeprefix('lorapipe_')}={v:g}" for k, v in own[stage].items()]
-        for i in range(0, len(values), 4):
-            lines.append("    " + "  ".join(values[i : i + 4]))
-    return "\n".join(lines)
+        for label, name, labels in _COUNTED:
+            if fam.name == name:
+                found[label] += sum(
+                    s.value
+                    for s in fam.samples
+                    if s.name.endswith("_total") and (labels is None or labels.items() <= s.labels.items())
+                )
+    return ", ".join(f"{v:.0f} {label}" for label, v in found.items())
 
 
-def _labelled(name: str, labels: dict[str, str]) -> str:
-    """`name{value,...}` for a labelled series (one entry per label set, never summed across them)."""
-    values = [v for k, v in sorted(labels.items()) if k != "stage"]
-    return f"{name}{{{','.join(values)}}}" if values else name
+def serve_hint(args: ServeArgs) -> str:
+    """The `lorapipe serve` command that serves the demo's files, as the README's examples expect."""
+    adapters = " ".join(f"--adapter {name}={path}" for name, path in args.adapters)
+    return (
+        "Serve these files yourself (the server holds its terminal; Ctrl-C stops it):\n"
+        f"  lorapipe serve --model {args.model} --device {args.resolved_device()} "
+        f"--served-model-name {DEMO_MODEL_NAME} {adapters}"
+    )
 
 
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as resp:
         return resp.read().decode()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

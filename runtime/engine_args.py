@@ -1,7 +1,10 @@
 """What `lorapipe serve` and the offline engine (`runtime.offline.LLM`) share, and the one place the
 engine's configs are derived from it: the runner's config, the planner's policy, the context length,
-the CUDA-graph batch and token bounds and the serving dtype. `ServeArgs` extends `EngineArgs`; `LLM`
-builds one."""
+the CUDA-graph batch and token bounds and the serving dtype. Every engine knob and its default is
+defined here once: `ServeArgs` extends `EngineArgs` and its flags take these defaults, `LLM(**kwargs)`
+takes these names, and the planner's policy copies them by name. tests/runtime/test_defaults.py fails on
+any other default or name, and lists what the worker's and planner's own configs still call or default
+otherwise for their unit tests (the engine always sets those fields from here)."""
 
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ class EngineArgs:
     lora_gpu_memory_gb: float | None = None  # the GPU adapter pool; None: see RunnerConfig
     max_adapter_bypass: int = 16  # steps a request whose adapter is staged may be passed
     # Steps a waiting request may be passed by requests of adapters already in the step (0: queue
-    # order). S2 (1,000 adapters, Zipf, a burst; docs/benchmarks.md, tenth session): median TTFT about
-    # 10 % lower at 200 than in queue order, throughput unchanged; nothing changes while the queue is short.
+    # order). With 1,000 Zipf-popular adapters in a burst, 200 gives a median TTFT about 10 % lower than
+    # queue order at the same throughput; nothing changes while the queue is short.
     adapter_affinity_steps: int = 200
     max_lora_rank: int = 64
     max_running_requests: int = 64
@@ -39,9 +42,9 @@ class EngineArgs:
     overlap_loading: bool = True  # pool loads run beside steps that do not need them
     prefetch_depth: int = 8  # waiting requests looked ahead at for pool loads (0: off)
     # Smaller adapters are neither prefetched into the pool (that only churns it) nor copied layer by
-    # layer: their copy is waited for whole on the stream (S2's adapters of up to 90 MB: the mix ran 24 %
-    # faster at 128 than at 64, when a layer-by-layer copy still made its step eager; since the eleventh
-    # session such steps replay gated graphs, and the threshold has not been measured again)
+    # layer: their copy is waited for whole on the stream. A mix of adapters of up to 90 MB ran 24 %
+    # faster at 128 than at 64 while a layer-by-layer copy made its step eager; steps with such copies
+    # now replay layer-gated graphs, and the threshold is worth measuring again.
     overlap_min_mb: float = 128.0
     cuda_graph_max_batch: int | None = None  # None: min(max_running_requests, 256); 0: no CUDA graphs
     # steps with prefill tokens up to N tokens replay CUDA graphs; None: min(max_tokens_per_step, 8192)
@@ -87,10 +90,10 @@ def graph_batch(e: EngineArgs) -> int:
 
 
 # Steps of up to this many tokens replay graphs by default: the eager forward is host-bound, with many
-# distinct adapters most of all (S2, 1B-shaped, 8,192-token steps: graphs up to 8,192 tokens against
-# 2,048 ran base-only 13 % faster and, with whole adapter copies, the adapter mix 33 % faster; docs/
-# benchmarks.md, seventh session). The largest bucket sets the graph pool's size and the capture time
-# (both logged at start-up: 794 MiB and 2.3 s there, against 368 MiB).
+# distinct adapters most of all (1B-shaped model, 8,192-token steps, 1,000 adapters of mixed ranks:
+# graphs up to 8,192 tokens against 2,048 run base-only 13 % faster and the adapter mix 33 % faster).
+# The largest bucket sets the graph pool's size and the capture time (both logged at start-up: 794 MiB
+# and 2.3 s there, against 368 MiB).
 DEFAULT_GRAPH_TOKENS = 8192
 
 
@@ -107,9 +110,8 @@ def plan_depths(e: EngineArgs) -> dict[str, int | None]:
     is read and the GPU never waits for the scheduler's round trip; serial, 2. Each plan queued ahead of a
     new request's first plan is a step its first token waits for, so overlapped with the default depth it
     keeps 2 while no request waits and fewer than an eighth of --max-running-requests run: light-load
-    TTFT then waits behind one step less, where a saturated batch keeps the third plan, which fixed at 2
-    cost up to 22 % of throughput (docs/benchmarks.md, eleventh session). An explicit
-    --max-plans-in-flight holds at every load."""
+    TTFT then waits behind one step less, where a saturated batch keeps the third plan (a depth fixed at
+    2 costs up to 22 % of throughput). An explicit --max-plans-in-flight holds at every load."""
     if e.max_plans_in_flight is not None:
         return dict(max_plans_in_flight=e.max_plans_in_flight, light_plans_in_flight=None, light_below=0)
     if not e.overlap_schedule:
@@ -151,17 +153,10 @@ def runner_config(e: EngineArgs, model_cfg: ModelConfig) -> RunnerConfig:
 
 
 def planner_policy(e: EngineArgs) -> PlannerPolicy:
-    """What the planner is told before the worker reports the KV cache and adapter pool it has."""
+    """What the planner is told before the worker reports the KV cache and adapter pool it has: each of
+    its fields is the engine knob of that name (a knob cannot be renamed on the way down)."""
     from stages.scheduler.planner_config import PlannerPolicy
 
-    return PlannerPolicy(
-        max_loras_per_batch=e.max_loras_per_batch,
-        max_running_requests=e.max_running_requests,
-        max_tokens_per_step=e.max_tokens_per_step,
-        pinned_adapters=tuple(dict.fromkeys(e.pinned_adapters)),
-        overlap_loading=e.overlap_loading,
-        prefetch_depth=e.prefetch_depth,
-        overlap_min_bytes=int(e.overlap_min_mb * 2**20),
-        bypass_limit=e.max_adapter_bypass,
-        affinity_steps=e.adapter_affinity_steps,
-    )
+    knobs = {name: getattr(e, name) for name in PlannerPolicy.__struct_fields__}
+    knobs["pinned_adapters"] = tuple(dict.fromkeys(e.pinned_adapters))
+    return PlannerPolicy(**knobs)

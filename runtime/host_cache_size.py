@@ -49,7 +49,7 @@ def loader_threads(args: ServeArgs) -> int:
 
 def default_loader_writers() -> int:
     """Half the cores up to 8 on a machine of 8 cores or more (where parts on threads, sharing one GIL, top
-    out near 3 GB/s: docs/benchmarks.md); none on a smaller one, whose threads suffice."""
+    out near 3 GB/s); none on a smaller one, whose threads suffice."""
     cores = os.cpu_count() or 2
     return min(8, cores // 2) if cores >= 8 else 0
 

@@ -49,84 +49,28 @@ class LLM:
         self,
         model: str | Path,
         adapters: dict[str, str | Path] | None = None,
-        device: str = "cpu",
-        dtype: str | torch.dtype | None = None,
-        max_loras_per_batch: int | None = None,
-        max_lora_rank: int = 64,
-        lora_gpu_memory_gb: float | None = None,
-        lora_backend: str | None = None,
-        attention_backend: str | None = None,
-        pointwise_backend: str | None = None,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        max_running_requests: int = 64,
-        max_tokens_per_step: int = 2048,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        overlap_loading: bool = True,
-        prefetch_depth: int = 8,
-        pinned_adapters: tuple[str, ...] = (),
-        cuda_graph_max_batch: int | None = None,
-        cuda_graph_max_tokens: int | None = None,
-        max_adapter_bypass: int = 16,
-        adapter_affinity_steps: int = 200,
-        overlap_min_mb: float = 128.0,
-        warmup: bool = False,
-        compile_cache_dir: str | None = None,
-        overlap_schedule: bool = True,
-        tensor_parallel_size: int = 1,
+        *,
+        compile_cache_dir: str | Path | None = None,
+        **engine_args,
     ):
-        """`overlap_loading` and `prefetch_depth` drive the same planner logic as `lorapipe serve`;
-        here copies are synchronous, and a load is reported ready in the result of its step.
-        `lora_gpu_memory_gb`, `max_loras_per_batch`, `max_adapter_bypass`, `adapter_affinity_steps` and
-        `overlap_min_mb` mean what the `serve` flags of those names do (the GPU adapter pool; distinct
-        adapters in one step, default as many as the pool holds; the bypass bound of churn-aware
-        admission; the age bound of adapter affinity; smaller adapters are not prefetched); both derive
-        their configs in runtime/engine_args.py.
-        `cuda_graph_max_batch`: decode batches up to this size replay CUDA graphs on CUDA (default
-        min(max_running_requests, 256); 0: always eager); `cuda_graph_max_tokens`: steps with prefill
-        tokens up to this many tokens replay CUDA graphs per token bucket (default
-        min(max_tokens_per_step, 8192); 0: always eager). `warmup`: compile every kernel variant the
-        engine can reach now, as `lorapipe serve` does, instead of on first use (CUDA only);
-        `compile_cache_dir` sets TRITON_CACHE_DIR for this process (before the first compile).
-        `overlap_schedule`: plan and launch step N+1 before step N's tokens are read, as the server's
-        worker does (`--no-overlap-schedule` there); off: schedule → execute → update, one at a time.
-        `tensor_parallel_size`: N > 1 shards the model over N ranks (cuda:0..N-1 on CUDA; N processes on
-        the CPU): this process is rank 0, and `close()` (or leaving a `with` block) stops the others."""
+        """`engine_args` are `EngineArgs`' fields, under the names and with the defaults of the `serve`
+        flags they share (runtime/engine_args.py says what each means); `dtype` may also be a torch
+        dtype. Here adapter copies are synchronous, and a load is reported ready in the result of its
+        step. `compile_cache_dir` sets TRITON_CACHE_DIR for this process (before the first compile).
+        With `tensor_parallel_size` N > 1 the model is sharded over N ranks (cuda:0..N-1 on CUDA; N
+        processes on the CPU): this process is rank 0, and `close()` (or leaving a `with` block) stops
+        the others."""
         if compile_cache_dir is not None:
             os.environ["TRITON_CACHE_DIR"] = str(compile_cache_dir)
-        self.engine_args = EngineArgs(
-            model=str(model),
-            device=device,
-            dtype="auto"
-            if dtype is None
-            else dtype
-            if isinstance(dtype, str)
-            else str(dtype).removeprefix("torch."),
-            max_loras_per_batch=max_loras_per_batch,
-            lora_gpu_memory_gb=lora_gpu_memory_gb,
-            max_adapter_bypass=max_adapter_bypass,
-            adapter_affinity_steps=adapter_affinity_steps,
-            max_lora_rank=max_lora_rank,
-            max_running_requests=max_running_requests,
-            max_tokens_per_step=max_tokens_per_step,
-            max_model_len=max_model_len,
-            page_size=page_size,
-            num_pages=num_pages,
-            lora_backend=lora_backend,
-            attention_backend=attention_backend,
-            pointwise_backend=pointwise_backend,
-            pinned_adapters=tuple(pinned_adapters),
-            overlap_loading=overlap_loading,
-            prefetch_depth=prefetch_depth,
-            overlap_min_mb=overlap_min_mb,
-            cuda_graph_max_batch=cuda_graph_max_batch,
-            cuda_graph_max_tokens=cuda_graph_max_tokens,
-            seed=seed,
-            overlap_schedule=overlap_schedule,
-            warmup=warmup,
-            tensor_parallel_size=tensor_parallel_size,
-        )
+        dtype = engine_args.get("dtype")
+        if dtype is None:
+            engine_args.pop("dtype", None)
+        elif not isinstance(dtype, str):
+            engine_args["dtype"] = str(dtype).removeprefix("torch.")
+        if "pinned_adapters" in engine_args:
+            engine_args["pinned_adapters"] = tuple(engine_args["pinned_adapters"])
+        self.engine_args = EngineArgs(model=str(model), **engine_args)
+        tensor_parallel_size = self.engine_args.tensor_parallel_size
         mcfg = ModelConfig.from_dir(model)
         # config.json read once; the runner refuses a max_model_len past the model's positions
         rc = runner_config(self.engine_args, mcfg)
@@ -145,15 +89,16 @@ class LLM:
                 self.ranks.kill()
                 raise
         context = context_length(self.engine_args, mcfg)
-        kv_tokens = self.runner.num_pages * page_size
+        kv_tokens = self.runner.num_pages * self.engine_args.page_size
         # a given max_model_len stands (the planner refuses one the KV cache cannot hold); the derived
         # one is capped by the KV cache the runner turned out to have
-        self.max_model_len = context if max_model_len is not None else min(context, kv_tokens)
+        given = self.engine_args.max_model_len is not None
+        self.max_model_len = context if given else min(context, kv_tokens)
         pool = self.runner.pool
         self.planner_cfg = PlannerConfig.from_policy(
             planner_policy(self.engine_args),
             num_pages=self.runner.num_pages,
-            page_size=page_size,
+            page_size=self.engine_args.page_size,
             pool_rows=pool.total_rows,
             pool_ids=pool.num_ids,
             pool_row_bytes=row_bytes(pool.layout, pool.dtype),
@@ -165,7 +110,7 @@ class LLM:
         self.adapters: dict[str, PackedAdapter] = {}  # the host cache: every registered adapter, packed
         for name, path in (adapters or {}).items():
             self.add_adapter(name, path)
-        self._seed = seed
+        self._seed = self.engine_args.seed
         self._ids = itertools.count()
         self.last_planner: Planner | None = None  # the last generate()'s planner (its stats, its pool)
         self.last_phase_seconds: dict[str, float] = {}

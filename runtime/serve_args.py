@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from typing import NoReturn
 
 from runtime import http_args
-from runtime.base.endpoints import DEFAULT_CLIENT_PORT
+from runtime.base.endpoints import DEFAULT_CLIENT_PORT, DEFAULT_ENDPOINT
 from runtime.base.sockets import MAX_CLIENT_MSG_BYTES
 from runtime.common.names import adapter_name_problem
 from runtime.engine_args import EngineArgs
@@ -17,7 +18,6 @@ from runtime.host_cache_size import DEFAULT_CPU_LORA_CACHE_GB
 from runtime.serve_loading_args import add_loading_arguments
 from runtime.serve_security import add_security_arguments
 
-DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"
 DEFAULT_METRICS_PORT = DEFAULT_CLIENT_PORT + 1
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -73,6 +73,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or action.default in (None, [], argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line, naming the command and where its help is: the usage
+    block argparse prints first (30 lines for `serve`) would bury the one line that matters."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:

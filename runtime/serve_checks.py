@@ -4,7 +4,6 @@ adapter-loader's own code."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import socket
@@ -14,7 +13,14 @@ from typing import TYPE_CHECKING
 
 from runtime import http_args
 from runtime.host_cache_size import host_cache_problem
-from runtime.serve_args import HelpFormatter, ServeArgs, ServeArgsError, add_serve_arguments, from_namespace
+from runtime.serve_args import (
+    ArgumentParser,
+    HelpFormatter,
+    ServeArgs,
+    ServeArgsError,
+    add_serve_arguments,
+    from_namespace,
+)
 from runtime.serve_security import SecurityArgsError, check_security
 
 if TYPE_CHECKING:
@@ -23,7 +29,7 @@ if TYPE_CHECKING:
 
 def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
     """Parse and validate `lorapipe serve` arguments (argparse exits on syntax; ServeArgsError after)."""
-    parser = argparse.ArgumentParser(prog="lorapipe serve", formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog="lorapipe serve", formatter_class=HelpFormatter)
     add_serve_arguments(parser)
     args = from_namespace(parser.parse_args(list(argv)))
     validate(args)
@@ -36,8 +42,13 @@ def validate(args: ServeArgs) -> ModelConfig:
     from runtime.common.model_config import ModelConfigError
 
     model = Path(args.model)
-    if not model.is_dir():
-        raise ServeArgsError(f"--model {args.model}: not a directory")
+    problem = _directory_problem(model)
+    if problem is None and not (model / "config.json").is_file():
+        problem = "no config.json (expected a Hugging Face checkpoint directory)"
+        if (model / "adapter_config.json").is_file():
+            problem += "; this is a PEFT adapter: give it with --adapter NAME=DIR"
+    if problem is not None:
+        raise ServeArgsError(f"--model {args.model}: {problem}")
     try:
         model_cfg = _ModelConfig.from_dir(model)
     except (ModelConfigError, KeyError, TypeError) as exc:
@@ -49,8 +60,11 @@ def validate(args: ServeArgs) -> ModelConfig:
         if name in seen:
             raise ServeArgsError(f"--adapter {name}: the name is given twice")
         seen.add(name)
-        if not (Path(path) / "adapter_config.json").is_file():
-            raise ServeArgsError(f"--adapter {name}={path}: no adapter_config.json (not a PEFT adapter)")
+        problem = _directory_problem(Path(path))
+        if problem is None and not (Path(path) / "adapter_config.json").is_file():
+            problem = "no adapter_config.json (not a PEFT adapter directory)"
+        if problem is not None:
+            raise ServeArgsError(f"--adapter {name}={path}: {problem}")
     for name in args.pinned_adapters:
         if name not in seen:
             raise ServeArgsError(f"--pin-adapter {name}: no --adapter registers that name")
@@ -64,6 +78,15 @@ def validate(args: ServeArgs) -> ModelConfig:
     _check_ports(args)
     check_adapters(args, model_cfg)
     return model_cfg
+
+
+def _directory_problem(path: Path) -> str | None:
+    """Why `path` is no directory to read a model or an adapter from, or None."""
+    if not path.exists():
+        return "no such directory"
+    if not path.is_dir():
+        return "not a directory"
+    return None
 
 
 def _check_numbers(args: ServeArgs, model_cfg: ModelConfig) -> None:

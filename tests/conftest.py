@@ -119,3 +119,32 @@ def pool_gb(model_dir: Path, rows: int, max_rank: int = 16) -> float:
 
     cfg = ModelConfig.from_dir(model_dir)
     return rows * row_bytes(LoraLayout.for_model(cfg, max_rank), parse_dtype(None, cfg.dtype)) / 2**30
+
+
+# `lorapipe serve` flags that take no fixed port: a test that checks arguments must not depend on what
+# else listens on this machine (start-up refuses a default port another program holds).
+NO_FIXED_PORTS = ("--endpoint", "tcp://127.0.0.1:0", "--metrics-port", "-1", "--port", "0")
+
+
+@pytest.fixture
+def default_ports_taken():
+    """Holds `serve`'s default ports (client endpoint, metrics, HTTP) where they are free, so that a test
+    that relies on them being free fails on every machine, not only where another program has them."""
+    import socket
+
+    from runtime.base.endpoints import DEFAULT_CLIENT_PORT
+    from runtime.http_args import DEFAULT_PORT
+    from runtime.serve_args import DEFAULT_METRICS_PORT
+
+    held = []
+    for port in (DEFAULT_CLIENT_PORT, DEFAULT_METRICS_PORT, DEFAULT_PORT):
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            held.append(s)
+        except OSError:  # another program has it already: the test sees it taken all the same
+            s.close()
+    yield
+    for s in held:
+        s.close()

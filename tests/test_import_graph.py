@@ -1,7 +1,8 @@
 """The floors of the codebase, checked on the import graph: stages meet only through `proto/` and the
 lower floor (`runtime.base`, `runtime.common`, `kernels`); `proto/` imports nothing of ours and no torch;
-the lower floor never reaches up into the stages, the assembly or the tools. Imports inside functions
-count too (they are the usual way a leak hides)."""
+the lower floor never reaches up into the stages, the assembly or the tools; nothing shipped (the tools
+included) imports the reproduction scripts of `benchmarks/`, which stay out of the wheel. Imports inside
+functions count too (they are the usual way a leak hides)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-OURS = ("runtime", "stages", "kernels", "proto", "tools", "tests")
+OURS = ("runtime", "stages", "kernels", "proto", "tools", "benchmarks", "tests")
 FLOOR = ("runtime.base", "runtime.common", "kernels")
 
 
@@ -57,7 +58,7 @@ def violations(module: str, source: str) -> list[str]:
             if (top in OURS and top != "proto") or top == "torch":
                 bad.append(f"{module} imports {name}: proto/ imports nothing of ours and no torch")
         elif any(_under(module, f) for f in FLOOR):
-            if top in ("stages", "tools", "tests") or (
+            if top in ("stages", "tools", "benchmarks", "tests") or (
                 top == "runtime" and not any(_under(name, f) for f in FLOOR)
             ):
                 bad.append(f"{module} imports {name}: the lower floor never imports above itself")
@@ -65,16 +66,23 @@ def violations(module: str, source: str) -> list[str]:
             stage = module.split(".")[1]
             if top == "stages" and len(name.split(".")) > 1 and name.split(".")[1] != stage:
                 bad.append(f"{module} imports {name}: stages meet only through proto/ and the floor")
-            elif top in ("tools", "tests") or (top == "runtime" and not any(_under(name, f) for f in FLOOR)):
+            elif top in ("tools", "benchmarks", "tests") or (
+                top == "runtime" and not any(_under(name, f) for f in FLOOR)
+            ):
                 bad.append(f"{module} imports {name}: a stage imports only proto/ and the lower floor")
+        elif top == "benchmarks" and module.split(".")[0] != "benchmarks":
+            bad.append(f"{module} imports {name}: shipped code never imports benchmarks/ (not in the wheel)")
         elif top in ("tools", "tests") and top != module.split(".")[0] and not _under(module, "tools"):
             bad.append(f"{module} imports {name}: shipped code never imports tools/ or tests/")
     return bad
 
 
-def _tree() -> list[tuple[str, Path]]:
+RUNTIME = ("proto", "runtime", "stages", "kernels")
+
+
+def _tree(packages: tuple[str, ...] = (*RUNTIME, "tools")) -> list[tuple[str, Path]]:
     mods = []
-    for package in ("proto", "runtime", "stages", "kernels"):
+    for package in packages:
         for path in sorted((ROOT / package).rglob("*.py")):
             rel = path.relative_to(ROOT).with_suffix("")
             parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
@@ -101,6 +109,8 @@ def test_the_tree_keeps_its_floors():
         ("kernels.lora_shrink", "from stages.worker.lora.pool import LoraPool"),
         ("runtime.offline", "from tools.make_tiny_model import make_model"),
         ("stages.worker.actor", "from ..loader import actor"),
+        ("tools.bench_serving", "from benchmarks import bench_peft"),
+        ("runtime.cli", "import benchmarks.bench_tp"),
     ],
 )
 def test_each_rule_catches_its_leak(module, source):
@@ -154,7 +164,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def _module_graph() -> dict[str, set[str]]:
-    mods = dict(_tree())
+    mods = dict(_tree(RUNTIME))
     graph: dict[str, set[str]] = {}
     for module, path in mods.items():
         targets = set()
@@ -187,3 +197,15 @@ def test_no_module_of_the_runtime_is_over_the_line_limit():
         if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
     }
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by job): {long}"
+
+
+def test_the_reproduction_scripts_stay_out_of_the_wheel():
+    import fnmatch
+    import tomllib
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = [
+        p for p in find["include"] if fnmatch.fnmatch("benchmarks", p) or fnmatch.fnmatch("benchmarks.x", p)
+    ]
+    assert shipped == [], f"pyproject.toml ships benchmarks/ through {shipped}"
+    assert "tools*" in find["include"]  # what users run does ship

@@ -126,7 +126,10 @@ def make_report(
     duration: float,
     server: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The JSON document both tools write (see docs/benchmarks.md for the schema)."""
+    """The JSON document both tools write: the tool's arguments (`config`), the workload's source, size and
+    sha256, the summary (latency percentiles in seconds, throughputs, the server's derived counters), the
+    server's counters at start and end with their timeline (`server_metrics`), and every request's
+    record. Readers check `schema_version`."""
     summary = summarize(records, duration)
     summary.update((server or {}).get("derived", {}))
     return {

@@ -23,7 +23,9 @@ fi
 case "$what" in
   demo)
     pip -e .
-    exec "$venv/bin/lorapipe" demo
+    "$venv/bin/lorapipe" demo
+    echo
+    echo "lorapipe is installed in $venv, not on your PATH: run \`source $venv/bin/activate\` in each new shell."
     ;;
   test)
     pip -e ".[test,ray]"  # the ray extra: tests/integration/test_ray_serve.py runs a local Ray cluster

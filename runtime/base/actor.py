@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import itertools
 import logging
 import os
@@ -96,8 +95,8 @@ class Actor(Generic[C]):
         self.log = logging.getLogger(f"lorapipe.{self.stage}")
         self.metrics = StageMetrics(self.stage)
         self.draining = False
-        # stage_main freezes what setup made out of the collector's scans; in-process actors do not
-        self.freeze_gc_after_setup = False
+        self.freeze_gc_after_setup = False  # stage_main's stages do (GcPauses.freeze); in-process ones not
+        self._gc_pauses: GcPauses | None = None  # installed with the freeze
         self.parent_pid = os.getppid()  # stage_main sets the launcher's (the pid it was spawned by)
         self._parent_signal = asyncio.Event()  # PARENT_DEATH_SIGNAL arrived
         self._loops: list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]] = []
@@ -240,12 +239,9 @@ class Actor(Generic[C]):
                     )
                 )
             await self.setup()
-            if self.freeze_gc_after_setup:
-                # weights' wrappers, modules, compiled kernels and graphs live as long as the process: a
-                # full collection walking them stalls every step for as long as it takes
-                gc.collect()
-                gc.freeze()
-                GcPauses(self.metrics, self.log).install()
+            if self.freeze_gc_after_setup:  # what setup made lives as long as the process
+                self._gc_pauses = GcPauses(self.metrics, self.log)
+                self._gc_pauses.freeze()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_drain)
             loop.add_signal_handler(PARENT_DEATH_SIGNAL, self._parent_signal.set)  # its default ends us
@@ -259,7 +255,7 @@ class Actor(Generic[C]):
                     await self._tell_launcher(
                         Ready(stage=self.stage, pid=os.getpid(), protocol_version=PROTOCOL_VERSION)
                     )
-                self.log.info("ready (pid %d)", os.getpid())
+                self.log.info("ready (pid %d)%s", os.getpid(), self.ready_note())
         except* _Stop:
             code = EXIT_OK
         except* _ParentDied:
@@ -273,7 +269,12 @@ class Actor(Generic[C]):
             for sig in (signal.SIGTERM, signal.SIGINT, PARENT_DEATH_SIGNAL):
                 loop.remove_signal_handler(sig)
             self.teardown()
+            if self._gc_pauses is not None:
+                self._gc_pauses.thaw()
         return code
+
+    def ready_note(self) -> str:  # what the "ready" log line adds: where a user reaches the stage
+        return ""
 
     def teardown(self) -> None:
         for sock in reversed(self._sockets):

@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 
 DEFAULT_CLIENT_PORT = 7450
+DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"  # where `serve` listens and clients connect
 _MAX_IPC_PATH = 107  # sockaddr_un.sun_path minus the terminating NUL on Linux
 
 
@@ -42,7 +43,7 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
             if len(addr) - len("ipc://") > _MAX_IPC_PATH:
                 raise ValueError(f"ipc path {addr!r} is too long for a unix socket; use a shorter run dir")
         if client is None:
-            client = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"
+            client = DEFAULT_ENDPOINT
         elif isinstance(client, int):
             client = f"tcp://127.0.0.1:{client}"
         return cls(run_dir=str(run_dir), client=client, **names)
@@ -86,3 +87,10 @@ def unreachable_reason(endpoint: str) -> str:
     except (OSError, ValueError) as exc:
         return f"it cannot be reached ({exc})"
     return "something accepted the connection but did not answer the lorapipe handshake"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listened on a moment ago (the OS's pick), for a server started next."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

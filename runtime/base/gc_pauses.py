@@ -30,6 +30,21 @@ class GcPauses:
         self._started = 0.0
         self.installed = False
 
+    def freeze(self) -> None:
+        """Collect, then freeze what is left out of the collector's scans, and time every collection. The
+        weights' wrappers, modules, compiled kernels and graphs live as long as the process: a full
+        collection walking them would stall every step for as long as it takes."""
+        gc.collect()
+        gc.freeze()
+        self.install()
+
+    def thaw(self) -> None:
+        """Undo `freeze` once the stage is done: frozen objects are never freed, and Triton's nanobind
+        bindings print a leak warning for each object still held when the interpreter finalizes. The
+        exit's collection is not a pause of serving, so it is not timed."""
+        self.uninstall()
+        gc.unfreeze()
+
     def install(self) -> None:
         if not self.installed:
             gc.callbacks.append(self._on_gc)

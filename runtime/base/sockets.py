@@ -284,7 +284,8 @@ class _ZapHandler:
 class ConnectionEvents:
     """Connection-level events of one async socket (zmq's socket monitor): `await next()` returns
     "connected" (handshake done), "disconnected" (an established connection closed: the peer died or
-    went away) or "refused" (a handshake failed: wrong, missing or unexpected credentials)."""
+    went away), "refused" (a handshake failed: wrong, missing or unexpected credentials) or "retrying"
+    (a connection attempt failed, and zmq will try again)."""
 
     _EVENTS = {
         zmq.EVENT_HANDSHAKE_SUCCEEDED: "connected",
@@ -292,6 +293,7 @@ class ConnectionEvents:
         zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "refused",
         zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "refused",
         zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused",
+        zmq.EVENT_CONNECT_RETRIED: "retrying",
     }
 
     def __init__(self, sock: _Base[Any, Any]) -> None:

@@ -2,7 +2,7 @@
 overlapping streams counted once) against the window's wall time, the GPU-idle gaps (how many, how long,
 the largest with the host operations running across them) and device time by kernel family and by
 kernel (the `top` largest). Used by
-`tools/gpu_timeline.py` on any saved trace, and by the worker's step profiler (`--profile-steps`) as
+`benchmarks/gpu_timeline.py` on any saved trace, and by the worker's step profiler (`--profile-steps`) as
 `python -m runtime.common.gpu_timeline TRACE.json WALL_US`, which compresses the trace to TRACE.json.gz
 and prints the summary as JSON: in a process of its own, so parsing a large trace never takes the GIL
 from a serving worker."""

@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import IO
 
+from runtime.base.endpoints import free_port
 from runtime.base.parent_death import PARENT_PID_ENV
 
 ROOT = Path(__file__).resolve().parents[2]  # so `python -m runtime.cli` imports this tree from any cwd
@@ -27,12 +27,6 @@ BANNER = "lorapipe serving "  # the launcher's one line on stdout once every sta
 
 class ServerStartError(RuntimeError):
     """The server exited or did not become ready; the message says which and its exit code."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _drain(stream: IO[str]) -> None:

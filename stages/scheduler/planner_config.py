@@ -10,7 +10,10 @@ import msgspec
 
 class PlannerPolicy(msgspec.Struct, frozen=True, kw_only=True):
     """The planner's settings known before the worker starts (the launcher's and the offline engine's
-    one derivation: `runtime/engine_args.py`); `PlannerConfig.from_policy` adds what the worker reports."""
+    one derivation: `runtime/engine_args.py`); `PlannerConfig.from_policy` adds what the worker reports.
+    Each field is the engine knob (`EngineArgs`) of the same name, with the same default: a default here
+    only serves a `SchedulerConfig` built without a policy (tests/runtime/test_defaults.py holds them
+    equal)."""
 
     max_loras_per_batch: int | None = None  # None: as many as the pool has adapter ids
     max_running_requests: int = 64
@@ -18,9 +21,9 @@ class PlannerPolicy(msgspec.Struct, frozen=True, kw_only=True):
     pinned_adapters: tuple[str, ...] = ()
     overlap_loading: bool = True
     prefetch_depth: int = 8
-    overlap_min_bytes: int = 128 << 20
-    bypass_limit: int = 16
-    affinity_steps: int = 200
+    overlap_min_mb: float = 128.0
+    max_adapter_bypass: int = 16
+    adapter_affinity_steps: int = 200
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,10 @@ class PlannerConfig:
     max_tokens_per_step: int = 2048
     max_model_len: int = 4096
     pinned_adapters: tuple[str, ...] = ()
+    # The policy's knobs follow, under the planner's names (bypass_limit is max_adapter_bypass,
+    # affinity_steps adapter_affinity_steps, overlap_min_bytes overlap_min_mb in bytes). The engine sets
+    # every one from its policy (`from_policy`); the defaults here are the planner alone, for its unit
+    # tests: overlap, prefetch and affinity off (tests/runtime/test_defaults.py lists each difference).
     # A load marks its slot loading (never a victim) until the worker reports it ready; requests that
     # need it are admitted at once (the worker gates each layer on its copy). Off: the synchronous
     # baseline, where the step that carries a load waits for all of it.
@@ -80,9 +87,9 @@ class PlannerConfig:
             pinned_adapters=policy.pinned_adapters,
             overlap_loading=policy.overlap_loading,
             prefetch_depth=policy.prefetch_depth,
-            overlap_min_bytes=policy.overlap_min_bytes,
-            bypass_limit=policy.bypass_limit,
-            affinity_steps=policy.affinity_steps,
+            overlap_min_bytes=int(policy.overlap_min_mb * 2**20),
+            bypass_limit=policy.max_adapter_bypass,
+            affinity_steps=policy.adapter_affinity_steps,
         )
 
     def __post_init__(self):

@@ -134,6 +134,13 @@ class TokenizerActor(Actor[TokenizerConfig]):
             self.http = HttpFrontEnd(self)  # binds --host/--port now: a taken port fails start-up
             self.add_loop("http", self.http.serve)
 
+    def ready_note(self) -> str:
+        if self.http is None:
+            return ""
+        host = self.config.http_host
+        host = f"[{host}]" if ":" in host else host
+        return f"; OpenAI-compatible HTTP at http://{host}:{self.config.http_port}/v1"
+
     async def submit(self, identity: bytes, msg: Any) -> None:
         """A message from an in-process client (`self.local`), handled as if the ROUTER had received it;
         the replies go to that client's queue."""

@@ -17,8 +17,8 @@ A step whose adapter is still being copied layer by layer (an overlapped pool lo
 layer for that layer's rows. Piecewise, the host makes those waits between pieces. Full graphs, with
 `gated`, get a second graph per LoRA key whose layer i first waits on gate i, an external CUDA event:
 `_arm` records gate i on a side stream once the step's layer-i copies are done, and the replay waits on
-that record (a graph's wait node waits for the event's last record before the launch, measured on the
-H100 in docs/benchmarks.md, eleventh session). A wait node costs about 5 us of host launch and of device
+that record (a graph's wait node waits for the event's last record before the launch, as measured on an
+H100). A wait node costs about 5 us of host launch and of device
 time even when its event is complete, so steps without such copies replay the ungated graphs."""
 
 from __future__ import annotations

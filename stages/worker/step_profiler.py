@@ -6,8 +6,8 @@ the launches of the plans after the window come before it ends and are left unan
 written once the worker is next idle (no step in flight, no plan queued), or at shutdown: exporting it
 holds this process's GIL for seconds, which halved the throughput of a busy H100 worker. It is written
 on a thread, then a process of its own (`python -m runtime.common.gpu_timeline`) compresses it to
-DIR/worker-PID-stepsA-B.json.gz and sums it up for one log line with the window's GPU-busy share: what
-issue 15 measures over a serving run. All calls but the export run on the step thread, the one that
+DIR/worker-PID-stepsA-B.json.gz and sums it up for one log line with the window's GPU-busy share over the
+serving run. All calls but the export run on the step thread, the one that
 issues device work. A failure to profile or to write is a warning; it never touches a request."""
 
 from __future__ import annotations

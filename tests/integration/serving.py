@@ -4,8 +4,8 @@ by polling health with a deadline, SIGTERM on exit, and the metrics endpoint par
 from __future__ import annotations
 
 import contextlib
+import selectors
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +15,11 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.client import Client, LorapipeError
+from runtime.base.endpoints import free_port
+from runtime.client import Client
+from runtime.ray_serve.server_process import BANNER
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stage_up(metrics: dict[tuple[str, str, tuple], float], stage: str) -> float | None:
@@ -142,6 +138,23 @@ class Server:
         )
 
 
+def wait_for_banner(proc: subprocess.Popen, timeout: float) -> str:
+    """The launcher's one line on stdout, printed once every stage is ready (a client polling health
+    would spin: a server not listening yet refuses at once)."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, "server not ready in time"
+            if sel.select(left):
+                line = proc.stdout.readline()
+                if line.startswith(BANNER):
+                    return line
+                assert line, f"server exited with {proc.wait()} before it was ready"
+
+
 @contextlib.contextmanager
 def serve(
     model: Path,
@@ -170,19 +183,10 @@ def serve(
     ]
     for name, path in adapters.items():
         cmd += ["--adapter", f"{name}={path}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     server = Server(proc, f"tcp://127.0.0.1:{port}", mport, hport, api_key)
     try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode} before it was ready"
-            try:
-                with contextlib.closing(server.client(timeout=2.0)) as c:
-                    if c.health().ok:
-                        break
-            except LorapipeError:
-                pass
-            assert time.monotonic() < deadline, "server not ready in time"
+        wait_for_banner(proc, ready_timeout)
         yield server
     finally:
         if proc.poll() is None:

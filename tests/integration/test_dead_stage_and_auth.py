@@ -1,4 +1,4 @@
-"""Issue 12 on a server started with --api-key-file and --no-runtime-adapter-loading: clients without
+"""Security on a server started with --api-key-file and --no-runtime-adapter-loading: clients without
 the key, or with a wrong one, are refused at the handshake with a typed error; adapter ops are
 forbidden; then the tokenizer is SIGKILLed while calls are in flight (one with timeout=None) and every
 call gets ServerError within 5 s; right after the launcher exits, no process it started is alive."""

@@ -1,4 +1,4 @@
-"""Issue 12 against a real `lorapipe serve` (tiny model, CPU): garbage on every socket edge, a lone
+"""Hostile inputs against a real `lorapipe serve` (tiny model, CPU): garbage on every socket edge, a lone
 surrogate, a 32 MiB frame and plain TCP noise leave every stage serving; prompts too long are refused
 by size before tokenizing and a long one being tokenized does not hold up another client; runtime
 loads stay inside --adapter-root and names follow one rule on the wire; hostile adapters fail alone;
@@ -81,7 +81,7 @@ def server(tiny_llama, llama_adapters, root):
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama, llama_adapters):
-    llm = LLM(tiny_llama, adapters=llama_adapters, max_loras_per_batch=2, max_lora_rank=16)
+    llm = LLM(tiny_llama, device="cpu", adapters=llama_adapters, max_loras_per_batch=2, max_lora_rank=16)
     work = [(p, a) for p in PROMPTS for a in [*llama_adapters, None]]
     outs = llm.generate(
         [p for p, _ in work],

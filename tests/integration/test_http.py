@@ -44,7 +44,7 @@ def sdk_reference(server, llama_adapters):
 
     try:
         return asyncio.run(main())
-    except Timeout as exc:  # once in a CI run (seventeenth session): say where the requests were
+    except Timeout as exc:  # a hung fixture says where its requests were
         raise AssertionError(f"{exc}; the server's state:\n{server.snapshot()}") from exc
 
 

@@ -101,7 +101,7 @@ def test_serve_args_errors(tiny_llama, llama_adapters, tmp_path, capsys):
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     a, b = list(llama_adapters.items())[:2]
     cases = [
-        (["--model", str(tmp_path / "nope")], "not a directory"),
+        (["--model", str(tmp_path / "nope")], "no such directory"),
         (["--model", str(gpt2)], "unsupported architecture 'GPT2LMHeadModel'"),
         (["--adapter", "noequals"], "expected NAME=PATH"),
         (["--adapter", f"bad name={a[1]}"], "name 'bad name'"),

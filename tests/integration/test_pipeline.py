@@ -42,7 +42,7 @@ def workload(llama_adapters):
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama, llama_adapters, workload):
-    llm = LLM(tiny_llama, adapters=llama_adapters, max_loras_per_batch=2, max_lora_rank=16)
+    llm = LLM(tiny_llama, device="cpu", adapters=llama_adapters, max_loras_per_batch=2, max_lora_rank=16)
     outs = llm.generate(
         [p for p, _ in workload],
         adapters=[a for _, a in workload],

@@ -1,4 +1,4 @@
-"""lorapipe under a real Ray Serve on the CPU (issue 17): two replicas, each a real `lorapipe serve`
+"""lorapipe under a real Ray Serve on the CPU: two replicas, each a real `lorapipe serve`
 process group, eight adapters multiplexed by name with room for six per replica, driven through the
 OpenAI ingress by the official `openai` client. Greedy tokens must equal transformers + PEFT; adapters
 must stay with their replicas (a router without affinity would reload them on nearly every request);
@@ -21,12 +21,12 @@ import pytest
 import ray
 from ray import serve
 
+from runtime.base.endpoints import free_port
 from runtime.ray_serve.app import build_app
 from runtime.ray_serve.catalog import AdapterCatalog
 from runtime.ray_serve.config import ClusterConfig
 from runtime.ray_serve.ingress import LOADS_HEADER, REPLICA_HEADER
 from runtime.synthetic.adapters import make_adapters
-from tests.integration.serving import free_port
 from tests.peft_reference import PeftReference
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]

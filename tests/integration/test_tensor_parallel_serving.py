@@ -24,6 +24,7 @@ from runtime.stage_configs import stage_configs
 from stages.worker.lora.pool import row_bytes
 from stages.worker.tp.rank_zero import RankZero
 from stages.worker.tp.shard import shard_config
+from tests.conftest import NO_FIXED_PORTS
 from tests.integration.hostile import descendants, live_descendants, wait_until
 from tests.integration.serving import serve
 from tests.integration.test_pipeline import MAX_TOKENS, PROMPTS
@@ -52,7 +53,7 @@ def _rank_pids(server) -> list[int]:
 def test_two_ranks_serve_the_offline_engines_greedy_outputs(tiny_llama, llama_adapters):
     names = [*llama_adapters, None]
     workload = [(p, names[i % len(names)]) for i, p in enumerate(PROMPTS * 2)]
-    llm = LLM(tiny_llama, adapters=llama_adapters, max_loras_per_batch=2, max_lora_rank=16)
+    llm = LLM(tiny_llama, device="cpu", adapters=llama_adapters, max_loras_per_batch=2, max_lora_rank=16)
     want = llm.generate(
         [p for p, _ in workload],
         adapters=[a for _, a in workload],
@@ -100,11 +101,15 @@ def test_a_dead_rank_fails_the_server_and_leaves_no_process(tiny_llama):
 )
 def test_a_size_the_model_cannot_split_is_refused_before_start(tiny_llama, size, message):
     with pytest.raises(ServeArgsError, match=message):
-        parse_serve_args(["--model", str(tiny_llama), "--device", "cpu", "--tensor-parallel-size", size])
+        parse_serve_args(
+            ["--model", str(tiny_llama), "--device", "cpu", "--tensor-parallel-size", size, *NO_FIXED_PORTS]
+        )
 
 
 def test_the_worker_config_carries_the_size(tiny_llama, tmp_path):
-    args = parse_serve_args(["--model", str(tiny_llama), "--device", "cpu", "--tensor-parallel-size", "2"])
+    args = parse_serve_args(
+        ["--model", str(tiny_llama), "--device", "cpu", "--tensor-parallel-size", "2", *NO_FIXED_PORTS]
+    )
     cfg = ModelConfig.from_dir(tiny_llama)
     worker = stage_configs(args, cfg, Endpoints.in_run_dir(tmp_path), "pool", 1 << 20)["worker"]
     assert worker.tensor_parallel_size == 2

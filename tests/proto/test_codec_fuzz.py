@@ -1,5 +1,5 @@
 """Every byte sequence decodes to a message of the edge's union or raises ProtocolError, nothing else:
-the frames of issue 12 (invalid UTF-8, a lone surrogate), seeded mutations of every example message
+hostile frames (invalid UTF-8, a lone surrogate), seeded mutations of every example message
 and random bytes, on every edge; limits refuse a message before its body is looked at."""
 
 from __future__ import annotations

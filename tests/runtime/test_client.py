@@ -34,6 +34,7 @@ from proto.client import (
     UnloadAdapter,
     Welcome,
 )
+from runtime.base.endpoints import free_port
 from runtime.base.sockets import RouterSocket
 from runtime.client import (
     Aborted,
@@ -362,20 +363,18 @@ def test_sync_client(tmp_path):
         thread.join(10)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_no_server_is_reported_within_seconds_with_the_address_and_a_hint():
-    addr = f"tcp://127.0.0.1:{_free_port()}"  # nothing listens there
+@pytest.mark.parametrize("where", ["tcp", "ipc"])
+def test_a_refused_connection_is_reported_at_once_with_the_address_and_a_hint(where, tmp_path):
+    """A refused connection (nothing listens, no socket file) is an answer: the client does not wait
+    out its connect timeout for a server that cannot answer."""
+    addr = f"tcp://127.0.0.1:{free_port()}" if where == "tcp" else f"ipc://{tmp_path}/none.sock"
     start = time.monotonic()
-    with Client(addr, timeout=60) as client, pytest.raises(ServerUnreachable) as exc:
+    with Client(addr, timeout=60, connect_timeout=30) as client, pytest.raises(ServerUnreachable) as exc:
         client.health()
-    assert time.monotonic() - start < 10, "waited as if for a busy server"
+    assert time.monotonic() - start < 5, "waited as if for a busy server"
     msg = str(exc.value)
-    assert addr in msg and "nothing listens there (connection refused)" in msg
+    why = "nothing listens there (connection refused)" if where == "tcp" else "there is no socket file"
+    assert addr in msg and why in msg
     assert "lorapipe serve" in msg and "--endpoint" in msg
     assert isinstance(exc.value, Timeout)  # code that caught Timeout before still does
 

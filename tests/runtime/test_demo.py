@@ -1,22 +1,19 @@
-"""The demo's metrics summary: labelled series keep one entry per label set (a counter by outcome is
-never summed into a total that counts a request twice)."""
+"""The demo's closing lines: one line of what the server counted (labelled series filtered by label, so a
+failed load is not counted as a read), and the `serve` command for the demo's own files."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from runtime.demo import summarize
 
 
-def test_labelled_series_are_listed_per_label_not_summed():
+def test_the_summary_is_one_line_of_counts():
     reg = CollectorRegistry()
-    requests = Counter("lorapipe_requests", "by outcome", ["stage", "outcome"], registry=reg)
-    requests.labels(stage="tokenizer", outcome="finished").inc(6)
-    requests.labels(stage="tokenizer", outcome="aborted").inc(1)
-    Gauge("lorapipe_requests_in_flight", "open", ["stage"], registry=reg).labels(stage="tokenizer").set(2)
-    Counter("lorapipe_messages_in", "in", ["stage"], registry=reg).labels(stage="tokenizer").inc(9)
+    Counter("lorapipe_plans", "plans", ["stage"], registry=reg).labels(stage="scheduler").inc(25)
+    loads = Counter("lorapipe_adapter_loads", "by result", ["stage", "result"], registry=reg)
+    loads.labels(stage="loader", result="staged").inc(3)
+    loads.labels(stage="loader", result="failed").inc(1)
+    Counter("lorapipe_gc_pauses", "noise", ["stage"], registry=reg).labels(stage="worker").inc(9)
     text = summarize(generate_latest(reg).decode())
-    assert "requests_total{finished}=6" in text and "requests_total{aborted}=1" in text
-    assert "requests_total=" not in text
-    assert "requests_in_flight=2" in text
-    assert text.splitlines()[1].split()[:3] == ["tokenizer", "0", "9"]  # stage, up, messages in
+    assert text == "25 steps, 3 adapter reads from disk, 0 copies into the adapter pool"

@@ -26,7 +26,7 @@ def test_mistral_sliding_window_matches_transformers(tiny_mistral, tmp_path):
     from runtime.synthetic.adapters import make_adapters
 
     (ad,) = make_adapters(tiny_mistral, tmp_path, n=1, ranks=(4,), seed=7)
-    llm = LLM(tiny_mistral, adapters={"a": ad}, max_lora_rank=8, page_size=4)
+    llm = LLM(tiny_mistral, device="cpu", adapters={"a": ad}, max_lora_rank=8, page_size=4)
     prompt = llm.tokenizer.encode(LONG).ids
     assert len(prompt) > 3 * 8  # well past the window of 8
     outs = llm.generate(
@@ -41,8 +41,8 @@ def test_mistral_sliding_window_matches_transformers(tiny_mistral, tmp_path):
 def test_half_dtypes_close_to_float32(tiny_llama, llama_adapters, dtype):
     ids = [[5, 17, 42, 99, 7, 3, 250]]
     params = SamplingParams(max_tokens=1)
-    ref = LLM(tiny_llama, adapters=llama_adapters, max_lora_rank=16)
-    half = LLM(tiny_llama, adapters=llama_adapters, max_lora_rank=16, dtype=dtype)
+    ref = LLM(tiny_llama, device="cpu", adapters=llama_adapters, max_lora_rank=16)
+    half = LLM(tiny_llama, device="cpu", adapters=llama_adapters, max_lora_rank=16, dtype=dtype)
     assert half.runner.model.w.embed.dtype == getattr(torch, dtype)
     for name in [None, *llama_adapters]:
         a = ref.runner  # same prompt through both engines' runners, compare last-token logits
@@ -61,13 +61,13 @@ def test_sharded_checkpoint_gives_identical_outputs(tmp_path):
     sharded = make_model(tmp_path / "sharded", preset="tiny", seed=11, shard_size_mb=0.1)
     assert (sharded / "model.safetensors.index.json").exists()
     p = SamplingParams(max_tokens=8, ignore_eos=True)
-    a = LLM(one).generate(["Once upon a time"], sampling=p)[0]
-    b = LLM(sharded).generate(["Once upon a time"], sampling=p)[0]
+    a = LLM(one, device="cpu").generate(["Once upon a time"], sampling=p)[0]
+    b = LLM(sharded, device="cpu").generate(["Once upon a time"], sampling=p)[0]
     assert a.token_ids == b.token_ids
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llama, llama_adapters):
-    llm = LLM(tiny_llama, adapters=llama_adapters, max_lora_rank=16)
+    llm = LLM(tiny_llama, device="cpu", adapters=llama_adapters, max_lora_rank=16)
     seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
     alone = llm.generate(["A quiet morning"], adapters="full8", sampling=seeded)[0]
     other = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, ignore_eos=True)
@@ -86,7 +86,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llama, llama
 
 
 def test_top_k_and_top_p_restrict_the_support(tiny_llama):
-    llm = LLM(tiny_llama)
+    llm = LLM(tiny_llama, device="cpu")
     prompt = [5, 17, 42, 99]
     logits = llm.runner.execute([SeqInput(prompt, 0, [0], -1)])[0]
     top3 = set(logits.topk(3).indices.tolist())
@@ -105,7 +105,7 @@ def test_top_k_and_top_p_restrict_the_support(tiny_llama):
 
 
 def test_greedy_equals_top_k_1_and_temperature_0(tiny_llama):
-    llm = LLM(tiny_llama)
+    llm = LLM(tiny_llama, device="cpu")
     a = llm.generate(["The river"], sampling=SamplingParams(max_tokens=8, ignore_eos=True))[0]
     b = llm.generate(
         ["The river"], sampling=SamplingParams(max_tokens=8, temperature=1.5, top_k=1, ignore_eos=True)
@@ -114,7 +114,7 @@ def test_greedy_equals_top_k_1_and_temperature_0(tiny_llama):
 
 
 def test_stop_tokens_eos_and_max_tokens(tiny_llama, tmp_path):
-    llm = LLM(tiny_llama)
+    llm = LLM(tiny_llama, device="cpu")
     free = llm.generate(["The river"], sampling=SamplingParams(max_tokens=10, ignore_eos=True))[0]
     stop_at = free.token_ids[3]
     first = free.token_ids.index(stop_at)
@@ -125,14 +125,16 @@ def test_stop_tokens_eos_and_max_tokens(tiny_llama, tmp_path):
     assert free.finish_reason == "length" and len(free.token_ids) == 10
     # EOS: the same weights (same seed) with the model's own second token declared as EOS.
     same = make_model(tmp_path / "eos", preset="tiny", seed=1, overrides={"eos_token_id": free.token_ids[1]})
-    ended = LLM(same).generate(["The river"], sampling=SamplingParams(max_tokens=10))[0]
+    ended = LLM(same, device="cpu").generate(["The river"], sampling=SamplingParams(max_tokens=10))[0]
     assert ended.finish_reason == "stop" and ended.token_ids == free.token_ids[:2]
-    ignored = LLM(same).generate(["The river"], sampling=SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    ignored = LLM(same, device="cpu").generate(
+        ["The river"], sampling=SamplingParams(max_tokens=10, ignore_eos=True)
+    )[0]
     assert ignored.token_ids == free.token_ids
 
 
 def test_max_model_len_stops_with_length(tiny_llama):
-    llm = LLM(tiny_llama, max_model_len=12)
+    llm = LLM(tiny_llama, device="cpu", max_model_len=12)
     out = llm.generate([[3, 4, 5, 6, 7, 8, 9, 10]], sampling=SamplingParams(max_tokens=100, ignore_eos=True))[
         0
     ]
@@ -140,7 +142,7 @@ def test_max_model_len_stops_with_length(tiny_llama):
 
 
 def test_bad_inputs_raise_clear_errors(tiny_llama, llama_adapters):
-    llm = LLM(tiny_llama, adapters=llama_adapters, max_lora_rank=16)
+    llm = LLM(tiny_llama, device="cpu", adapters=llama_adapters, max_lora_rank=16)
     with pytest.raises(ValueError, match="unknown adapter 'nope'"):
         llm.generate(["hi"], adapters="nope")
     with pytest.raises(ValueError, match="temperature"):

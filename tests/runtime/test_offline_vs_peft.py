@@ -45,6 +45,7 @@ def check_against_peft(
         tol = GRAPH_TOL
     llm = LLM(
         model_dir,
+        device="cpu",
         adapters=adapters,
         max_loras_per_batch=max_loras_per_batch,
         max_lora_rank=16,

@@ -43,6 +43,7 @@ def bursty_workload(names: list[str]) -> list[tuple[list[int], str | None]]:
 def run(tiny_llama, adapters, overlap: bool, depth: int, **kw) -> tuple[list[list[int]], LLM]:
     llm = LLM(
         tiny_llama,
+        device="cpu",
         adapters=adapters,
         lora_gpu_memory_gb=pool_gb(tiny_llama, POOL_ROWS),
         max_loras_per_batch=2,

@@ -63,6 +63,7 @@ def test_greedy_tokens_match_peft_under_heavy_churn(
 ):
     llm = LLM(
         tiny_llama,
+        device="cpu",
         adapters=churn_adapters,
         lora_gpu_memory_gb=pool_gb(tiny_llama, 16),
         max_lora_rank=16,

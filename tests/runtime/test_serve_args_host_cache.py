@@ -15,10 +15,12 @@ from runtime.host_cache_size import DEFAULT_CPU_LORA_CACHE_GB, host_cache_bytes
 from runtime.serve_args import ServeArgsError
 from runtime.serve_checks import parse_serve_args
 from runtime.stage_configs import stage_configs
+from tests.conftest import NO_FIXED_PORTS
 
 
 def args(tiny_llama, *flags: str):
-    return parse_serve_args(["--model", str(tiny_llama), "--device", "cpu", "--max-lora-rank", "16", *flags])
+    argv = ["--model", str(tiny_llama), "--device", "cpu", "--max-lora-rank", "16", *NO_FIXED_PORTS, *flags]
+    return parse_serve_args(argv)
 
 
 def test_sizes(tiny_llama):

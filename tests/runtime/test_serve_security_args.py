@@ -11,11 +11,12 @@ from runtime.base.endpoints import Endpoints
 from runtime.cli import main as cli_main
 from runtime.serve_checks import parse_serve_args, validate
 from runtime.stage_configs import stage_configs
+from tests.conftest import NO_FIXED_PORTS
 
 KEY = "0123456789abcdef-key"
 
 
-def test_security_flag_errors(tiny_llama, tmp_path, capsys):
+def test_security_flag_errors(tiny_llama, tmp_path, capsys, default_ports_taken):
     loose = tmp_path / "loose.key"
     loose.write_text(KEY)
     loose.chmod(0o644)
@@ -34,14 +35,14 @@ def test_security_flag_errors(tiny_llama, tmp_path, capsys):
     ]
     for flags, message in cases:
         with pytest.raises(SystemExit) as exc:
-            cli_main(["serve", "--model", str(tiny_llama), "--device", "cpu", *flags])
+            cli_main(["serve", "--model", str(tiny_llama), "--device", "cpu", *NO_FIXED_PORTS, *flags])
         assert exc.value.code == 2, flags
         err = capsys.readouterr().err
         assert message in err, (flags, err)
         assert KEY not in err
 
 
-def test_security_flags_reach_the_stage_configs(tiny_llama, llama_adapters, tmp_path):
+def test_security_flags_reach_the_stage_configs(tiny_llama, llama_adapters, tmp_path, default_ports_taken):
     key_file = tmp_path / "api.key"
     key_file.write_text(KEY + "\n")
     key_file.chmod(0o600)
@@ -52,6 +53,7 @@ def test_security_flags_reach_the_stage_configs(tiny_llama, llama_adapters, tmp_
             "--model", str(tiny_llama), "--device", "cpu", "--adapter", f"a={llama_adapters['full8']}",
             "--api-key-file", str(key_file), "--adapter-root", str(tmp_path / "link"),
             "--no-runtime-adapter-loading", "--max-request-bytes", "65536", "--max-prompt-bytes", "4096",
+            *NO_FIXED_PORTS,
         ]
     )  # fmt: skip
     model_cfg = validate(args)

@@ -52,7 +52,9 @@ def _generate(model_dir, adapters, recorded, tp: int, **kw):
     mix = [names[i % len(names)] if i % 3 != 2 else None for i in range(len(PROMPTS))]
     recorded.clear()
     kw.setdefault("max_lora_rank", 16)
-    with LLM(model_dir, adapters=adapters, dtype="float32", tensor_parallel_size=tp, **kw) as llm:
+    with LLM(
+        model_dir, device="cpu", adapters=adapters, dtype="float32", tensor_parallel_size=tp, **kw
+    ) as llm:
         outs = llm.generate(PROMPTS, adapters=mix, sampling=SAMPLING)
         _generate.last_stats = llm.last_stats
         graphs = llm.runner.graphs
@@ -157,13 +159,20 @@ def test_a_ranks_slot_copy_is_its_slora_shard_of_the_peft_tensors(tiny_qwen2, qw
 
 def test_a_size_that_does_not_split_the_heads_is_refused(tiny_llama):
     with pytest.raises(ModelConfigError, match=r"tensor_parallel_size 3 .*num_attention_heads \(4\)"):
-        LLM(tiny_llama, tensor_parallel_size=3)
+        LLM(tiny_llama, device="cpu", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
-        LLM(tiny_llama, tensor_parallel_size=0)
+        LLM(tiny_llama, device="cpu", tensor_parallel_size=0)
 
 
 def test_a_rank_that_dies_fails_the_engine_and_leaves_no_process(tiny_llama, llama_adapters):
-    llm = LLM(tiny_llama, adapters=llama_adapters, dtype="float32", max_lora_rank=16, tensor_parallel_size=2)
+    llm = LLM(
+        tiny_llama,
+        device="cpu",
+        adapters=llama_adapters,
+        dtype="float32",
+        max_lora_rank=16,
+        tensor_parallel_size=2,
+    )
     (proc,) = llm.ranks.procs
     proc.kill()
     proc.wait()
@@ -176,7 +185,14 @@ def test_a_rank_that_dies_fails_the_engine_and_leaves_no_process(tiny_llama, lla
 def test_a_failure_on_rank_0_mid_run_stops_every_rank(tiny_llama, llama_adapters, monkeypatch):
     from stages.worker.executor import StepExecutor
 
-    llm = LLM(tiny_llama, adapters=llama_adapters, dtype="float32", max_lora_rank=16, tensor_parallel_size=2)
+    llm = LLM(
+        tiny_llama,
+        device="cpu",
+        adapters=llama_adapters,
+        dtype="float32",
+        max_lora_rank=16,
+        tensor_parallel_size=2,
+    )
     (proc,) = llm.ranks.procs
     finish, calls = StepExecutor.finish, []
 
@@ -200,7 +216,14 @@ def test_a_failed_forward_is_not_retried_apart_on_one_rank(tiny_llama, llama_ada
     ranks would not join its collectives. The step fails, and the engine stops its ranks."""
     from stages.worker.runner import ModelRunner
 
-    llm = LLM(tiny_llama, adapters=llama_adapters, dtype="float32", max_lora_rank=16, tensor_parallel_size=2)
+    llm = LLM(
+        tiny_llama,
+        device="cpu",
+        adapters=llama_adapters,
+        dtype="float32",
+        max_lora_rank=16,
+        tensor_parallel_size=2,
+    )
     (proc,) = llm.ranks.procs
     assert llm.runner.tp is not None
     execute = ModelRunner.execute_grouped

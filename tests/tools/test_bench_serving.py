@@ -10,8 +10,9 @@ import math
 
 import pytest
 
+from benchmarks import bench_peft
 from tests.integration.serving import serve
-from tools import bench_peft, bench_serving
+from tools import bench_serving
 from tools import workload as wl
 from tools.bench_report import format_table, markdown_table, percentiles
 

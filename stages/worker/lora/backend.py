@@ -13,10 +13,10 @@ from stages.worker.lora.pool import LoraPool
 
 # LoRA token tile of every fixed-shape (graphed) batch, decode and step graphs, at every bucket. A graph
 # serves every adapter mix, and a step with many adapters has mostly short runs (one-token decodes), each
-# a tile of its own: at 64 such a tile wastes 63 rows of work. Measured on the H100
-# (tools/bench_lora_step.py, 1B shapes): a step of 80 adapters (190 decodes, 768 prefill tokens) 4.9 ms at
-# 64 against 3.1 ms at 16; a step of 32 rank-16 adapters in 256-token prefill chunks 7.0 against 6.3 ms;
-# 4,700 tokens in 1,024-token chunks 7.6 against 6.6 ms (each with `triton_backend.padded_tile_bound`).
+# a tile of its own: at 64 such a tile wastes 63 rows of work. On an H100 (benchmarks/bench_lora_step.py,
+# 1B shapes) a step of 80 adapters (190 decodes, 768 prefill tokens) takes 4.9 ms at 64 against 3.1 ms
+# at 16; a step of 32 rank-16 adapters in 256-token prefill chunks 7.0 against 6.3 ms; 4,700 tokens in
+# 1,024-token chunks 7.6 against 6.6 ms (each with `triton_backend.padded_tile_bound`).
 PADDED_BLOCK_M = 16
 
 

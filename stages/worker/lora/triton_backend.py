@@ -20,18 +20,17 @@ from stages.worker.lora.backend import PADDED_BLOCK_M, LoraBackend
 from stages.worker.lora.pool import LoraPool
 
 MAX_SPLIT_K = 16
-# A padded (graphed) batch's kernel configs follow its tile count (the shrink's split-K and column block
-# fill the GPU from it), which its graph cannot know. Configs chosen for the tile bound starve a step of
-# few tiles: on the H100 (docs/benchmarks.md, session 13, call 3), 256 decodes over 8 or 32 adapters
-# (21, 37 tiles) took 1.28 and 1.38 ms of LoRA kernels with the bound's configs, 0.83 and 1.04 ms with
-# configs for 32 tiles; 80 adapters (82 tiles) 2.38 against 2.26 ms with configs for 128. So a padded
-# size has a graph per class: configs for min(bound, c) tiles for each c here, and for the bound; a batch
-# takes the first class c with tiles <= 1.5 c.
+# A padded (graphed) batch's kernel configs follow its tile count (the shrink's split-K and column block fill
+# the GPU from it), which its graph cannot know. Configs chosen for the tile bound starve a step of few tiles:
+# on an H100, 256 decodes over 8 or 32 adapters (21, 37 tiles) took 1.28 and 1.38 ms of LoRA kernels with the
+# bound's configs, 0.83 and 1.04 ms with configs for 32 tiles; 80 adapters (82 tiles) 2.38 against 2.26 ms
+# with configs for 128. So a padded size has a graph per class: configs for min(bound, c) tiles for each c
+# here, and for the bound; a batch takes the first class c with tiles <= 1.5 c.
 TILE_CLASSES = (32, 128)
 # The gate_up group's expand is fused into the activation (kernels/lora_expand_act.py) for batches of more
-# tokens than sequences (`max_seqs`, else this), which hold prefill runs: on the H100 (docs/benchmarks.md,
-# fourteenth session) it cut a step's LoRA and activation time by 24 % at 31 x 256 prefill tokens and 8 %
-# at 4 x 1,024, while 256-decode steps were 2-4 % slower with it.
+# tokens than sequences (`max_seqs`, else this), which hold prefill runs: on an H100 it cuts a step's LoRA and
+# activation time by 24 % at 31 x 256 prefill tokens and 8 % at 4 x 1,024, while 256-decode steps are 2-4 %
+# slower with it.
 FUSE_MIN_TOKENS = 256
 # Per group: kernel configs (the gate_up group's expand config is an ExpandActConfig when it is fused with
 # the activation), shrink output view.
@@ -56,16 +55,16 @@ def padded_tile_bound(pad_to: int, block_m: int, num_ids: int, max_seqs: int | N
     adapter id (the runner orders tokens by id) and one per sequence at most, and sum(ceil(len /
     block_m)) is at most the run count plus pad_to // block_m. Every program past a step's own tiles
     still launches and returns, so the bound is kept tight: with a large pool (762 ids in 4 GB at 1B
-    shapes) the ids alone made a 1,024-token graph launch 3x the programs that 256 sequences can need
-    (docs/benchmarks.md, eighth session)."""
+    shapes) the ids alone would make a 1,024-token graph launch 3x the programs that 256 sequences can
+    need."""
     return min(pad_to, min(num_ids, max_seqs or pad_to) + pad_to // block_m)
 
 
 def class_grid(tile_class: int, bound: int) -> int:
     """Tiles the grids of a padded batch's class cover: the bound for the bound's class, else 1.5 times
     the class (at most the bound). "auto" puts a batch in the first class whose grid holds its tiles: a
-    decode step of few adapters on the bound's grid launched 8x the programs it needed, and the empty
-    ones cost a third of its LoRA time (fourteenth session)."""
+    decode step of few adapters on the bound's grid would launch 8x the programs it needs, and the empty
+    ones cost a third of its LoRA time."""
     return bound if tile_class == bound else min(bound, tile_class * 3 // 2)
 
 

@@ -100,9 +100,8 @@ class TPGroup:
 
     def close(self) -> None:
         """Leave the group without waiting for the other ranks. On NCCL that is an abort: a graceful
-        teardown waits for every rank's and hung on two H100s while the CUDA graphs that captured the
-        collectives were still alive (docs/benchmarks.md, twentieth session); nothing is in flight when
-        a rank leaves. There is no public abort yet (torch 2.11)."""
+        teardown waits for every rank's, and hangs while CUDA graphs that captured the collectives are
+        still alive; nothing is in flight when a rank leaves. There is no public abort yet (torch 2.11)."""
         if not dist.is_initialized():
             return
         if self._gloo_compute:

@@ -16,8 +16,8 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from runtime.base.endpoints import free_port
 from runtime.ray_serve.forward import Head, ServerDown, forward
-from tests.integration.serving import free_port
 
 
 async def streamed(request):

@@ -16,7 +16,7 @@ PROMPTS = [[5, 17, 42, 99], [7, 3, 250, 11, 12], [1, 2, 3], [40, 41], [9, 8, 7, 
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama, llama_adapters) -> LLM:
-    return LLM(tiny_llama, adapters=llama_adapters, max_lora_rank=16, max_loras_per_batch=4)
+    return LLM(tiny_llama, device="cpu", adapters=llama_adapters, max_lora_rank=16, max_loras_per_batch=4)
 
 
 def _mates() -> tuple[list[list[int]], list[str | None], list[SamplingParams]]:
