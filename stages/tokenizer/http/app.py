@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -25,12 +25,12 @@ from stages.tokenizer.http.schemas import (
     LoadLoraRequest,
     UnloadLoraRequest,
 )
+from stages.tokenizer.http.strict import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, Neutral, decode_strict
 
 if TYPE_CHECKING:
     from stages.tokenizer.http.front import HttpFrontEnd
 
 B = TypeVar("B")
-_AT = re.compile(r"at `\$\.([A-Za-z_]+)")
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -42,8 +42,11 @@ def _error(exc: ApiError) -> Response:
     return Response(exc.body(), exc.status, media_type="application/json")
 
 
-async def _read(request: Request, limit: int, type_: type[B]) -> B:
-    """The body decoded as `type_`: 413 past `limit` bytes, 400 naming the field that is wrong."""
+async def _read(
+    request: Request, limit: int, type_: type[B], unsupported: Mapping[str, Neutral] | None = None
+) -> B:
+    """The body decoded as `type_`: 413 past `limit` bytes, 400 naming the field that is wrong, unknown
+    or not supported (strict.py)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is {declared} bytes; at most {limit} are accepted")
@@ -53,13 +56,7 @@ async def _read(request: Request, limit: int, type_: type[B]) -> B:
         if size > limit:
             raise ApiError(413, f"the request body exceeds {limit} bytes")
         chunks.append(chunk)
-    try:
-        return msgspec.json.decode(b"".join(chunks), type=type_)
-    except msgspec.ValidationError as exc:
-        m = _AT.search(str(exc))
-        raise ApiError(400, f"invalid request: {exc}", m.group(1) if m else None) from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    return decode_strict(b"".join(chunks), type_, unsupported)
 
 
 def build_app(front: HttpFrontEnd) -> Starlette:
@@ -88,13 +85,13 @@ def build_app(front: HttpFrontEnd) -> Starlette:
         return _json(fmt.whole(gen, work.result()))
 
     async def completions(request: Request) -> Response:
-        req = await _read(request, limit, CompletionRequest)
+        req = await _read(request, limit, CompletionRequest, COMPLETION_UNSUPPORTED)
         front.check_serving()
         prepared = await prepare_completion(req, front.context())
         return await generate(request, prepared, Formatter(False, req.model))
 
     async def chat(request: Request) -> Response:
-        req = await _read(request, limit, ChatCompletionRequest)
+        req = await _read(request, limit, ChatCompletionRequest, CHAT_UNSUPPORTED)
         front.check_serving()
         prepared = await prepare_chat(req, front.context())
         return await generate(request, prepared, Formatter(True, req.model))

@@ -19,6 +19,7 @@ from proto.sampling import SamplingParams
 from stages.tokenizer.http.chat_template import ChatTemplate, TemplateError
 from stages.tokenizer.http.errors import ApiError
 from stages.tokenizer.http.schemas import ChatCompletionRequest, CompletionRequest
+from stages.tokenizer.http.strict import unsupported_field
 from stages.tokenizer.validate import Rejected, check_prompt, check_request, encode_prompt
 
 MAX_CHOICES = 256  # prompts × n in one HTTP request
@@ -78,26 +79,10 @@ def _rejected(exc: Rejected) -> ApiError:
     return ApiError.of_kind(exc.kind, exc.message, first if first in _FIELDS else None)
 
 
-def _unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
-    """Refuse, by name, what lorapipe's sampler cannot do (rather than ignoring it)."""
-    checks: list[tuple[str, bool]] = [
-        ("presence_penalty", req.presence_penalty != 0),
-        ("frequency_penalty", req.frequency_penalty != 0),
-        ("logit_bias", bool(req.logit_bias)),
-        ("best_of", req.best_of is not None and req.best_of != req.n),
-    ]
-    if isinstance(req, CompletionRequest):
-        checks += [("logprobs", req.logprobs is not None), ("suffix", bool(req.suffix))]
-    else:
-        checks += [
-            ("logprobs", req.logprobs),
-            ("top_logprobs", req.top_logprobs is not None),
-            ("tools", bool(req.tools)),
-            ("response_format", (req.response_format or {}).get("type", "text") != "text"),
-        ]
-    for name, bad in checks:
-        if bad:
-            raise ApiError(400, f"{name} is not supported by this server", name)
+def _check_choices(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """n and best_of: one sample per choice (strict.py has already refused what is not implemented)."""
+    if req.best_of is not None and req.best_of != req.n:
+        raise unsupported_field("best_of")
     if not 1 <= req.n <= MAX_CHOICES:
         raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
 
@@ -159,7 +144,7 @@ def _generate(rid: str, adapter: str | None, sampling: SamplingParams, ids: Sequ
 
 
 async def prepare_completion(req: CompletionRequest, ctx: Context) -> Prepared:
-    _unsupported(req)
+    _check_choices(req)
     adapter = resolve_model(req.model, ctx)
     prompts = _prompts(req.prompt)
     if len(prompts) * req.n > MAX_CHOICES:
@@ -203,13 +188,16 @@ def _message_dict(msg: Any) -> dict[str, Any]:
                 )
             texts.append(part["text"])
         content = "".join(texts)
+    for name in ("audio", "function_call"):
+        if getattr(msg, name) is not None:
+            raise unsupported_field(f"messages.{name}")
     out = msgspec.structs.asdict(msg)
     out["content"] = content if content is not None else ""
-    return {k: v for k, v in out.items() if v is not None}
+    return {k: v for k, v in out.items() if v is not None and k not in ("refusal", "annotations")}
 
 
 async def prepare_chat(req: ChatCompletionRequest, ctx: Context) -> Prepared:
-    _unsupported(req)
+    _check_choices(req)
     adapter = resolve_model(req.model, ctx)
     if not req.messages:
         raise ApiError(400, "messages must not be empty", "messages")

@@ -1,0 +1,187 @@
+"""What a vLLM or OpenAI client sends to a real `lorapipe serve` (CPU, tiny model, default flags): every
+field of the official client's completion and chat request schemas is honoured or refused by name (the
+lists below), unknown fields are refused by name, and vLLM's extensions that lorapipe supports pass."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+
+from tests.integration.serving import serve
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = "tiny"
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+# field -> a value this server honours (sent by the official client)
+COMPLETION_SUPPORTED = {
+    "model": MODEL,
+    "prompt": "hello",
+    "best_of": 1,
+    "echo": True,
+    "max_tokens": 2,
+    "n": 1,
+    "seed": 3,
+    "stop": ["\n\n"],
+    "stream_options": {"include_usage": True},  # with stream=True
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "user": "someone",
+}
+CHAT_SUPPORTED = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hello"}],
+    "max_completion_tokens": 2,
+    "max_tokens": 2,
+    "n": 2,
+    "seed": 3,
+    "stop": "\n\n",
+    "stream_options": {"include_usage": True},
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "user": "someone",
+    "prompt_cache_key": "k",
+    "safety_identifier": "s",
+}
+# field -> a value that asks for something this server does not do: refused with a 400 naming the field
+COMPLETION_REFUSED = {
+    "frequency_penalty": 0.5,
+    "presence_penalty": 0.5,
+    "logit_bias": {"5": 10},
+    "logprobs": 2,
+    "suffix": "tail",
+}
+CHAT_REFUSED = {
+    "audio": {"voice": "alloy", "format": "wav"},
+    "frequency_penalty": 0.5,
+    "presence_penalty": 0.5,
+    "function_call": "auto",
+    "functions": [TOOL["function"]],
+    "logit_bias": {"5": 10},
+    "logprobs": True,
+    "top_logprobs": 2,
+    "metadata": {"a": "b"},
+    "modalities": ["text", "audio"],
+    "moderation": {"model": "m"},
+    "parallel_tool_calls": True,
+    "prediction": {"type": "content", "content": "x"},
+    "prompt_cache_options": {"x": 1},
+    "prompt_cache_retention": "24h",
+    "reasoning_effort": "low",
+    "response_format": {"type": "json_object"},
+    "service_tier": "flex",
+    "store": True,
+    "tool_choice": "auto",
+    "tools": [TOOL],
+    "verbosity": "low",
+    "web_search_options": {},
+}
+# vLLM's extensions (extra_body): supported ones pass, the others are refused by name
+VLLM_SUPPORTED = {"top_k": 2, "stop_token_ids": [1], "ignore_eos": True, "return_token_ids": True}
+VLLM_REFUSED = {
+    "repetition_penalty": 1.2,
+    "min_p": 0.1,
+    "min_tokens": 2,
+    "guided_json": {"type": "object"},
+    "guided_regex": "a+",
+    "guided_choice": ["a", "b"],
+    "prompt_logprobs": 1,
+    "use_beam_search": True,
+    "include_stop_str_in_output": True,
+    "skip_special_tokens": False,
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, llama_adapters):
+    with serve(tiny_llama, {"full8": llama_adapters["full8"]}, "--served-model-name", MODEL) as s:
+        yield s
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def schema_fields(params: type) -> set[str]:
+    """Every field of one of the official client's request TypedDicts (stream is in its subclasses)."""
+    return set(params.__annotations__) | {"stream"}
+
+
+@pytest.mark.parametrize(
+    ("params", "supported", "refused"),
+    [
+        (completion_create_params.CompletionCreateParamsBase, COMPLETION_SUPPORTED, COMPLETION_REFUSED),
+        (chat_create_params.CompletionCreateParamsBase, CHAT_SUPPORTED, CHAT_REFUSED),
+    ],
+    ids=["completions", "chat"],
+)
+def test_every_schema_field_is_listed_as_supported_or_refused(params, supported, refused):
+    """A field the client gains (a newer openai) must be decided on here, not pass unnoticed."""
+    listed = set(supported) | set(refused) | {"stream"}
+    assert schema_fields(params) - listed == set(), "fields neither supported nor refused"
+    assert set(supported) & set(refused) == set()
+
+
+def _create(oa: openai.OpenAI, chat: bool, body: dict, extra: dict | None = None):
+    stream = "stream_options" in body
+    call = oa.chat.completions.create if chat else oa.completions.create
+    out = call(**body, stream=stream, extra_body=extra)
+    if stream:
+        chunks = list(out)
+        assert chunks and chunks[-1].usage is not None
+        return chunks
+    return out
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_supported_fields_are_honoured(server, chat):
+    oa = client(server)
+    supported = CHAT_SUPPORTED if chat else COMPLETION_SUPPORTED
+    base = {k: supported[k] for k in ("model", "messages" if chat else "prompt")}
+    base["max_tokens" if not chat else "max_completion_tokens"] = 2
+    for name, value in supported.items():
+        out = _create(oa, chat, {**base, name: value})
+        if name == "n" and chat:
+            assert len(out.choices) == 2
+        if name == "echo":
+            assert out.choices[0].text.startswith("hello")
+    out = _create(oa, chat, base, VLLM_SUPPORTED)
+    assert 1 <= len(out.choices[0].model_extra["token_ids"]) <= 2
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_unsupported_fields_are_refused_by_name(server, chat):
+    oa = client(server)
+    base = {"model": MODEL, "max_tokens": 2}
+    base.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+    refused = CHAT_REFUSED if chat else COMPLETION_REFUSED
+    for name, value in [*refused.items(), *((k, v) for k, v in VLLM_REFUSED.items())]:
+        body, extra = ({**base, name: value}, None) if name in refused else (base, {name: value})
+        with pytest.raises(openai.BadRequestError) as info:
+            _create(oa, chat, body, extra)
+        assert info.value.body["param"] == name, (name, info.value.body)
+        assert name in info.value.body["message"]
+    # neutral values ask for nothing: accepted
+    neutral = {"presence_penalty": 0, "logit_bias": {}}
+    neutral |= {"tool_choice": "none", "logprobs": False} if chat else {"logprobs": None}
+    vllm_neutral = {"repetition_penalty": 1.0, "min_p": 0.0, "guided_json": None}
+    assert _create(oa, chat, {**base, **neutral}, vllm_neutral).choices[0].finish_reason
+
+
+def test_unknown_fields_are_refused_by_name(server):
+    with httpx.Client(timeout=60) as h:
+        for path, body in [
+            ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "temprature": 0.5}),
+            ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "x": 1}),
+            ("completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usge": True}}),
+            ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x", "y": 1}]}),
+        ]:
+            r = h.post(f"{server.base_url}/{path}", json=body)
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["type"] == "invalid_request_error", r.text
+            assert error["code"] == "unknown_parameter" and error["param"] in error["message"]
+            assert error["param"].split(".")[-1].split("[")[0] in ("temprature", "x", "include_usge", "y")
