@@ -180,7 +180,10 @@ class TokenizerActor(Actor[TokenizerConfig]):
         cfg = self.config
         try:
             path = check_adapter_op(
-                msg, runtime_loading=cfg.runtime_adapter_loading, adapter_root=cfg.adapter_root
+                msg,
+                runtime_loading=cfg.runtime_adapter_loading,
+                adapter_root=cfg.adapter_root,
+                allow_any_path=cfg.allow_any_adapter_path,
             )
         except Rejected as exc:
             return await self._error(identity, msg.request_id, exc.kind, exc.message)

@@ -25,7 +25,8 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, llama_adapters):
-    with serve(tiny_llama, llama_adapters, *FLAGS, "--served-model-name", "tiny") as s:
+    flags = (*FLAGS, "--served-model-name", "tiny", "--allow-any-adapter-path")  # loads over HTTP
+    with serve(tiny_llama, llama_adapters, *flags) as s:
         yield s
 
 

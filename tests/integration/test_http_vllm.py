@@ -185,3 +185,26 @@ def test_unknown_fields_are_refused_by_name(server):
             assert r.status_code == 400 and error["type"] == "invalid_request_error", r.text
             assert error["code"] == "unknown_parameter" and error["param"] in error["message"]
             assert error["param"].split(".")[-1].split("[")[0] in ("temprature", "x", "include_usge", "y")
+
+
+def test_runtime_loads_are_refused_without_a_root_with_one_text(server, llama_adapters):
+    """Default flags: no --adapter-root and no --allow-any-adapter-path. Over HTTP and ZeroMQ, a real
+    adapter, a directory without one and a missing path get the same refusal; the --adapter adapter
+    given at start-up is served."""
+    from runtime.client import Forbidden
+
+    paths = [str(llama_adapters["qv5"]), "/etc", "/does/not/exist"]
+    texts = set()
+    with httpx.Client(timeout=60) as h:
+        for path in paths:
+            r = h.post(f"{server.base_url}/load_lora_adapter", json={"lora_name": "late", "lora_path": path})
+            assert r.status_code == 403, r.text
+            texts.add(r.json()["error"]["message"])
+    with server.client() as c:
+        for path in paths:
+            with pytest.raises(Forbidden) as info:
+                c.load_adapter("late", path)
+            texts.add(str(info.value))
+    assert len(texts) == 1 and "--adapter-root" in texts.pop()
+    out = client(server).completions.create(model="full8", prompt="hi", max_tokens=2)
+    assert out.choices[0].finish_reason
