@@ -85,6 +85,7 @@ class Welcome(Message):
     model: str = ""
     max_model_len: int = 0
     vocab_size: int = 0
+    max_request_bytes: int = 0  # the largest message the server accepts (--max-request-bytes); 0: unsaid
 
 
 class TokenChunk(Message):

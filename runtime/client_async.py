@@ -24,6 +24,7 @@ from proto.client import (
     ClientReply,
     ClientRequest,
     ErrorReply,
+    GenerateRequest,
     Health,
     HealthReply,
     Hello,
@@ -34,7 +35,7 @@ from proto.client import (
     UnloadAdapter,
     Welcome,
 )
-from proto.codec import ProtocolError
+from proto.codec import Codec, ProtocolError
 from runtime.base.auth import API_KEY_ENV
 from runtime.base.endpoints import DEFAULT_CLIENT_PORT, unreachable_reason
 from runtime.base.sockets import ConnectionEvents, DealerSocket
@@ -55,6 +56,7 @@ from runtime.client_types import (
     check_text,
     error_from_reply,
     make_request,
+    request_size,
 )
 
 DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_CLIENT_PORT}"
@@ -157,6 +159,7 @@ class AsyncClient:
         aborts the request server-side; wrap in contextlib.aclosing() to make that immediate."""
         req = make_request(prompt, adapter, sampling)
         await self.connect()
+        self._check_size(req)
         rid, queue = req.request_id, self._open(req.request_id)
         done = False
         t0 = time.monotonic()
@@ -238,6 +241,16 @@ class AsyncClient:
         if isinstance(reply, ErrorReply):
             raise error_from_reply(reply)
         return reply
+
+    def _check_size(self, req: GenerateRequest) -> None:
+        """A message over the server's limit would make ZeroMQ drop the whole connection (every open
+        call with it): refuse it here, by its size."""
+        most = self.welcome.max_request_bytes if self.welcome is not None else 0
+        if most > 0 and (size := request_size(req, most, Codec(ClientRequest).encode)) > most:
+            raise InvalidRequest(
+                f"the request is {size} bytes; the server at {self.endpoint} accepts at most {most} "
+                "(its --max-request-bytes)"
+            )
 
     def _open(self, rid: str) -> asyncio.Queue[Any]:
         # unbounded on purpose: the reader must never block on one slow consumer; a request's

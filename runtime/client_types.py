@@ -5,7 +5,7 @@ turn an unsendable request (bad sampling values, a lone surrogate, a bad name) i
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +142,19 @@ def check_name(name: object) -> None:
     problem = adapter_name_problem(name)
     if problem is not None:
         raise InvalidRequest(problem)
+
+
+SIZE_SLACK_BYTES = 64 << 10  # more than a request's fields besides its prompt can take (names, stop ids)
+
+
+def request_size(req: GenerateRequest, limit: int, encode: Callable[[GenerateRequest], list[Any]]) -> int:
+    """`req`'s encoded size when it may exceed `limit` (then encoded with `encode`, to frames), else a
+    bound below the limit: the prompt's UTF-8 bytes are at most 4 per character, its ids 4 bytes each."""
+    bound = SIZE_SLACK_BYTES + (4 * len(req.prompt) if req.prompt is not None else 0)
+    bound += 4 * len(req.prompt_ids) if req.prompt_ids is not None else 0
+    if bound <= limit:
+        return bound
+    return sum(memoryview(f).nbytes for f in encode(req))
 
 
 def check_text(text: object, what: str) -> None:

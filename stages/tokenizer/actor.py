@@ -173,6 +173,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
             model=cfg.model_name,
             max_model_len=cfg.max_model_len,
             vocab_size=cfg.vocab_size,
+            max_request_bytes=cfg.max_client_msg_bytes,
         )
         await self.client_replies.put((identity, welcome))
 

@@ -1,6 +1,8 @@
-"""What a vLLM or OpenAI client sends to a real `lorapipe serve` (CPU, tiny model, default flags): every
-field of the official client's completion and chat request schemas is honoured or refused by name (the
-lists below), unknown fields are refused by name, and vLLM's extensions that lorapipe supports pass."""
+"""What a vLLM or OpenAI client sends to a real `lorapipe serve` (CPU, tiny model, default loading flags):
+every field of the official client's completion and chat request schemas is honoured or refused by name
+(the lists below), unknown fields are refused by name, vLLM's extensions that lorapipe supports pass;
+runtime adapter loads are refused without a root; prompts over the byte limit are refused by their size
+over HTTP as over the SDK, and an SDK message over the server's limit is a typed error."""
 
 from __future__ import annotations
 
@@ -96,9 +98,14 @@ VLLM_REFUSED = {
 }
 
 
+PROMPT_BYTES, REQUEST_BYTES = 20_000, 1 << 20
+FLAGS = ("--served-model-name", MODEL, "--max-prompt-bytes", str(PROMPT_BYTES))
+FLAGS += ("--max-request-bytes", str(REQUEST_BYTES))
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama, llama_adapters):
-    with serve(tiny_llama, {"full8": llama_adapters["full8"]}, "--served-model-name", MODEL) as s:
+    with serve(tiny_llama, {"full8": llama_adapters["full8"]}, *FLAGS) as s:
         yield s
 
 
@@ -208,3 +215,31 @@ def test_runtime_loads_are_refused_without_a_root_with_one_text(server, llama_ad
     assert len(texts) == 1 and "--adapter-root" in texts.pop()
     out = client(server).completions.create(model="full8", prompt="hi", max_tokens=2)
     assert out.choices[0].finish_reason
+
+
+def test_prompts_over_the_byte_limit_are_refused_by_size_before_tokenizing(server):
+    """The byte check's text (not the context-length one, which needs the token count) proves the prompt
+    was refused before it was tokenized, on both routes and the SDK."""
+    from runtime.client import InvalidRequest
+
+    oa, long = client(server), "word " * (PROMPT_BYTES // 5 + 10)
+    with pytest.raises(openai.BadRequestError, match=f"limit of {PROMPT_BYTES} bytes") as info:
+        oa.completions.create(model=MODEL, prompt=long, max_tokens=2)
+    assert info.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match=f"limit of {PROMPT_BYTES} bytes") as info:
+        oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}], max_tokens=2)
+    assert info.value.body["param"] == "messages"
+    with server.client() as c, pytest.raises(InvalidRequest, match=f"limit of {PROMPT_BYTES} bytes"):
+        c.generate(long, max_tokens=2)
+
+
+def test_sdk_messages_over_the_request_limit_are_a_typed_error(server):
+    """A message over --max-request-bytes would make ZeroMQ drop the connection; the SDK refuses it by
+    name and the same connection goes on serving."""
+    from runtime.client import InvalidRequest
+
+    with server.client() as c:
+        for prompt in ["x" * (REQUEST_BYTES + 1), [5] * (REQUEST_BYTES // 4 + 1)]:
+            with pytest.raises(InvalidRequest, match=f"at most {REQUEST_BYTES}.*--max-request-bytes"):
+                c.generate(prompt, max_tokens=2)
+        assert c.generate("still serving", max_tokens=2).finish_reason

@@ -20,7 +20,13 @@ from stages.tokenizer.http.chat_template import ChatTemplate, TemplateError
 from stages.tokenizer.http.errors import ApiError
 from stages.tokenizer.http.schemas import ChatCompletionRequest, CompletionRequest
 from stages.tokenizer.http.strict import unsupported_field
-from stages.tokenizer.validate import Rejected, check_prompt, check_request, encode_prompt
+from stages.tokenizer.validate import (
+    Rejected,
+    check_prompt,
+    check_prompt_size,
+    check_request,
+    encode_prompt,
+)
 
 MAX_CHOICES = 256  # prompts × n in one HTTP request
 THREAD_TOKENIZE_CHARS = 8192  # longer texts are tokenized in a thread (tokenizers drops the GIL)
@@ -37,6 +43,7 @@ class Context:
     vocab_size: int
     adapters: Mapping[str, str]  # name -> "registered" | "unloading"
     chat_template: ChatTemplate
+    max_prompt_bytes: int  # the actor's limit (validate.prompt_byte_limit): text over it is not tokenized
 
 
 @dataclass
@@ -159,6 +166,7 @@ async def prepare_completion(req: CompletionRequest, ctx: Context) -> Prepared:
         )
         try:
             check_request(probe, vocab_size=ctx.vocab_size, adapters=ctx.adapters)
+            check_prompt_size(probe, max_prompt_bytes=ctx.max_prompt_bytes, max_model_len=ctx.max_model_len)
             if text is not None and len(text) > THREAD_TOKENIZE_CHARS:
                 ids = await asyncio.to_thread(encode_prompt, probe, ctx.tokenizer)
             else:
@@ -205,6 +213,14 @@ async def prepare_chat(req: ChatCompletionRequest, ctx: Context) -> Prepared:
         text = ctx.chat_template.render([_message_dict(m) for m in req.messages], req.add_generation_prompt)
     except TemplateError as exc:
         raise ApiError(400, str(exc), "messages") from None
+    most = ctx.max_prompt_bytes  # the rendered conversation by its size first, as a text prompt is
+    if len(text) * 4 > most and (nbytes := len(text.encode())) > most:
+        raise ApiError(
+            400,
+            f"the rendered messages are {nbytes} bytes, more than the server's limit of {most} bytes for "
+            f"a prompt (more tokens than the {ctx.max_model_len}-token context holds)",
+            "messages",
+        )
     ids = await _tokenize_chat(text, ctx.tokenizer)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = limit if limit is not None else max(ctx.max_model_len - len(ids), 1)
