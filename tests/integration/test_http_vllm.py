@@ -243,3 +243,45 @@ def test_sdk_messages_over_the_request_limit_are_a_typed_error(server):
             with pytest.raises(InvalidRequest, match=f"at most {REQUEST_BYTES}.*--max-request-bytes"):
                 c.generate(prompt, max_tokens=2)
         assert c.generate("still serving", max_tokens=2).finish_reason
+
+
+def test_tokenize_and_detokenize_as_vllm_and_transformers(server, tiny_llama):
+    """vLLM's /tokenize and /detokenize shapes, ids and text equal to transformers' tokenizer of the same
+    files, for the base model and an adapter by either name, and errors named."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_llama))
+    root = server.base_url.removesuffix("/v1")
+    text, messages = "héllo wörld, numbers 123", [{"role": "user", "content": "Hi there"}]
+    with httpx.Client(timeout=60) as h:
+        for model in (None, MODEL, "full8", f"{MODEL}:full8"):
+            body = {"prompt": text, "return_token_strs": True} | ({"model": model} if model else {})
+            out = h.post(f"{root}/tokenize", json=body).json()
+            ids = hf(text)["input_ids"]
+            assert out == {
+                "count": len(ids),
+                "max_model_len": out["max_model_len"],
+                "tokens": ids,
+                "token_strs": hf.convert_ids_to_tokens(ids),
+            }
+            plain = h.post(f"{root}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+            assert plain["tokens"] == hf(text, add_special_tokens=False)["input_ids"]
+            assert plain["token_strs"] is None
+        chat = h.post(f"{root}/tokenize", json={"model": "full8", "messages": messages}).json()
+        ref = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert chat["tokens"] == ref and chat["count"] == len(ref)
+        models = h.get(f"{server.base_url}/models").json()["data"]
+        assert {m["max_model_len"] for m in models} == {chat["max_model_len"]}
+        back = h.post(f"{root}/detokenize", json={"model": "full8", "tokens": ids}).json()
+        assert back == {"prompt": hf.decode(ids)}
+        for path, body, status, param in [
+            ("tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+            ("tokenize", {"model": f"{MODEL}:nope", "prompt": "x"}, 404, "model"),
+            ("tokenize", {"prompt": "x", "extra": 1}, 400, "extra"),
+            ("tokenize", {"prompt": "word " * PROMPT_BYTES}, 400, "prompt"),
+            ("tokenize", {"messages": messages, "chat_template": "{{ x }}"}, 400, "chat_template"),
+            ("detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+            ("detokenize", {"tokens": "abc"}, 400, "tokens"),
+        ]:
+            r = h.post(f"{root}/{path}", json=body)
+            assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)

@@ -1,6 +1,6 @@
 """The Starlette app: OpenAI routes (/v1/completions, /v1/chat/completions, /v1/models, vLLM's
-/v1/load_lora_adapter and /v1/unload_lora_adapter), /health and /metrics. Bodies are decoded with
-msgspec; with an API key, /v1/* needs `Authorization: Bearer KEY`."""
+/v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize and /detokenize), /health and /metrics. Bodies
+are decoded with msgspec; with an API key, all but /health and /metrics need `Authorization: Bearer KEY`."""
 
 from __future__ import annotations
 
@@ -25,13 +25,23 @@ from stages.tokenizer.http.schemas import (
     LoadLoraRequest,
     UnloadLoraRequest,
 )
-from stages.tokenizer.http.strict import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, Neutral, decode_strict
+from stages.tokenizer.http.strict import (
+    CHAT_UNSUPPORTED,
+    COMPLETION_UNSUPPORTED,
+    TOKENIZE_UNSUPPORTED,
+    Neutral,
+    convert_strict,
+    decode_strict,
+    json_object,
+)
+from stages.tokenizer.http.tokenize import DetokenizeRequest, detokenize, tokenize, tokenize_type
 
 if TYPE_CHECKING:
     from stages.tokenizer.http.front import HttpFrontEnd
 
 B = TypeVar("B")
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -42,11 +52,8 @@ def _error(exc: ApiError) -> Response:
     return Response(exc.body(), exc.status, media_type="application/json")
 
 
-async def _read(
-    request: Request, limit: int, type_: type[B], unsupported: Mapping[str, Neutral] | None = None
-) -> B:
-    """The body decoded as `type_`: 413 past `limit` bytes, 400 naming the field that is wrong, unknown
-    or not supported (strict.py)."""
+async def _body(request: Request, limit: int) -> bytes:
+    """The body's bytes: 413 past `limit`, before more is read."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is {declared} bytes; at most {limit} are accepted")
@@ -56,7 +63,15 @@ async def _read(
         if size > limit:
             raise ApiError(413, f"the request body exceeds {limit} bytes")
         chunks.append(chunk)
-    return decode_strict(b"".join(chunks), type_, unsupported)
+    return b"".join(chunks)
+
+
+async def _read(
+    request: Request, limit: int, type_: type[B], unsupported: Mapping[str, Neutral] | None = None
+) -> B:
+    """The body decoded as `type_`: 413 past `limit` bytes, 400 naming the field that is wrong, unknown
+    or not supported (strict.py)."""
+    return decode_strict(await _body(request, limit), type_, unsupported)
 
 
 def build_app(front: HttpFrontEnd) -> Starlette:
@@ -109,6 +124,15 @@ def build_app(front: HttpFrontEnd) -> Starlette:
         await front.unload_adapter(req.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
+    async def tokenize_route(request: Request) -> Response:
+        raw = json_object(await _body(request, limit))
+        req = convert_strict(raw, tokenize_type(raw), TOKENIZE_UNSUPPORTED)
+        return _json(await tokenize(req, front.context()))
+
+    async def detokenize_route(request: Request) -> Response:
+        req = await _read(request, limit, DetokenizeRequest)
+        return _json(detokenize(req, front.context()))
+
     async def health(request: Request) -> Response:
         ok, detail = await front.health()
         return JSONResponse(detail, 200 if ok else 503)
@@ -130,6 +154,8 @@ def build_app(front: HttpFrontEnd) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
+        Route("/detokenize", detokenize_route, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
@@ -140,8 +166,8 @@ def build_app(front: HttpFrontEnd) -> Starlette:
     expected = f"Bearer {key}".encode()
 
     async def guarded(scope: Any, receive: Any, send: Any) -> None:
-        """/v1/* needs the key; /health and /metrics stay open for probes and scrapers."""
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        """Everything but /health and /metrics needs the key: those stay open for probes and scrapers."""
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, expected):
                 err = ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)")

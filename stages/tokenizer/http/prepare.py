@@ -114,11 +114,12 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, i
     )
 
 
-async def _tokenize_chat(text: str, tokenizer: Tokenizer) -> list[int]:
-    """A rendered chat: its special tokens come from the template, so none are added (as in HF)."""
+async def tokenize_text(text: str, tokenizer: Tokenizer, *, add_special_tokens: bool) -> list[int]:
+    """Long texts in a thread (tokenizers drops the GIL), so other requests are not held up. A rendered
+    chat adds no special tokens: they come from the template (as in HF)."""
     if len(text) > THREAD_TOKENIZE_CHARS:
-        return (await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)).ids
-    return tokenizer.encode(text, add_special_tokens=False).ids
+        return (await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)).ids
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
@@ -204,16 +205,16 @@ def _message_dict(msg: Any) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None and k not in ("refusal", "annotations")}
 
 
-async def prepare_chat(req: ChatCompletionRequest, ctx: Context) -> Prepared:
-    _check_choices(req)
-    adapter = resolve_model(req.model, ctx)
-    if not req.messages:
+def render_chat(messages: list[Any], add_generation_prompt: bool, ctx: Context) -> str:
+    """The conversation through the model's chat template, refused by its size (as a text prompt is)
+    before anyone tokenizes it."""
+    if not messages:
         raise ApiError(400, "messages must not be empty", "messages")
     try:
-        text = ctx.chat_template.render([_message_dict(m) for m in req.messages], req.add_generation_prompt)
+        text = ctx.chat_template.render([_message_dict(m) for m in messages], add_generation_prompt)
     except TemplateError as exc:
         raise ApiError(400, str(exc), "messages") from None
-    most = ctx.max_prompt_bytes  # the rendered conversation by its size first, as a text prompt is
+    most = ctx.max_prompt_bytes
     if len(text) * 4 > most and (nbytes := len(text.encode())) > most:
         raise ApiError(
             400,
@@ -221,7 +222,14 @@ async def prepare_chat(req: ChatCompletionRequest, ctx: Context) -> Prepared:
             f"a prompt (more tokens than the {ctx.max_model_len}-token context holds)",
             "messages",
         )
-    ids = await _tokenize_chat(text, ctx.tokenizer)
+    return text
+
+
+async def prepare_chat(req: ChatCompletionRequest, ctx: Context) -> Prepared:
+    _check_choices(req)
+    adapter = resolve_model(req.model, ctx)
+    text = render_chat(req.messages, req.add_generation_prompt, ctx)
+    ids = await tokenize_text(text, ctx.tokenizer, add_special_tokens=False)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = limit if limit is not None else max(ctx.max_model_len - len(ids), 1)
     out = Prepared([], [], stops=_stops(req.stop), stream=req.stream, distinct_prompt_tokens=len(ids))

@@ -124,20 +124,41 @@ CHAT_UNSUPPORTED: Mapping[str, Neutral] = {
 }
 
 
+TOKENIZE_UNSUPPORTED: Mapping[str, Neutral] = {
+    "continue_final_message": _false,  # vLLM
+    "chat_template": _none,  # vLLM
+    "chat_template_kwargs": _empty,  # vLLM
+    "tools": _empty,  # vLLM
+    "mm_processor_kwargs": _empty,  # vLLM
+}
+
+
 def unsupported_field(name: str) -> ApiError:
     return ApiError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
 
 
 def decode_strict(body: bytes, type_: type[B], unsupported: Mapping[str, Neutral] | None = None) -> B:
-    """`body` as `type_`, a Struct with forbid_unknown_fields: a field it does not declare is refused by
-    name, as unknown or (a key of `unsupported` with a value its check does not call neutral) as not
-    supported; neutral values of unsupported fields are dropped."""
+    """`body` as `type_` (see convert_strict)."""
+    return convert_strict(json_object(body), type_, unsupported)
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400."""
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ApiError(400, "the body must be a JSON object")
+    return raw
+
+
+def convert_strict(
+    raw: dict[str, Any], type_: type[B], unsupported: Mapping[str, Neutral] | None = None
+) -> B:
+    """`raw` as `type_`, a Struct with forbid_unknown_fields: a field it does not declare is refused by
+    name, as unknown or (a key of `unsupported` with a value its check does not call neutral) as not
+    supported; neutral values of unsupported fields are dropped."""
     declared = type_.__struct_fields__  # type: ignore[attr-defined]
     for name in [k for k in raw if k not in declared]:
         neutral = (unsupported or {}).get(name)
