@@ -112,7 +112,11 @@ class StepExecutor:
                 else (rows_at, self.runner.index_uploads(rows_at))
             )
             step.sampled = self.sampler.issue(
-                logits, [r.request_id for r in reqs], [r.sampling for r in reqs], picks
+                logits,
+                [r.request_id for r in reqs],
+                [r.sampling for r in reqs],
+                picks,
+                prompts=lambda k: reqs[k].token_ids[: reqs[k].prompt_len],
             )
             for row, req in enumerate(reqs):
                 step.rows.append((req, len(req.token_ids)))

@@ -1,5 +1,7 @@
 """Turns each sequence's last-token logits into its next token under its own SamplingParams: greedy
-rows by argmax in one op, sampled rows through temperature, top-k and top-p with a generator of their
+rows by argmax in one op (a request with penalties or a logit bias has its row adjusted first, by its
+LogitAdjuster; a batch without any pays nothing for them), sampled rows through temperature, min-p,
+top-k and top-p with a generator of their
 own (the request's seed, else one derived from the engine's seed and the request id), so a request's
 samples never depend on its batch-mates or on rows an overlapped step computes and then drops. A row
 whose logits are not finite is reported as failed instead of yielding a token. Sampling is issued on
@@ -9,11 +11,12 @@ collects later (`SampledTokens.result`), so the next step can be launched first.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from proto.sampling import SamplingParams
+from stages.worker.logit_adjust import LogitAdjuster
 
 NOT_FINITE = (
     "the model's output for this request is not finite (NaN or infinity): its adapter's weights or "
@@ -58,9 +61,25 @@ class Sampler:
         self.device = device
         self.seed = seed
         self._gens: dict[str, torch.Generator] = {}
+        self._adjusters: dict[str, LogitAdjuster] = {}  # requests with penalties or a bias
 
     def forget(self, request_id: str) -> None:
         self._gens.pop(request_id, None)
+        self._adjusters.pop(request_id, None)
+
+    def _adjuster(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        prompts: Callable[[int], Sequence[int]] | None,
+        k: int,
+        vocab: int,
+    ) -> LogitAdjuster:
+        adjuster = self._adjusters.get(request_id)
+        if adjuster is None:
+            prompt = prompts(k) if prompts is not None else ()
+            adjuster = self._adjusters[request_id] = LogitAdjuster(params, prompt, vocab, self.device)
+        return adjuster
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         gen = self._gens.get(request_id)
@@ -76,11 +95,14 @@ class Sampler:
         request_ids: list[str],
         params: list[SamplingParams],
         rows: tuple[list[int], torch.Tensor] | None = None,
+        prompts: Callable[[int], Sequence[int]] | None = None,
     ) -> SampledTokens:
         """logits: [N, V] float32. Request k's row is k, or with `rows` (host list, and the same on the
         device) rows[k]; rows no request names are never sampled, and their values fail nothing.
-        Issues the sampling and the host copy; never synchronises (a bad row samples a stand-in
-        distribution, so every row's token is a valid id)."""
+        `prompts(k)`: request k's prompt ids, read only at the first sample of a request whose logits
+        are adjusted (penalties, bias). Issues the sampling and the host copy; never synchronises (a
+        bad row samples a stand-in distribution, so every row's token is a valid id). A batch in which
+        no request adjusts its logits or samples takes the greedy path alone."""
         # A row is finite when its largest and smallest values are (max and min propagate NaN): the
         # greedy tokens' reduction gives the largest, one more the smallest. isfinite(logits).all() ran
         # four elementwise kernels over [B, V] and a reduction: with argmax 334 us against 142 for 256
@@ -91,13 +113,24 @@ class Sampler:
         if rows is not None:  # each request's row, [B]: a gather of B values, not of B rows of logits
             tokens, ok = tokens[rows[1]], ok[rows[1]]
         for i, p in enumerate(params):
-            if p.greedy:
+            adjusts = p.adjusts_logits
+            if p.greedy and not adjusts:
                 continue
-            probs = _filtered_probs(logits[at[i]], p)
-            good = ok[i] & torch.isfinite(probs).all() & (probs.sum() > 0)
-            probs = torch.where(good, probs, torch.ones_like(probs))  # a bad row samples a stand-in
-            tokens[i] = draw(probs, self._generator(request_ids[i], p))
-            ok[i] = good
+            row = logits[at[i]]  # [V]
+            adjuster = None
+            if adjusts:
+                adjuster = self._adjuster(request_ids[i], p, prompts, i, row.shape[-1])
+                row = adjuster.apply(row)
+            if p.greedy:
+                tokens[i] = row.argmax()
+            else:
+                probs = _filtered_probs(row, p)
+                good = ok[i] & torch.isfinite(probs).all() & (probs.sum() > 0)
+                probs = torch.where(good, probs, torch.ones_like(probs))  # a bad row samples a stand-in
+                tokens[i] = draw(probs, self._generator(request_ids[i], p))
+                ok[i] = good
+            if adjuster is not None:
+                adjuster.record(tokens[i])
         return SampledTokens(torch.stack((tokens, ok.to(tokens.dtype))))  # [2, B]
 
     def sample(
@@ -129,8 +162,11 @@ def derived_seed(seed: int, request_id: str) -> int:
 
 
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """[V] logits → [V] probabilities after temperature, top-k and top-p (nucleus) filtering."""
+    """[V] logits → [V] probabilities after temperature, min-p, top-k and top-p (nucleus) filtering."""
     scaled = logits / p.temperature
+    if p.min_p > 0:  # drop what is less likely than min_p × the likeliest token
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if 0 < p.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

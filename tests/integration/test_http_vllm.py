@@ -33,6 +33,9 @@ COMPLETION_SUPPORTED = {
     "temperature": 0.5,
     "top_p": 0.9,
     "user": "someone",
+    "frequency_penalty": 0.5,
+    "presence_penalty": 0.5,
+    "logit_bias": {"5": 10},
 }
 CHAT_SUPPORTED = {
     "model": MODEL,
@@ -48,22 +51,19 @@ CHAT_SUPPORTED = {
     "user": "someone",
     "prompt_cache_key": "k",
     "safety_identifier": "s",
-}
-# field -> a value that asks for something this server does not do: refused with a 400 naming the field
-COMPLETION_REFUSED = {
     "frequency_penalty": 0.5,
     "presence_penalty": 0.5,
     "logit_bias": {"5": 10},
+}
+# field -> a value that asks for something this server does not do: refused with a 400 naming the field
+COMPLETION_REFUSED = {
     "logprobs": 2,
     "suffix": "tail",
 }
 CHAT_REFUSED = {
     "audio": {"voice": "alloy", "format": "wav"},
-    "frequency_penalty": 0.5,
-    "presence_penalty": 0.5,
     "function_call": "auto",
     "functions": [TOOL["function"]],
-    "logit_bias": {"5": 10},
     "logprobs": True,
     "top_logprobs": 2,
     "metadata": {"a": "b"},
@@ -84,9 +84,8 @@ CHAT_REFUSED = {
 }
 # vLLM's extensions (extra_body): supported ones pass, the others are refused by name
 VLLM_SUPPORTED = {"top_k": 2, "stop_token_ids": [1], "ignore_eos": True, "return_token_ids": True}
+VLLM_SUPPORTED |= {"repetition_penalty": 1.2, "min_p": 0.1}
 VLLM_REFUSED = {
-    "repetition_penalty": 1.2,
-    "min_p": 0.1,
     "min_tokens": 2,
     "guided_json": {"type": "object"},
     "guided_regex": "a+",
@@ -173,9 +172,8 @@ def test_unsupported_fields_are_refused_by_name(server, chat):
         assert info.value.body["param"] == name, (name, info.value.body)
         assert name in info.value.body["message"]
     # neutral values ask for nothing: accepted
-    neutral = {"presence_penalty": 0, "logit_bias": {}}
-    neutral |= {"tool_choice": "none", "logprobs": False} if chat else {"logprobs": None}
-    vllm_neutral = {"repetition_penalty": 1.0, "min_p": 0.0, "guided_json": None}
+    neutral = {"tool_choice": "none", "logprobs": False, "store": False} if chat else {"logprobs": None}
+    vllm_neutral = {"use_beam_search": False, "min_tokens": 0, "guided_json": None}
     assert _create(oa, chat, {**base, **neutral}, vllm_neutral).choices[0].finish_reason
 
 

@@ -111,7 +111,23 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, i
         seed=None if req.seed is None else req.seed + index,  # choices differ, and each is reproducible
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+        min_p=float(req.min_p or 0.0),
+        logit_bias=_logit_bias(req.logit_bias),
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias names tokens by their ids written as strings."""
+    if not bias:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        message = "logit_bias keys must be token ids (integers written as strings)"
+        raise ApiError(400, message, "logit_bias") from None
 
 
 async def tokenize_text(text: str, tokenizer: Tokenizer, *, add_special_tokens: bool) -> list[int]:

@@ -65,11 +65,6 @@ def _default_tier(v: Any) -> bool:
 
 # Known to both routes, not implemented: sampling controls and vLLM's extensions.
 COMMON_UNSUPPORTED: Mapping[str, Neutral] = {
-    "presence_penalty": _zero,
-    "frequency_penalty": _zero,
-    "logit_bias": _empty,
-    "repetition_penalty": _one,  # vLLM
-    "min_p": _zero,  # vLLM
     "min_tokens": _zero,  # vLLM
     "response_format": _text_format,  # OpenAI (chat), vLLM (completions)
     "guided_json": _none,  # vLLM
