@@ -283,3 +283,47 @@ def test_tokenize_and_detokenize_as_vllm_and_transformers(server, tiny_llama):
         ]:
             r = h.post(f"{root}/{path}", json=body)
             assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_penalties_and_bias_over_http_match_the_reference(server, tiny_llama, llama_adapters):
+    """Greedy, through the official client: each request's tokens equal transformers + PEFT logits
+    adjusted by the plain reference, and differ from the unadjusted ones (the premise)."""
+    from transformers import AutoTokenizer
+
+    from proto.sampling import SamplingParams
+    from tests.peft_reference import PeftReference
+    from tests.sampling_reference import greedy_adjusted
+
+    n, oa = 8, client(server)
+    ref = PeftReference(tiny_llama, {"full8": llama_adapters["full8"]})
+    hf = AutoTokenizer.from_pretrained(str(tiny_llama))
+    prompt = hf("The river carried the boat")["input_ids"]
+    plain = greedy_adjusted(ref, prompt, n, "full8", SamplingParams())
+    cases = [
+        ({"frequency_penalty": 2.0, "presence_penalty": 1.0}, {}),
+        ({"logit_bias": {str(plain[0]): -100}}, {"repetition_penalty": 3.0}),
+    ]
+    for fields, extra in cases:
+        out = oa.completions.create(
+            model="full8", prompt=prompt, max_tokens=n, temperature=0, **fields,
+            extra_body={"ignore_eos": True, "return_token_ids": True, **extra},
+        )  # fmt: skip
+        bias = {int(k): float(v) for k, v in fields.get("logit_bias", {}).items()}
+        p = SamplingParams(
+            frequency_penalty=fields.get("frequency_penalty", 0.0),
+            presence_penalty=fields.get("presence_penalty", 0.0),
+            repetition_penalty=extra.get("repetition_penalty", 1.0),
+            logit_bias=bias or None,
+        )
+        expected = greedy_adjusted(ref, prompt, n, "full8", p)
+        assert out.choices[0].model_extra["token_ids"] == expected != plain, fields
+    messages = [{"role": "user", "content": "Tell me about rivers"}]
+    chat_prompt = hf.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    out = oa.chat.completions.create(
+        model="full8", messages=messages, max_tokens=n, temperature=0, frequency_penalty=2.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    p = SamplingParams(frequency_penalty=2.0)
+    assert out.choices[0].model_extra["token_ids"] == greedy_adjusted(ref, chat_prompt, n, "full8", p)
