@@ -12,6 +12,7 @@ INT32_MAX = 2**31 - 1
 
 
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
+MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY], as in OpenAI
 REPETITION_RANGE = (0.01, 100.0)  # keeps a float32 logit finite once divided or multiplied by it
 
@@ -38,6 +39,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
+    # with an int k: each output token's log-probability under the model's raw logits, and the k most
+    # likely tokens' (None: none computed)
+    logprobs: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of range (every range keeps the math finite)."""
@@ -75,6 +79,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {_show(self.min_p)}")
         self._validate_logit_bias()
+        if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_LOGPROBS):
+            shown = _show(self.logprobs)
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {shown}")
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias

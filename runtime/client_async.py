@@ -32,6 +32,7 @@ from proto.client import (
     LoadAdapter,
     TokenChunk,
     TokenChunks,
+    TokenLogprobs,
     UnloadAdapter,
     Welcome,
 )
@@ -173,7 +174,7 @@ class AsyncClient:
                         ttft = reply.first_token_time - reply.arrival_time if reply.first_token_time else 0.0
                         yield Chunk(
                             rid, reply.text, reply.token_ids, reply.finished, reply.finish_reason,
-                            time.monotonic() - t0, reply.prompt_tokens, ttft,
+                            time.monotonic() - t0, reply.prompt_tokens, ttft, reply.logprobs,
                         )  # fmt: skip
                     case ErrorReply():
                         done = True
@@ -195,16 +196,29 @@ class AsyncClient:
         timeout: float | None = _UNSET,
         **sampling: Any,
     ) -> Completion:
+        """The whole completion; with `logprobs=k` among the sampling values, each output token's
+        log-probability and the k likeliest tokens' (`Completion.logprobs`)."""
         texts, ids, times, last = [], [], [], None
+        logprobs: list[TokenLogprobs] = []
+        asked = False
         async with contextlib.aclosing(self.stream(prompt, adapter, timeout=timeout, **sampling)) as chunks:
             async for last in chunks:
                 texts.append(last.text)
                 ids.extend(last.token_ids)
                 times.extend([last.time] * len(last.token_ids))
+                if last.logprobs is not None:
+                    asked = True
+                    logprobs.extend(last.logprobs)
         assert last is not None and last.finished
         timings = Timings(times[0] if times else last.time, times, last.time, last.server_ttft)
         return Completion(
-            last.request_id, "".join(texts), ids, last.finish_reason, last.prompt_tokens, timings
+            last.request_id,
+            "".join(texts),
+            ids,
+            last.finish_reason,
+            last.prompt_tokens,
+            timings,
+            logprobs if asked else None,
         )
 
     async def load_adapter(self, name: str, path: str, *, timeout: float | None = _UNSET) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from proto.base import TokenIds
-from proto.client import ErrorReply, GenerateRequest
+from proto.client import ErrorReply, GenerateRequest, TokenLogprobs
 from proto.sampling import SamplingParams
 from runtime.common.names import adapter_name_problem
 
@@ -90,6 +90,8 @@ class Chunk:
     time: float
     prompt_tokens: int = 0
     server_ttft: float = 0.0  # tokenizer arrival → first token, server clock (0 until known)
+    # with logprobs=k: one per token of token_ids (its log-probability and the k likeliest tokens')
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ class Completion:
     finish_reason: str | None
     prompt_tokens: int
     timings: Timings = field(repr=False)
+    logprobs: list[TokenLogprobs] | None = None  # with logprobs=k: one per token of token_ids
 
 
 def error_from_reply(reply: ErrorReply) -> LorapipeError:

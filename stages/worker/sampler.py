@@ -6,7 +6,8 @@ own (the request's seed, else one derived from the engine's seed and the request
 samples never depend on its batch-mates or on rows an overlapped step computes and then drops. A row
 whose logits are not finite is reported as failed instead of yielding a token. Sampling is issued on
 the device; its one device→host read is a non-blocking copy into pinned memory that the caller
-collects later (`SampledTokens.result`), so the next step can be launched first."""
+collects later (`SampledTokens.result`), so the next step can be launched first; the log-probabilities
+of the requests that ask for them travel with it (`SampledTokens.logprobs`)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from proto.client import TokenLogprobs
 from proto.sampling import SamplingParams
 from stages.worker.logit_adjust import LogitAdjuster
+from stages.worker.token_logprobs import StepLogprobs
 
 NOT_FINITE = (
     "the model's output for this request is not finite (NaN or infinity): its adapter's weights or "
@@ -28,13 +31,17 @@ class SampledTokens:
     """One step's sampled tokens on the device (`tokens`, [B] int64, what the next step's placeholder
     ids are resolved from) and their copy to the host, in flight until `result()`."""
 
-    def __init__(self, tokens_ok: torch.Tensor):
-        """`tokens_ok`: [2, B] int64 on the device: the tokens, then 1 where the row was finite."""
+    def __init__(self, tokens_ok: torch.Tensor, logprobs: StepLogprobs | None = None):
+        """`tokens_ok`: [2, B] int64 on the device: the tokens, then 1 where the row was finite;
+        `logprobs`: those of the requests that asked, copied to the host with the tokens."""
         self.tokens = tokens_ok[0]  # [B]
         self._event = None
+        self._logprobs = logprobs
         if tokens_ok.is_cuda:
             self._host = torch.empty(tokens_ok.shape, dtype=tokens_ok.dtype, pin_memory=True)  # [2, B]
             self._host.copy_(tokens_ok, non_blocking=True)
+            if logprobs is not None:
+                logprobs.to_host()
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(tokens_ok.device))
         else:
@@ -54,6 +61,13 @@ class SampledTokens:
         self.wait()
         host_tokens, host_ok = self._host.tolist()  # [2, B]
         return host_tokens, {i: NOT_FINITE for i, good in enumerate(host_ok) if not good}
+
+    def logprobs(self) -> dict[int, TokenLogprobs]:
+        """{row: its token's log-probabilities} for the rows whose request asked (waits like result)."""
+        if self._logprobs is None:
+            return {}
+        self.wait()
+        return self._logprobs.entries()
 
 
 class Sampler:
@@ -112,7 +126,10 @@ class Sampler:
         at = request_rows(len(request_ids), rows)
         if rows is not None:  # each request's row, [B]: a gather of B values, not of B rows of logits
             tokens, ok = tokens[rows[1]], ok[rows[1]]
+        wanted: list[tuple[int, int]] = []  # (request, its top count) for those that want logprobs
         for i, p in enumerate(params):
+            if p.logprobs is not None:
+                wanted.append((i, p.logprobs))
             adjusts = p.adjusts_logits
             if p.greedy and not adjusts:
                 continue
@@ -131,7 +148,8 @@ class Sampler:
                 ok[i] = good
             if adjuster is not None:
                 adjuster.record(tokens[i])
-        return SampledTokens(torch.stack((tokens, ok.to(tokens.dtype))))  # [2, B]
+        logprobs = StepLogprobs(logits, at, tokens, wanted) if wanted else None
+        return SampledTokens(torch.stack((tokens, ok.to(tokens.dtype))), logprobs)  # [2, B]
 
     def sample(
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]

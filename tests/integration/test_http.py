@@ -178,8 +178,8 @@ def test_errors_are_typed_and_name_the_problem(server):
         with pytest.raises(openai.BadRequestError, match=field) as info:
             oa.completions.create(model="tiny", prompt="hi", max_tokens=2, **bad)
         assert info.value.body["param"] == field
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        oa.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        oa.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=2, echo=True)
     with pytest.raises(openai.BadRequestError, match="context"):
         oa.completions.create(model="tiny", prompt="word " * 2000, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):

@@ -36,6 +36,7 @@ COMPLETION_SUPPORTED = {
     "frequency_penalty": 0.5,
     "presence_penalty": 0.5,
     "logit_bias": {"5": 10},
+    "logprobs": 2,
 }
 CHAT_SUPPORTED = {
     "model": MODEL,
@@ -54,18 +55,18 @@ CHAT_SUPPORTED = {
     "frequency_penalty": 0.5,
     "presence_penalty": 0.5,
     "logit_bias": {"5": 10},
+    "logprobs": True,
+    "top_logprobs": 2,  # with logprobs (COMPANIONS)
 }
+COMPANIONS = {"top_logprobs": {"logprobs": True}}  # what a supported field is sent with
 # field -> a value that asks for something this server does not do: refused with a 400 naming the field
 COMPLETION_REFUSED = {
-    "logprobs": 2,
     "suffix": "tail",
 }
 CHAT_REFUSED = {
     "audio": {"voice": "alloy", "format": "wav"},
     "function_call": "auto",
     "functions": [TOOL["function"]],
-    "logprobs": True,
-    "top_logprobs": 2,
     "metadata": {"a": "b"},
     "modalities": ["text", "audio"],
     "moderation": {"model": "m"},
@@ -150,7 +151,7 @@ def test_supported_fields_are_honoured(server, chat):
     base = {k: supported[k] for k in ("model", "messages" if chat else "prompt")}
     base["max_tokens" if not chat else "max_completion_tokens"] = 2
     for name, value in supported.items():
-        out = _create(oa, chat, {**base, name: value})
+        out = _create(oa, chat, {**base, **COMPANIONS.get(name, {}), name: value})
         if name == "n" and chat:
             assert len(out.choices) == 2
         if name == "echo":

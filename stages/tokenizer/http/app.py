@@ -17,6 +17,7 @@ from starlette.routing import Route
 
 from stages.tokenizer.http.errors import ApiError
 from stages.tokenizer.http.generation import Generation, until_disconnect
+from stages.tokenizer.http.logprobs import LogprobsFormat
 from stages.tokenizer.http.output import EventStream, Formatter, events
 from stages.tokenizer.http.prepare import Prepared, prepare_chat, prepare_completion
 from stages.tokenizer.http.schemas import (
@@ -103,13 +104,16 @@ def build_app(front: HttpFrontEnd) -> Starlette:
         req = await _read(request, limit, CompletionRequest, COMPLETION_UNSUPPORTED)
         front.check_serving()
         prepared = await prepare_completion(req, front.context())
-        return await generate(request, prepared, Formatter(False, req.model))
+        return await generate(request, prepared, Formatter(False, req.model, lps(prepared)))
 
     async def chat(request: Request) -> Response:
         req = await _read(request, limit, ChatCompletionRequest, CHAT_UNSUPPORTED)
         front.check_serving()
         prepared = await prepare_chat(req, front.context())
-        return await generate(request, prepared, Formatter(True, req.model))
+        return await generate(request, prepared, Formatter(True, req.model, lps(prepared)))
+
+    def lps(prepared: Prepared) -> LogprobsFormat | None:
+        return LogprobsFormat(front.context().tokenizer) if prepared.logprobs else None
 
     async def models(request: Request) -> Response:
         return _json(await front.model_list())

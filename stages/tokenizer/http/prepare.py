@@ -56,6 +56,7 @@ class Prepared:
     include_usage: bool = False
     distinct_prompt_tokens: int = 0  # usage counts each prompt once, however many choices share it
     token_ids: bool = False  # return_token_ids: choices carry their output token ids
+    logprobs: bool = False  # choices carry their tokens' log-probabilities
 
 
 def resolve_model(name: str, ctx: Context) -> str | None:
@@ -87,9 +88,17 @@ def _rejected(exc: Rejected) -> ApiError:
 
 
 def _check_choices(req: CompletionRequest | ChatCompletionRequest) -> None:
-    """n and best_of: one sample per choice (strict.py has already refused what is not implemented)."""
+    """n and best_of: one sample per choice (strict.py has already refused what is not implemented);
+    logprobs of output tokens only."""
     if req.best_of is not None and req.best_of != req.n:
         raise unsupported_field("best_of")
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        raise ApiError(
+            400, "echo with logprobs needs the prompt's log-probabilities, which this server does not "
+            "compute", "echo", "unsupported_parameter",
+        )  # fmt: skip
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     if not 1 <= req.n <= MAX_CHOICES:
         raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
 
@@ -116,7 +125,15 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, i
         repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
         min_p=float(req.min_p or 0.0),
         logit_bias=_logit_bias(req.logit_bias),
+        logprobs=_logprobs(req),
     )
+
+
+def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """How many likeliest tokens to report beside each output token's own (None: no logprobs)."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -175,6 +192,7 @@ async def prepare_completion(req: CompletionRequest, ctx: Context) -> Prepared:
         raise ApiError(400, f"{len(prompts)} prompts × n={req.n} exceeds {MAX_CHOICES} choices", "n")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     out = Prepared([], [], stops=_stops(req.stop), stream=req.stream, token_ids=req.return_token_ids)
+    out.logprobs = req.logprobs is not None
     for p, prompt in enumerate(prompts):
         text = prompt if isinstance(prompt, str) else None
         probe = _generate("", adapter, _sampling(req, max_tokens, 0), prompt) if text is None else None
@@ -250,6 +268,7 @@ async def prepare_chat(req: ChatCompletionRequest, ctx: Context) -> Prepared:
     max_tokens = limit if limit is not None else max(ctx.max_model_len - len(ids), 1)
     out = Prepared([], [], stops=_stops(req.stop), stream=req.stream, distinct_prompt_tokens=len(ids))
     out.token_ids = req.return_token_ids
+    out.logprobs = req.logprobs
     for i in range(req.n):
         gen = _generate(f"{i}-{uuid.uuid4().hex[:8]}", adapter, _sampling(req, max_tokens, i), ids)
         try:

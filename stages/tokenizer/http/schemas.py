@@ -8,6 +8,8 @@ from typing import Any
 
 import msgspec
 
+from stages.tokenizer.http.logprobs import ChatLogprobs, CompletionLogprobs
+
 
 class Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
@@ -45,6 +47,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[Any]  # text, token ids, or a batch of either (checked in prepare.py)
     max_tokens: int | None = 16
     echo: bool = False
+    logprobs: int | None = None  # each output token's log-probability and this many likeliest tokens'
 
 
 class ChatMessage(Body, kw_only=True):
@@ -66,6 +69,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_tokens: int | None = None  # None: what is left of the context after the prompt
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True  # vLLM extension
+    logprobs: bool = False
+    top_logprobs: int | None = None  # with logprobs: this many likeliest tokens' too
     # identifiers for OpenAI's caching and abuse monitoring; they change nothing here
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
@@ -98,7 +103,7 @@ class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # only with return_token_ids
 
 
@@ -120,7 +125,7 @@ class ChatChoice(msgspec.Struct):
     index: int
     message: Message
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -128,7 +133,7 @@ class ChatStreamChoice(msgspec.Struct):
     index: int
     delta: Message
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 

@@ -87,13 +87,10 @@ COMMON_UNSUPPORTED: Mapping[str, Neutral] = {
 }
 COMPLETION_UNSUPPORTED: Mapping[str, Neutral] = {
     **COMMON_UNSUPPORTED,
-    "logprobs": _none,
     "suffix": _empty,
 }
 CHAT_UNSUPPORTED: Mapping[str, Neutral] = {
     **COMMON_UNSUPPORTED,
-    "logprobs": _false,
-    "top_logprobs": _zero,
     "tools": _empty,
     "tool_choice": _no_tool,
     "parallel_tool_calls": _none,
