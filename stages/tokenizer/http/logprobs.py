@@ -65,8 +65,9 @@ class LogprobsFormat:
             out.text_offset.append(offset)
             out.tokens.append(text)
             out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append(
-                {self.text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
-            )
+            top: dict[str, float] = {}  # tokens named alike share the entry of the likeliest
+            for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True):
+                top.setdefault(self.text(i), v)
+            out.top_logprobs.append(top)
             offset += len(text)
         return out
