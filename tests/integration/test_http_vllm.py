@@ -284,3 +284,26 @@ def test_tokenize_and_detokenize_as_vllm_and_transformers(server, tiny_llama):
         ]:
             r = h.post(f"{root}/{path}", json=body)
             assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_values_out_of_range_name_their_field(server):
+    oa = client(server)
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    completion = {"model": MODEL, "max_tokens": 2, "prompt": "hi"}
+    for call, body, extra, param in [
+        (oa.completions.create, {**completion, "best_of": 3}, None, "best_of"),
+        (oa.completions.create, {**completion, "logprobs": 2, "echo": True}, None, "echo"),
+        (oa.completions.create, {**completion, "logprobs": 21}, None, "logprobs"),
+        (oa.completions.create, {**completion, "presence_penalty": 3}, None, "presence_penalty"),
+        (oa.completions.create, {**completion, "logit_bias": {"x": 1}}, None, "logit_bias"),
+        (oa.completions.create, {**completion, "logit_bias": {"99999999": 1}}, None, "logit_bias"),
+        (oa.completions.create, {**completion, "logit_bias": {"5": 101}}, None, "logit_bias"),
+        (oa.completions.create, completion, {"repetition_penalty": 0}, "repetition_penalty"),
+        (oa.completions.create, completion, {"min_p": 2}, "min_p"),
+        (oa.chat.completions.create, {**chat, "top_logprobs": 2}, None, "top_logprobs"),
+        (oa.chat.completions.create, {**chat, "logprobs": True, "top_logprobs": 30}, None, "top_logprobs"),
+        (oa.chat.completions.create, {**chat, "frequency_penalty": -2.5}, None, "frequency_penalty"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as info:
+            call(**body, extra_body=extra)
+        assert info.value.body["param"] == param, (body, extra, info.value.body)

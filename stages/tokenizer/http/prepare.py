@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from proto.base import TokenIds
 from proto.client import GenerateRequest
-from proto.sampling import SamplingParams
+from proto.sampling import MAX_LOGPROBS, SamplingParams
 from stages.tokenizer.http.chat_template import ChatTemplate, TemplateError
 from stages.tokenizer.http.errors import ApiError
 from stages.tokenizer.http.schemas import ChatCompletionRequest, CompletionRequest
@@ -91,14 +91,18 @@ def _check_choices(req: CompletionRequest | ChatCompletionRequest) -> None:
     """n and best_of: one sample per choice (strict.py has already refused what is not implemented);
     logprobs of output tokens only."""
     if req.best_of is not None and req.best_of != req.n:
-        raise unsupported_field("best_of")
+        message = "best_of must equal n (one sample per choice)"
+        raise ApiError(400, message, "best_of", "unsupported_parameter")
     if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
         raise ApiError(
             400, "echo with logprobs needs the prompt's log-probabilities, which this server does not "
             "compute", "echo", "unsupported_parameter",
         )  # fmt: skip
-    if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
-        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None:
+        if not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
     if not 1 <= req.n <= MAX_CHOICES:
         raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
 
