@@ -224,7 +224,10 @@ class AsyncClient:
     async def load_adapter(self, name: str, path: str, *, timeout: float | None = _UNSET) -> None:
         check_name(name)
         check_text(str(path), "path")
-        await self._expect(LoadAdapter(request_id=uuid.uuid4().hex, name=name, path=str(path)), Ack, timeout)
+        msg = LoadAdapter(request_id=uuid.uuid4().hex, name=name, path=str(path))
+        await self.connect()
+        self._check_size(msg)
+        await self._expect(msg, Ack, timeout)
 
     async def unload_adapter(self, name: str, *, timeout: float | None = _UNSET) -> None:
         check_name(name)
@@ -256,7 +259,7 @@ class AsyncClient:
             raise error_from_reply(reply)
         return reply
 
-    def _check_size(self, req: GenerateRequest) -> None:
+    def _check_size(self, req: GenerateRequest | LoadAdapter) -> None:
         """A message over the server's limit would make ZeroMQ drop the whole connection (every open
         call with it): refuse it here, by its size."""
         most = self.welcome.max_request_bytes if self.welcome is not None else 0

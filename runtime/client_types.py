@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from proto.base import TokenIds
-from proto.client import ErrorReply, GenerateRequest, TokenLogprobs
+from proto.client import ErrorReply, GenerateRequest, LoadAdapter, TokenLogprobs
 from proto.sampling import SamplingParams
 from runtime.common.names import adapter_name_problem
 
@@ -150,11 +150,14 @@ def check_name(name: object) -> None:
 SIZE_SLACK_BYTES = 64 << 10  # more than a request's fields besides its prompt can take (names, stop ids)
 
 
-def request_size(req: GenerateRequest, limit: int, encode: Callable[[GenerateRequest], list[Any]]) -> int:
+def request_size(req: GenerateRequest | LoadAdapter, limit: int, encode: Callable[[Any], list[Any]]) -> int:
     """`req`'s encoded size when it may exceed `limit` (then encoded with `encode`, to frames), else a
-    bound below the limit: the prompt's UTF-8 bytes are at most 4 per character, its ids 4 bytes each."""
-    bound = SIZE_SLACK_BYTES + (4 * len(req.prompt) if req.prompt is not None else 0)
-    bound += 4 * len(req.prompt_ids) if req.prompt_ids is not None else 0
+    bound below the limit: a text's UTF-8 bytes are at most 4 per character, token ids 4 bytes each."""
+    if isinstance(req, LoadAdapter):
+        bound = SIZE_SLACK_BYTES + 4 * (len(req.name) + len(req.path))
+    else:
+        bound = SIZE_SLACK_BYTES + (4 * len(req.prompt) if req.prompt is not None else 0)
+        bound += 4 * len(req.prompt_ids) if req.prompt_ids is not None else 0
     if bound <= limit:
         return bound
     return sum(memoryview(f).nbytes for f in encode(req))

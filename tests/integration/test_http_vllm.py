@@ -241,6 +241,8 @@ def test_sdk_messages_over_the_request_limit_are_a_typed_error(server):
         for prompt in ["x" * (REQUEST_BYTES + 1), [5] * (REQUEST_BYTES // 4 + 1)]:
             with pytest.raises(InvalidRequest, match=f"at most {REQUEST_BYTES}.*--max-request-bytes"):
                 c.generate(prompt, max_tokens=2)
+        with pytest.raises(InvalidRequest, match=f"at most {REQUEST_BYTES}.*--max-request-bytes"):
+            c.load_adapter("big", "p" * (REQUEST_BYTES + 1))
         assert c.generate("still serving", max_tokens=2).finish_reason
 
 
