@@ -87,9 +87,9 @@ def _rejected(exc: Rejected) -> ApiError:
     return ApiError.of_kind(exc.kind, exc.message, first if first in _FIELDS else None)
 
 
-def _check_choices(req: CompletionRequest | ChatCompletionRequest) -> None:
-    """n and best_of: one sample per choice (strict.py has already refused what is not implemented);
-    logprobs of output tokens only."""
+def _check_fields(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """What strict.py cannot see alone: n and best_of (one sample per choice), logprobs of output
+    tokens only (not echo's prompt), top_logprobs with logprobs."""
     if req.best_of is not None and req.best_of != req.n:
         message = "best_of must equal n (one sample per choice)"
         raise ApiError(400, message, "best_of", "unsupported_parameter")
@@ -189,7 +189,7 @@ def _generate(rid: str, adapter: str | None, sampling: SamplingParams, ids: Sequ
 
 
 async def prepare_completion(req: CompletionRequest, ctx: Context) -> Prepared:
-    _check_choices(req)
+    _check_fields(req)
     adapter = resolve_model(req.model, ctx)
     prompts = _prompts(req.prompt)
     if len(prompts) * req.n > MAX_CHOICES:
@@ -264,7 +264,7 @@ def render_chat(messages: list[Any], add_generation_prompt: bool, ctx: Context) 
 
 
 async def prepare_chat(req: ChatCompletionRequest, ctx: Context) -> Prepared:
-    _check_choices(req)
+    _check_fields(req)
     adapter = resolve_model(req.model, ctx)
     text = render_chat(req.messages, req.add_generation_prompt, ctx)
     ids = await tokenize_text(text, ctx.tokenizer, add_special_tokens=False)
