@@ -85,6 +85,16 @@ class Welcome(Message):
     model: str = ""
     max_model_len: int = 0
     vocab_size: int = 0
+    max_request_bytes: int = 0  # the largest message the server accepts (--max-request-bytes); 0: unsaid
+
+
+class TokenLogprobs(Record):
+    """One output token's log-probability under the model's raw logits, and the most likely tokens'
+    (as many as the request's SamplingParams.logprobs, most likely first)."""
+
+    logprob: float
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
 
 
 class TokenChunk(Message):
@@ -101,6 +111,7 @@ class TokenChunk(Message):
     arrival_time: float = 0.0  # when the tokenizer accepted the request
     first_token_time: float = 0.0  # when the tokenizer received the request's first output token
     sent_time: float = 0.0  # when this chunk left the tokenizer
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when the request asked
 
 
 class TokenChunks(Message):

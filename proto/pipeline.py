@@ -8,7 +8,7 @@ from typing import Literal
 import msgspec
 
 from proto.base import Message, Record, TokenIds, edge
-from proto.client import AdapterEntry, ErrorKind, FinishReason, StageHealth
+from proto.client import AdapterEntry, ErrorKind, FinishReason, StageHealth, TokenLogprobs
 from proto.sampling import SamplingParams
 
 # --- tokenizer -> scheduler ------------------------------------------------------------------------
@@ -100,6 +100,7 @@ class TokenDelta(Record):
     request_id: str
     token_ids: list[int]  # new tokens of this step (already cut at a stop token / max_tokens)
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked for them
 
 
 class TokenBatch(Message):

@@ -24,6 +24,7 @@ from proto.client import (
     ClientReply,
     ClientRequest,
     ErrorReply,
+    GenerateRequest,
     Health,
     HealthReply,
     Hello,
@@ -31,10 +32,11 @@ from proto.client import (
     LoadAdapter,
     TokenChunk,
     TokenChunks,
+    TokenLogprobs,
     UnloadAdapter,
     Welcome,
 )
-from proto.codec import ProtocolError
+from proto.codec import Codec, ProtocolError
 from runtime.base.auth import API_KEY_ENV
 from runtime.base.endpoints import DEFAULT_ENDPOINT, unreachable_reason
 from runtime.base.sockets import ConnectionEvents, DealerSocket
@@ -55,6 +57,7 @@ from runtime.client_types import (
     check_text,
     error_from_reply,
     make_request,
+    request_size,
 )
 
 _log = logging.getLogger("lorapipe.client")
@@ -170,6 +173,7 @@ class AsyncClient:
         aborts the request server-side; wrap in contextlib.aclosing() to make that immediate."""
         req = make_request(prompt, adapter, sampling)
         await self.connect()
+        self._check_size(req)
         rid, queue = req.request_id, self._open(req.request_id)
         done = False
         t0 = time.monotonic()
@@ -183,7 +187,7 @@ class AsyncClient:
                         ttft = reply.first_token_time - reply.arrival_time if reply.first_token_time else 0.0
                         yield Chunk(
                             rid, reply.text, reply.token_ids, reply.finished, reply.finish_reason,
-                            time.monotonic() - t0, reply.prompt_tokens, ttft,
+                            time.monotonic() - t0, reply.prompt_tokens, ttft, reply.logprobs,
                         )  # fmt: skip
                     case ErrorReply():
                         done = True
@@ -205,22 +209,38 @@ class AsyncClient:
         timeout: float | None = _UNSET,
         **sampling: Any,
     ) -> Completion:
+        """The whole completion; with `logprobs=k` among the sampling values, each output token's
+        log-probability and the k likeliest tokens' (`Completion.logprobs`)."""
         texts, ids, times, last = [], [], [], None
+        logprobs: list[TokenLogprobs] = []
+        asked = False
         async with contextlib.aclosing(self.stream(prompt, adapter, timeout=timeout, **sampling)) as chunks:
             async for last in chunks:
                 texts.append(last.text)
                 ids.extend(last.token_ids)
                 times.extend([last.time] * len(last.token_ids))
+                if last.logprobs is not None:
+                    asked = True
+                    logprobs.extend(last.logprobs)
         assert last is not None and last.finished
         timings = Timings(times[0] if times else last.time, times, last.time, last.server_ttft)
         return Completion(
-            last.request_id, "".join(texts), ids, last.finish_reason, last.prompt_tokens, timings
+            last.request_id,
+            "".join(texts),
+            ids,
+            last.finish_reason,
+            last.prompt_tokens,
+            timings,
+            logprobs if asked else None,
         )
 
     async def load_adapter(self, name: str, path: str, *, timeout: float | None = _UNSET) -> None:
         check_name(name)
         check_text(str(path), "path")
-        await self._expect(LoadAdapter(request_id=uuid.uuid4().hex, name=name, path=str(path)), Ack, timeout)
+        msg = LoadAdapter(request_id=uuid.uuid4().hex, name=name, path=str(path))
+        await self.connect()
+        self._check_size(msg)
+        await self._expect(msg, Ack, timeout)
 
     async def unload_adapter(self, name: str, *, timeout: float | None = _UNSET) -> None:
         check_name(name)
@@ -251,6 +271,16 @@ class AsyncClient:
         if isinstance(reply, ErrorReply):
             raise error_from_reply(reply)
         return reply
+
+    def _check_size(self, req: GenerateRequest | LoadAdapter) -> None:
+        """A message over the server's limit would make ZeroMQ drop the whole connection (every open
+        call with it): refuse it here, by its size."""
+        most = self.welcome.max_request_bytes if self.welcome is not None else 0
+        if most > 0 and (size := request_size(req, most, Codec(ClientRequest).encode)) > most:
+            raise InvalidRequest(
+                f"the request is {size} bytes; the server at {self.endpoint} accepts at most {most} "
+                "(its --max-request-bytes)"
+            )
 
     def _open(self, rid: str) -> asyncio.Queue[Any]:
         # unbounded on purpose: the reader must never block on one slow consumer; a request's

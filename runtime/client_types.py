@@ -5,14 +5,14 @@ turn an unsendable request (bad sampling values, a lone surrogate, a bad name) i
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from proto.base import TokenIds
-from proto.client import ErrorReply, GenerateRequest
+from proto.client import ErrorReply, GenerateRequest, LoadAdapter, TokenLogprobs
 from proto.sampling import SamplingParams
 from runtime.common.names import adapter_name_problem
 
@@ -90,6 +90,8 @@ class Chunk:
     time: float
     prompt_tokens: int = 0
     server_ttft: float = 0.0  # tokenizer arrival → first token, server clock (0 until known)
+    # with logprobs=k: one per token of token_ids (its log-probability and the k likeliest tokens')
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ class Completion:
     finish_reason: str | None
     prompt_tokens: int
     timings: Timings = field(repr=False)
+    logprobs: list[TokenLogprobs] | None = None  # with logprobs=k: one per token of token_ids
 
 
 def error_from_reply(reply: ErrorReply) -> LorapipeError:
@@ -142,6 +145,22 @@ def check_name(name: object) -> None:
     problem = adapter_name_problem(name)
     if problem is not None:
         raise InvalidRequest(problem)
+
+
+SIZE_SLACK_BYTES = 64 << 10  # more than a request's fields besides its prompt can take (names, stop ids)
+
+
+def request_size(req: GenerateRequest | LoadAdapter, limit: int, encode: Callable[[Any], list[Any]]) -> int:
+    """`req`'s encoded size when it may exceed `limit` (then encoded with `encode`, to frames), else a
+    bound below the limit: a text's UTF-8 bytes are at most 4 per character, token ids 4 bytes each."""
+    if isinstance(req, LoadAdapter):
+        bound = SIZE_SLACK_BYTES + 4 * (len(req.name) + len(req.path))
+    else:
+        bound = SIZE_SLACK_BYTES + (4 * len(req.prompt) if req.prompt is not None else 0)
+        bound += 4 * len(req.prompt_ids) if req.prompt_ids is not None else 0
+    if bound <= limit:
+        return bound
+    return sum(memoryview(f).nbytes for f in encode(req))
 
 
 def check_text(text: object, what: str) -> None:

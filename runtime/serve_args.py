@@ -53,6 +53,7 @@ class ServeArgs(EngineArgs):
     served_model_name: str | None = None  # None: the model directory's name
     # security and limits (add_security_arguments)
     adapter_root: str | None = None  # runtime loads only from inside this directory
+    allow_any_adapter_path: bool = False  # without adapter_root: runtime loads from any path (else refused)
     runtime_adapter_loading: bool = True  # False: LoadAdapter/UnloadAdapter are refused
     api_key: str | None = None  # the shared secret clients must hold (CURVE on the client endpoint)
     api_key_file: str | None = None

@@ -25,8 +25,16 @@ def add_security_arguments(p: argparse.ArgumentParser, d: ServeArgs) -> None:
         "--adapter-root",
         metavar="DIR",
         default=None,
-        help="runtime loads (load_adapter) only read adapters inside DIR (symlinks resolved); "
-        "relative paths are taken inside DIR (default: any directory the server can read)",
+        help="runtime loads (load_adapter, /v1/load_lora_adapter) read only adapters inside DIR (symlinks "
+        "resolved); relative paths are taken inside DIR (default: none, and runtime loads are refused "
+        "unless --allow-any-adapter-path)",
+    )
+    g.add_argument(
+        "--allow-any-adapter-path",
+        action="store_true",
+        default=d.allow_any_adapter_path,
+        help="let runtime loads read any directory the server can read (instead of --adapter-root); "
+        "--adapter adapters given at start-up are read wherever they are either way",
     )
     g.add_argument(
         "--runtime-adapter-loading",
@@ -69,6 +77,8 @@ def add_security_arguments(p: argparse.ArgumentParser, d: ServeArgs) -> None:
 def check_security(args: ServeArgs) -> None:
     if args.adapter_root is not None and not Path(args.adapter_root).is_dir():
         raise SecurityArgsError(f"--adapter-root {args.adapter_root}: not a directory")
+    if args.adapter_root is not None and args.allow_any_adapter_path:
+        raise SecurityArgsError("give --adapter-root or --allow-any-adapter-path, not both")
     if args.api_key is not None and args.api_key_file is not None:
         raise SecurityArgsError("give --api-key or --api-key-file, not both")
     try:

@@ -60,6 +60,7 @@ def stage_configs(
         max_prompt_bytes=args.max_prompt_bytes,
         api_key=resolved_api_key(args),
         adapter_root=real_path(args.adapter_root),
+        allow_any_adapter_path=args.allow_any_adapter_path,
         runtime_adapter_loading=args.runtime_adapter_loading,
         **common,
     )

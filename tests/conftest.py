@@ -92,8 +92,8 @@ def record_logits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[torch.Tenso
     seen: dict[str, list[torch.Tensor]] = {}
     issue, finish = Sampler.issue, StepExecutor.finish
 
-    def record_issue(self, logits, request_ids, params, rows=None):
-        sampled = issue(self, logits, request_ids, params, rows)
+    def record_issue(self, logits, request_ids, params, rows=None, **kw):
+        sampled = issue(self, logits, request_ids, params, rows, **kw)
         at = request_rows(len(request_ids), rows)  # each request's row of the logits
         sampled.recorded = [logits[i].detach().float().cpu().clone() for i in at]
         return sampled

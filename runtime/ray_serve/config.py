@@ -22,6 +22,9 @@ OWNED_SERVER_FLAGS = (
     "--adapter",
     "--pin-adapter",
     "--no-runtime-adapter-loading",
+    # the replica loads the catalog's adapters at runtime, wherever they are (its endpoints are private)
+    "--adapter-root",
+    "--allow-any-adapter-path",
 )
 
 

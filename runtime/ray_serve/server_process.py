@@ -56,6 +56,7 @@ class ServerProcess:
             sys.executable, "-m", "runtime.cli", "serve",
             f"--model={model}", f"--device={device}", f"--served-model-name={served_model_name}",
             f"--endpoint={endpoint}", "--metrics-port=-1", "--host=127.0.0.1", f"--port={port}",
+            "--allow-any-adapter-path",  # the replica loads only the catalog's adapters
             *server_args,
         ]  # fmt: skip
         return cls(argv, run_dir, endpoint, f"http://127.0.0.1:{port}")

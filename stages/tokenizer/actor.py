@@ -180,6 +180,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
             model=cfg.model_name,
             max_model_len=cfg.max_model_len,
             vocab_size=cfg.vocab_size,
+            max_request_bytes=cfg.max_client_msg_bytes,
         )
         await self.client_replies.put((identity, welcome))
 
@@ -187,7 +188,10 @@ class TokenizerActor(Actor[TokenizerConfig]):
         cfg = self.config
         try:
             path = check_adapter_op(
-                msg, runtime_loading=cfg.runtime_adapter_loading, adapter_root=cfg.adapter_root
+                msg,
+                runtime_loading=cfg.runtime_adapter_loading,
+                adapter_root=cfg.adapter_root,
+                allow_any_path=cfg.allow_any_adapter_path,
             )
         except Rejected as exc:
             return await self._error(identity, msg.request_id, exc.kind, exc.message)

@@ -1,6 +1,7 @@
 """What the tokenizer checks before it forwards a client's adapter op: runtime loading switched on, the
-adapter name rule, and the path confined to the adapter root (symlinks resolved); the error texts
-never say whether a path outside the root exists."""
+adapter name rule, and the path confined to the adapter root (symlinks resolved), or any path only when
+the server was started with --allow-any-adapter-path. A refused path gets one text whatever exists on
+disk, so a client learns nothing about the server's files from it."""
 
 from __future__ import annotations
 
@@ -23,10 +24,19 @@ def confine(path: str, root: str | None) -> str | None:
     return real if real == root or real.startswith(root.rstrip(os.sep) + os.sep) else None
 
 
+def path_refused(name: str) -> str:
+    """The one text of a refused LoadAdapter path (outside the root, or no root and no opt-in)."""
+    return (
+        f"adapter {name!r}: this server loads adapters at runtime only from inside its adapter root "
+        "(--adapter-root DIR, or --allow-any-adapter-path to allow any path)"
+    )
+
+
 def check_adapter_op(
-    msg: LoadAdapter | UnloadAdapter, *, runtime_loading: bool, adapter_root: str | None
+    msg: LoadAdapter | UnloadAdapter, *, runtime_loading: bool, adapter_root: str | None, allow_any_path: bool
 ) -> str | None:
-    """Raise Rejected for an op this server refuses; for a LoadAdapter, the resolved path to load."""
+    """Raise Rejected for an op this server refuses; for a LoadAdapter, the path to load (resolved
+    inside the root; as given when any path is allowed)."""
     if not runtime_loading:
         raise Rejected(
             "forbidden",
@@ -39,10 +49,9 @@ def check_adapter_op(
         return None
     if not msg.path or len(msg.path) > MAX_PATH_CHARS or "\0" in msg.path:
         raise Rejected("invalid_request", f"adapter {msg.name!r}: the path is empty, too long or holds a NUL")
+    if adapter_root is None and not allow_any_path:
+        raise Rejected("forbidden", path_refused(msg.name))
     real = confine(msg.path, adapter_root)
     if real is None:
-        raise Rejected(
-            "forbidden",
-            f"adapter {msg.name!r}: the path is not inside this server's adapter root (--adapter-root)",
-        )
+        raise Rejected("forbidden", path_refused(msg.name))
     return real

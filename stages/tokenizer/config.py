@@ -23,6 +23,7 @@ class TokenizerConfig(StageConfig, frozen=True, kw_only=True):
     # clients must hold it: CURVE + ZAP on the client ROUTER, `Authorization: Bearer KEY` on HTTP /v1/*
     api_key: str | None = None
     adapter_root: str | None = None  # resolved; LoadAdapter paths must lie inside it
+    allow_any_adapter_path: bool = False  # without adapter_root: LoadAdapter reads any path (else refused)
     runtime_adapter_loading: bool = True  # False: LoadAdapter/UnloadAdapter are refused
     max_tokenizing_bytes: int = 64 << 20  # text waiting to be tokenized off the loop, all connections
     health_timeout_s: float = 2.0  # a scheduler that does not answer a probe this fast is reported down

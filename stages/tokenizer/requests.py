@@ -7,7 +7,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from proto.client import TokenChunk
+from proto.client import TokenChunk, TokenLogprobs
 from proto.pipeline import TokenDelta
 from stages.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -24,6 +24,7 @@ class OpenRequest:
     num_output: int = 0
     texts: list[str] = field(default_factory=list)  # non-streaming: the completion so far
     ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None  # non-streaming, when the request asked for them
 
     def output(self, item: TokenDelta, now: float) -> TokenChunk | None:
         """Detokenize new tokens; the chunk to send now, or None (nothing final yet / not streaming)."""
@@ -32,12 +33,16 @@ class OpenRequest:
         self.num_output += len(item.token_ids)
         finished = item.finish_reason is not None
         text = self.detok.step(item.token_ids) + (self.detok.flush() if finished else "")
+        logprobs = item.logprobs
         if not self.stream:
             self.texts.append(text)
             self.ids.extend(item.token_ids)
+            if logprobs is not None:
+                self.logprobs = self.logprobs if self.logprobs is not None else []
+                self.logprobs.extend(logprobs)
             if not finished:
                 return None
-            text, ids = "".join(self.texts), self.ids
+            text, ids, logprobs = "".join(self.texts), self.ids, self.logprobs
         else:
             ids = list(item.token_ids)
             if not (text or ids or finished):
@@ -53,6 +58,7 @@ class OpenRequest:
             arrival_time=self.arrival,
             first_token_time=self.first_token,
             sent_time=time.monotonic(),
+            logprobs=logprobs,
         )
 
 

@@ -30,6 +30,8 @@ def check_request(req: GenerateRequest, *, vocab_size: int, adapters: Mapping[st
         raise Rejected("invalid_request", str(exc)) from None
     if any(t >= vocab_size for t in s.stop_token_ids):
         raise Rejected("invalid_request", f"stop_token_ids must be < vocab size {vocab_size}")
+    if s.logit_bias and any(t >= vocab_size for t in s.logit_bias):
+        raise Rejected("invalid_request", f"logit_bias keys must be token ids < vocab size {vocab_size}")
     if req.adapter is not None and (problem := adapter_name_problem(req.adapter)) is not None:
         raise Rejected("invalid_request", problem)
     state = adapters.get(req.adapter, "unknown") if req.adapter is not None else "registered"

@@ -112,7 +112,11 @@ class StepExecutor:
                 else (rows_at, self.runner.index_uploads(rows_at))
             )
             step.sampled = self.sampler.issue(
-                logits, [r.request_id for r in reqs], [r.sampling for r in reqs], picks
+                logits,
+                [r.request_id for r in reqs],
+                [r.sampling for r in reqs],
+                picks,
+                prompts=lambda k: reqs[k].token_ids[: reqs[k].prompt_len],
             )
             for row, req in enumerate(reqs):
                 step.rows.append((req, len(req.token_ids)))
@@ -130,6 +134,7 @@ class StepExecutor:
             raise RuntimeError("steps finish in the order they were launched")
         t_start = time.perf_counter()
         tokens, bad = step.sampled.result() if step.sampled is not None else ([], {})
+        logprobs = step.sampled.logprobs() if step.sampled is not None else {}
         self._unfinished.pop(0)
         t_read = time.perf_counter()
         errors = step.errors
@@ -147,7 +152,9 @@ class StepExecutor:
                 continue
             req.token_ids[at] = tok
             reason = self._finish_reason(req, tok, at + 1)
-            items.append(TokenDelta(request_id=req.request_id, token_ids=[tok], finish_reason=reason))
+            lp = [logprobs[row]] if row in logprobs else None
+            delta = TokenDelta(request_id=req.request_id, token_ids=[tok], finish_reason=reason, logprobs=lp)
+            items.append(delta)
             if reason is not None:
                 req.end(step.launch)
                 del req.token_ids[at + 1 :]  # a later step's placeholder, if one was launched

@@ -1,19 +1,25 @@
 """Turns each sequence's last-token logits into its next token under its own SamplingParams: greedy
-rows by argmax in one op, sampled rows through temperature, top-k and top-p with a generator of their
+rows by argmax in one op (a request with penalties or a logit bias has its row adjusted first, by its
+LogitAdjuster; a batch without any pays nothing for them), sampled rows through temperature, min-p,
+top-k and top-p with a generator of their
 own (the request's seed, else one derived from the engine's seed and the request id), so a request's
 samples never depend on its batch-mates or on rows an overlapped step computes and then drops. A row
 whose logits are not finite is reported as failed instead of yielding a token. Sampling is issued on
 the device; its one device→host read is a non-blocking copy into pinned memory that the caller
-collects later (`SampledTokens.result`), so the next step can be launched first."""
+collects later (`SampledTokens.result`), so the next step can be launched first; the log-probabilities
+of the requests that ask for them travel with it (`SampledTokens.logprobs`)."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from proto.client import TokenLogprobs
 from proto.sampling import SamplingParams
+from stages.worker.logit_adjust import LogitAdjuster
+from stages.worker.token_logprobs import StepLogprobs
 
 NOT_FINITE = (
     "the model's output for this request is not finite (NaN or infinity): its adapter's weights or "
@@ -25,13 +31,17 @@ class SampledTokens:
     """One step's sampled tokens on the device (`tokens`, [B] int64, what the next step's placeholder
     ids are resolved from) and their copy to the host, in flight until `result()`."""
 
-    def __init__(self, tokens_ok: torch.Tensor):
-        """`tokens_ok`: [2, B] int64 on the device: the tokens, then 1 where the row was finite."""
+    def __init__(self, tokens_ok: torch.Tensor, logprobs: StepLogprobs | None = None):
+        """`tokens_ok`: [2, B] int64 on the device: the tokens, then 1 where the row was finite;
+        `logprobs`: those of the requests that asked, copied to the host with the tokens."""
         self.tokens = tokens_ok[0]  # [B]
         self._event = None
+        self._logprobs = logprobs
         if tokens_ok.is_cuda:
             self._host = torch.empty(tokens_ok.shape, dtype=tokens_ok.dtype, pin_memory=True)  # [2, B]
             self._host.copy_(tokens_ok, non_blocking=True)
+            if logprobs is not None:
+                logprobs.to_host()
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(tokens_ok.device))
         else:
@@ -52,15 +62,38 @@ class SampledTokens:
         host_tokens, host_ok = self._host.tolist()  # [2, B]
         return host_tokens, {i: NOT_FINITE for i, good in enumerate(host_ok) if not good}
 
+    def logprobs(self) -> dict[int, TokenLogprobs]:
+        """{row: its token's log-probabilities} for the rows whose request asked (waits like result)."""
+        if self._logprobs is None:
+            return {}
+        self.wait()
+        return self._logprobs.entries()
+
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
         self.seed = seed
         self._gens: dict[str, torch.Generator] = {}
+        self._adjusters: dict[str, LogitAdjuster] = {}  # requests with penalties or a bias
 
     def forget(self, request_id: str) -> None:
         self._gens.pop(request_id, None)
+        self._adjusters.pop(request_id, None)
+
+    def _adjuster(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        prompts: Callable[[int], Sequence[int]] | None,
+        k: int,
+        vocab: int,
+    ) -> LogitAdjuster:
+        adjuster = self._adjusters.get(request_id)
+        if adjuster is None:
+            prompt = prompts(k) if prompts is not None else ()
+            adjuster = self._adjusters[request_id] = LogitAdjuster(params, prompt, vocab, self.device)
+        return adjuster
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         gen = self._gens.get(request_id)
@@ -76,11 +109,14 @@ class Sampler:
         request_ids: list[str],
         params: list[SamplingParams],
         rows: tuple[list[int], torch.Tensor] | None = None,
+        prompts: Callable[[int], Sequence[int]] | None = None,
     ) -> SampledTokens:
         """logits: [N, V] float32. Request k's row is k, or with `rows` (host list, and the same on the
         device) rows[k]; rows no request names are never sampled, and their values fail nothing.
-        Issues the sampling and the host copy; never synchronises (a bad row samples a stand-in
-        distribution, so every row's token is a valid id)."""
+        `prompts(k)`: request k's prompt ids, read only at the first sample of a request whose logits
+        are adjusted (penalties, bias). Issues the sampling and the host copy; never synchronises (a
+        bad row samples a stand-in distribution, so every row's token is a valid id). A batch in which
+        no request adjusts its logits or samples takes the greedy path alone."""
         # A row is finite when its largest and smallest values are (max and min propagate NaN): the
         # greedy tokens' reduction gives the largest, one more the smallest. isfinite(logits).all() ran
         # four elementwise kernels over [B, V] and a reduction: with argmax 334 us against 142 for 256
@@ -90,15 +126,30 @@ class Sampler:
         at = request_rows(len(request_ids), rows)
         if rows is not None:  # each request's row, [B]: a gather of B values, not of B rows of logits
             tokens, ok = tokens[rows[1]], ok[rows[1]]
+        wanted: list[tuple[int, int]] = []  # (request, its top count) for those that want logprobs
         for i, p in enumerate(params):
-            if p.greedy:
+            if p.logprobs is not None:
+                wanted.append((i, p.logprobs))
+            adjusts = p.adjusts_logits
+            if p.greedy and not adjusts:
                 continue
-            probs = _filtered_probs(logits[at[i]], p)
-            good = ok[i] & torch.isfinite(probs).all() & (probs.sum() > 0)
-            probs = torch.where(good, probs, torch.ones_like(probs))  # a bad row samples a stand-in
-            tokens[i] = draw(probs, self._generator(request_ids[i], p))
-            ok[i] = good
-        return SampledTokens(torch.stack((tokens, ok.to(tokens.dtype))))  # [2, B]
+            row = logits[at[i]]  # [V]
+            adjuster = None
+            if adjusts:
+                adjuster = self._adjuster(request_ids[i], p, prompts, i, row.shape[-1])
+                row = adjuster.apply(row)
+            if p.greedy:
+                tokens[i] = row.argmax()
+            else:
+                probs = _filtered_probs(row, p)
+                good = ok[i] & torch.isfinite(probs).all() & (probs.sum() > 0)
+                probs = torch.where(good, probs, torch.ones_like(probs))  # a bad row samples a stand-in
+                tokens[i] = draw(probs, self._generator(request_ids[i], p))
+                ok[i] = good
+            if adjuster is not None:
+                adjuster.record(tokens[i])
+        logprobs = StepLogprobs(logits, at, tokens, wanted) if wanted else None
+        return SampledTokens(torch.stack((tokens, ok.to(tokens.dtype))), logprobs)  # [2, B]
 
     def sample(
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
@@ -129,8 +180,11 @@ def derived_seed(seed: int, request_id: str) -> int:
 
 
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """[V] logits → [V] probabilities after temperature, top-k and top-p (nucleus) filtering."""
+    """[V] logits → [V] probabilities after temperature, min-p, top-k and top-p (nucleus) filtering."""
     scaled = logits / p.temperature
+    if p.min_p > 0:  # drop what is less likely than min_p × the likeliest token
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if 0 < p.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

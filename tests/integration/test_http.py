@@ -25,7 +25,8 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, llama_adapters):
-    with serve(tiny_llama, llama_adapters, *FLAGS, "--served-model-name", "tiny") as s:
+    flags = (*FLAGS, "--served-model-name", "tiny", "--allow-any-adapter-path")  # loads over HTTP
+    with serve(tiny_llama, llama_adapters, *flags) as s:
         yield s
 
 
@@ -177,8 +178,8 @@ def test_errors_are_typed_and_name_the_problem(server):
         with pytest.raises(openai.BadRequestError, match=field) as info:
             oa.completions.create(model="tiny", prompt="hi", max_tokens=2, **bad)
         assert info.value.body["param"] == field
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        oa.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        oa.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=2, echo=True)
     with pytest.raises(openai.BadRequestError, match="context"):
         oa.completions.create(model="tiny", prompt="word " * 2000, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):

@@ -55,7 +55,8 @@ def reference(tiny_llama, llama_adapters, workload):
 def server(tiny_llama, llama_adapters, tmp_path_factory):
     broken = tmp_path_factory.mktemp("broken") / "broken"
     shutil.copytree(llama_adapters["qv5"], broken)
-    with serve(tiny_llama, {**llama_adapters, "broken": broken}, *FLAGS) as s:
+    # runtime loads read the test's adapter directories, wherever pytest put them
+    with serve(tiny_llama, {**llama_adapters, "broken": broken}, *FLAGS, "--allow-any-adapter-path") as s:
         # Valid when the server checked it at start-up; truncated before anything asks for it, so its
         # first load (a request in test_bad_requests_fail_alone) fails at run time.
         data = (broken / "adapter_model.safetensors").read_bytes()

@@ -18,6 +18,7 @@ from proto.client import (
     StageHealth,
     TokenChunk,
     TokenChunks,
+    TokenLogprobs,
     UnloadAdapter,
     Welcome,
 )
@@ -73,6 +74,15 @@ from proto.tensor_parallel import AddAdapter, BeginRun, EndRun, FinishStep, Laun
 LONG_IDS = TokenIds.of(range(5000))  # 20 kB: travels as an extra frame
 SHORT_IDS = TokenIds.of([1, 2, 3])  # inline
 SAMPLING = SamplingParams(max_tokens=7, temperature=0.5, top_k=4, seed=3, stop_token_ids=(2, 9))
+ADJUSTED = SamplingParams(
+    presence_penalty=0.5,
+    frequency_penalty=-1.0,
+    repetition_penalty=1.2,
+    min_p=0.05,
+    logit_bias={5: -100.0, 7: 2.5},
+    logprobs=3,
+)
+LOGPROBS = [TokenLogprobs(logprob=-0.25, top_ids=[5, 9], top_logprobs=[-0.25, -2.0]), TokenLogprobs(-1.5)]
 ENTRY = AdapterEntry(name="a", path="/ad/a", tier="gpu", slot=1, state="ready", rank=8, active_requests=2)
 STAGES = [StageHealth(stage="scheduler", status="ok"), StageHealth(stage="worker", status="down", detail="x")]
 SLOT_LOAD = SlotLoad(
@@ -94,13 +104,19 @@ EXAMPLES: list[Message] = [
     Hello(request_id="h", protocol_version=PROTOCOL_VERSION),
     GenerateRequest(request_id="g1", prompt="héllo 日本", adapter="a", sampling=SAMPLING, stream=False),
     GenerateRequest(request_id="g2", prompt_ids=LONG_IDS),
+    GenerateRequest(request_id="g5", prompt="x", sampling=ADJUSTED),
     Abort(request_id="g1"),
     LoadAdapter(request_id="l", name="a", path="/ad/a"),
     UnloadAdapter(request_id="u", name="a"),
     ListAdapters(request_id="la"),
     Health(request_id="he"),
     Welcome(
-        request_id="h", protocol_version=PROTOCOL_VERSION, model="tiny", max_model_len=64, vocab_size=300
+        request_id="h",
+        protocol_version=PROTOCOL_VERSION,
+        model="tiny",
+        max_model_len=64,
+        vocab_size=300,
+        max_request_bytes=1 << 20,
     ),
     TokenChunk(
         request_id="g1",
@@ -118,6 +134,7 @@ EXAMPLES: list[Message] = [
         chunks=[
             TokenChunk(request_id="g1", text="a", token_ids=[5]),
             TokenChunk(request_id="g4", text="", token_ids=[7], finished=True, finish_reason="stop"),
+            TokenChunk(request_id="g5", text="ab", token_ids=[5, 6], logprobs=LOGPROBS),
         ]
     ),
     ErrorReply(request_id="g1", kind="unknown_adapter", message="unknown adapter 'b'"),
@@ -140,6 +157,7 @@ EXAMPLES: list[Message] = [
     RequestFailed(request_id="g3", kind="stage_failed", message="the adapter-loader failed on adapter 'a'"),
     AdapterUpdate(name="a", state="unloading"),
     TokenBatch(step=9, items=[TokenDelta(request_id="g2", token_ids=[7]), TokenDelta("g3", [8, 2], "stop")]),
+    TokenBatch(step=10, items=[TokenDelta(request_id="g5", token_ids=[5, 6], logprobs=LOGPROBS)]),
     BatchPlan(
         step=10,
         new_requests=[

@@ -25,6 +25,7 @@ def test_security_flag_errors(tiny_llama, tmp_path, capsys, default_ports_taken)
     fifo.chmod(0o600)
     cases = [
         (["--adapter-root", str(tmp_path / "none")], "--adapter-root"),
+        (["--adapter-root", str(tmp_path), "--allow-any-adapter-path"], "not both"),
         (["--api-key", "short"], "at least 16 characters"),
         (["--api-key", KEY, "--api-key-file", str(loose)], "not allowed with argument"),
         (["--api-key-file", str(loose)], "readable by other users"),
@@ -63,3 +64,7 @@ def test_security_flags_reach_the_stage_configs(tiny_llama, llama_adapters, tmp_
     assert (tok.max_client_msg_bytes, tok.max_prompt_bytes) == (65536, 4096)
     assert tok.adapter_root == loader.adapter_root == os.path.realpath(tmp_path / "root")
     assert loader.trusted_paths == (os.path.realpath(llama_adapters["full8"]),)
+    assert not tok.allow_any_adapter_path
+    anywhere = parse_serve_args(["--model", str(tiny_llama), "--device", "cpu", "--allow-any-adapter-path"])
+    configs = stage_configs(anywhere, validate(anywhere), Endpoints.in_run_dir(tmp_path), "pool", 4096)
+    assert configs["tokenizer"].allow_any_adapter_path and configs["tokenizer"].adapter_root is None

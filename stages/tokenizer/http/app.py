@@ -1,12 +1,12 @@
 """The Starlette app: OpenAI routes (/v1/completions, /v1/chat/completions, /v1/models, vLLM's
-/v1/load_lora_adapter and /v1/unload_lora_adapter), /health and /metrics. Bodies are decoded with
-msgspec; with an API key, /v1/* needs `Authorization: Bearer KEY`."""
+/v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize and /detokenize), /health and /metrics. Bodies
+are decoded with msgspec; with an API key, all but /health and /metrics need `Authorization: Bearer KEY`."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -17,6 +17,7 @@ from starlette.routing import Route
 
 from stages.tokenizer.http.errors import ApiError
 from stages.tokenizer.http.generation import Generation, until_disconnect
+from stages.tokenizer.http.logprobs import LogprobsFormat
 from stages.tokenizer.http.output import EventStream, Formatter, events
 from stages.tokenizer.http.prepare import Prepared, prepare_chat, prepare_completion
 from stages.tokenizer.http.schemas import (
@@ -25,13 +26,23 @@ from stages.tokenizer.http.schemas import (
     LoadLoraRequest,
     UnloadLoraRequest,
 )
+from stages.tokenizer.http.strict import (
+    CHAT_UNSUPPORTED,
+    COMPLETION_UNSUPPORTED,
+    TOKENIZE_UNSUPPORTED,
+    Neutral,
+    convert_strict,
+    decode_strict,
+    json_object,
+)
+from stages.tokenizer.http.tokenize import DetokenizeRequest, detokenize, tokenize, tokenize_type
 
 if TYPE_CHECKING:
     from stages.tokenizer.http.front import HttpFrontEnd
 
 B = TypeVar("B")
-_AT = re.compile(r"at `\$\.([A-Za-z_]+)")
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -42,8 +53,8 @@ def _error(exc: ApiError) -> Response:
     return Response(exc.body(), exc.status, media_type="application/json")
 
 
-async def _read(request: Request, limit: int, type_: type[B]) -> B:
-    """The body decoded as `type_`: 413 past `limit` bytes, 400 naming the field that is wrong."""
+async def _body(request: Request, limit: int) -> bytes:
+    """The body's bytes: 413 past `limit`, before more is read."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is {declared} bytes; at most {limit} are accepted")
@@ -53,13 +64,15 @@ async def _read(request: Request, limit: int, type_: type[B]) -> B:
         if size > limit:
             raise ApiError(413, f"the request body exceeds {limit} bytes")
         chunks.append(chunk)
-    try:
-        return msgspec.json.decode(b"".join(chunks), type=type_)
-    except msgspec.ValidationError as exc:
-        m = _AT.search(str(exc))
-        raise ApiError(400, f"invalid request: {exc}", m.group(1) if m else None) from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    return b"".join(chunks)
+
+
+async def _read(
+    request: Request, limit: int, type_: type[B], unsupported: Mapping[str, Neutral] | None = None
+) -> B:
+    """The body decoded as `type_`: 413 past `limit` bytes, 400 naming the field that is wrong, unknown
+    or not supported (strict.py)."""
+    return decode_strict(await _body(request, limit), type_, unsupported)
 
 
 def build_app(front: HttpFrontEnd) -> Starlette:
@@ -88,16 +101,19 @@ def build_app(front: HttpFrontEnd) -> Starlette:
         return _json(fmt.whole(gen, work.result()))
 
     async def completions(request: Request) -> Response:
-        req = await _read(request, limit, CompletionRequest)
+        req = await _read(request, limit, CompletionRequest, COMPLETION_UNSUPPORTED)
         front.check_serving()
         prepared = await prepare_completion(req, front.context())
-        return await generate(request, prepared, Formatter(False, req.model))
+        return await generate(request, prepared, Formatter(False, req.model, lps(prepared)))
 
     async def chat(request: Request) -> Response:
-        req = await _read(request, limit, ChatCompletionRequest)
+        req = await _read(request, limit, ChatCompletionRequest, CHAT_UNSUPPORTED)
         front.check_serving()
         prepared = await prepare_chat(req, front.context())
-        return await generate(request, prepared, Formatter(True, req.model))
+        return await generate(request, prepared, Formatter(True, req.model, lps(prepared)))
+
+    def lps(prepared: Prepared) -> LogprobsFormat | None:
+        return LogprobsFormat(front.context().tokenizer) if prepared.logprobs else None
 
     async def models(request: Request) -> Response:
         return _json(await front.model_list())
@@ -111,6 +127,15 @@ def build_app(front: HttpFrontEnd) -> Starlette:
         req = await _read(request, limit, UnloadLoraRequest)
         await front.unload_adapter(req.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    async def tokenize_route(request: Request) -> Response:
+        raw = json_object(await _body(request, limit))
+        req = convert_strict(raw, tokenize_type(raw), TOKENIZE_UNSUPPORTED)
+        return _json(await tokenize(req, front.context()))
+
+    async def detokenize_route(request: Request) -> Response:
+        req = await _read(request, limit, DetokenizeRequest)
+        return _json(detokenize(req, front.context()))
 
     async def health(request: Request) -> Response:
         ok, detail = await front.health()
@@ -133,6 +158,8 @@ def build_app(front: HttpFrontEnd) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
+        Route("/detokenize", detokenize_route, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
@@ -143,8 +170,8 @@ def build_app(front: HttpFrontEnd) -> Starlette:
     expected = f"Bearer {key}".encode()
 
     async def guarded(scope: Any, receive: Any, send: Any) -> None:
-        """/v1/* needs the key; /health and /metrics stay open for probes and scrapers."""
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        """Everything but /health and /metrics needs the key: those stay open for probes and scrapers."""
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, expected):
                 err = ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)")

@@ -1,6 +1,6 @@
 """OpenAI's error body (`{"error": {"message", "type", "param", "code"}}`) and the HTTP status of each
-pipeline error kind: 400 bad parameters, 401 bad key, 404 unknown model or adapter, 413 body too large,
-503 draining or not ready."""
+pipeline error kind: 400 bad parameters, 401 bad key, 403 refused by the server's configuration, 404
+unknown model or adapter, 413 body too large, 503 draining or not ready."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ STATUS_OF_KIND = {
     "protocol_mismatch": 500,
     "adapter_timeout": 503,
     "stage_failed": 500,
+    "forbidden": 403,
 }
 TYPE_OF_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "invalid_request_error",
     500: "server_error",

@@ -58,7 +58,13 @@ class HttpFrontEnd:
     def context(self) -> Context:
         a, cfg = self.actor, self.actor.config
         return Context(
-            a.tokenizer, cfg.model_name, cfg.max_model_len, cfg.vocab_size, a.adapters, self.chat_template
+            a.tokenizer,
+            cfg.model_name,
+            cfg.max_model_len,
+            cfg.vocab_size,
+            a.adapters,
+            self.chat_template,
+            a.max_prompt_bytes,
         )
 
     async def call(self, msg: Any, timeout: float = OP_TIMEOUT_S) -> Any:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from proto.client import Abort, ErrorReply, TokenChunk
+from proto.client import Abort, ErrorReply, TokenChunk, TokenLogprobs
 from stages.tokenizer.http.errors import ApiError
 from stages.tokenizer.http.prepare import Prepared
 from stages.tokenizer.local_clients import LocalClients
@@ -52,9 +52,22 @@ class Choice:
     echo: str = ""
     texts: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # kept only with return_token_ids
+    lp_ids: list[int] = field(default_factory=list)  # with logprobs: the tokens they are of
+    lps: list[TokenLogprobs] = field(default_factory=list)
     tokens: int = 0
     finish_reason: str | None = None
     started: bool = False  # a streamed chunk was sent for it (chat sends the role first)
+    text_offset: int = 0  # streamed completions with logprobs: where the next token's text starts
+
+
+class Logprobs(NamedTuple):
+    """New tokens and their log-probabilities (one each)."""
+
+    ids: list[int]
+    values: list[TokenLogprobs]
+
+
+Event = tuple[Choice, str, list[int], Logprobs | None]
 
 
 class Generation:
@@ -72,9 +85,9 @@ class Generation:
         for req in self.prepared.requests:
             await self.port.submit(self.identity, req)
 
-    async def events(self) -> AsyncIterator[tuple[Choice, str, list[int]]]:
-        """(choice, new text, new token ids) whenever a choice has new text (or, with return_token_ids,
-        new tokens) or finished, until all have finished.
+    async def events(self) -> AsyncIterator[Event]:
+        """(choice, new text, new token ids, new tokens' logprobs) whenever a choice has new text (or,
+        with return_token_ids or logprobs, new tokens) or finished, until all have finished.
         An error reply for any choice raises ApiError (close() then aborts the others)."""
         while self.running:
             reply = await self.queue.get()
@@ -98,8 +111,12 @@ class Generation:
             c.texts.append(text)
             ids = reply.token_ids if self.prepared.token_ids else []
             c.ids.extend(ids)
-            if text or ids or c.finish_reason is not None:
-                yield c, text, ids
+            lps = Logprobs(reply.token_ids, reply.logprobs) if reply.logprobs else None
+            if lps is not None:
+                c.lp_ids.extend(lps.ids)
+                c.lps.extend(lps.values)
+            if text or ids or lps or c.finish_reason is not None:
+                yield c, text, ids, lps
 
     async def run_to_end(self) -> list[Choice]:
         async for _ in self.events():

@@ -14,8 +14,10 @@ from typing import Any
 import msgspec
 from starlette.responses import Response
 
+from proto.client import TokenLogprobs
 from stages.tokenizer.http.errors import ApiError
-from stages.tokenizer.http.generation import Choice, Generation, until_disconnect
+from stages.tokenizer.http.generation import Choice, Generation, Logprobs, until_disconnect
+from stages.tokenizer.http.logprobs import ChatLogprobs, CompletionLogprobs, LogprobsFormat
 from stages.tokenizer.http.schemas import (
     ChatChoice,
     ChatCompletion,
@@ -37,9 +39,11 @@ def _event(obj: Any) -> bytes:
 class Formatter:
     """Builds one endpoint's objects: `chat` selects chat.completion(.chunk) over text_completion."""
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, logprobs: LogprobsFormat | None = None) -> None:
+        """`logprobs`: names the tokens of requests that asked for their log-probabilities."""
         self.chat = chat
         self.model = model
+        self.logprobs = logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -55,32 +59,52 @@ class Formatter:
                     c.index,
                     Message("assistant", "".join(c.texts)),
                     c.finish_reason,
-                    None,
+                    self._chat_lps(c.lp_ids, c.lps),
                     _ids(c.ids, with_ids),
                 )
                 for c in choices
             ]
             return ChatCompletion(self.id, self.created, self.model, out, usage)
         texts = [
-            CompletionChoice(c.index, c.echo + "".join(c.texts), c.finish_reason, None, _ids(c.ids, with_ids))
+            CompletionChoice(
+                c.index,
+                c.echo + "".join(c.texts),
+                c.finish_reason,
+                self._completion_lps(c.lp_ids, c.lps, len(c.echo)),
+                _ids(c.ids, with_ids),
+            )
             for c in choices
         ]
         return Completion(self.id, self.created, self.model, texts, usage)
 
-    def chunk(self, c: Choice, text: str, ids: list[int], with_ids: bool) -> bytes:
+    def chunk(self, c: Choice, text: str, ids: list[int], lps: Logprobs | None, with_ids: bool) -> bytes:
+        lp_ids, values = lps if lps is not None else ([], [])
         if self.chat:
             out = b""
             if not c.started:  # the role comes first, in a chunk of its own (as OpenAI sends it)
                 first = ChatStreamChoice(c.index, Message("assistant", ""), None)
                 out = _event(ChatCompletion(self.id, self.created, self.model, [first], object=_CHUNK))
             delta = Message(content=text) if text else Message()
-            choice = ChatStreamChoice(c.index, delta, c.finish_reason, None, _ids(ids, with_ids))
+            lp = self._chat_lps(lp_ids, values) if lps is not None else None
+            choice = ChatStreamChoice(c.index, delta, c.finish_reason, lp, _ids(ids, with_ids))
             c.started = True
             return out + _event(ChatCompletion(self.id, self.created, self.model, [choice], object=_CHUNK))
         if not c.started:
             text, c.started = c.echo + text, True
-        choice = CompletionChoice(c.index, text, c.finish_reason, None, _ids(ids, with_ids))
+            c.text_offset = len(c.echo)
+        lp = self._completion_lps(lp_ids, values, c.text_offset) if lps is not None else None
+        if lp is not None:
+            c.text_offset = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else c.text_offset
+        choice = CompletionChoice(c.index, text, c.finish_reason, lp, _ids(ids, with_ids))
         return _event(Completion(self.id, self.created, self.model, [choice]))
+
+    def _chat_lps(self, ids: list[int], values: list[TokenLogprobs]) -> ChatLogprobs | None:
+        return self.logprobs.chat(ids, values) if self.logprobs is not None else None
+
+    def _completion_lps(
+        self, ids: list[int], values: list[TokenLogprobs], offset: int
+    ) -> CompletionLogprobs | None:
+        return self.logprobs.completion(ids, values, offset) if self.logprobs is not None else None
 
     def usage_chunk(self, gen: Generation) -> bytes:
         if self.chat:
@@ -102,8 +126,8 @@ async def events(gen: Generation, fmt: Formatter) -> AsyncIterator[bytes]:
     pending: list[bytes] = []
     try:
         with_ids = gen.prepared.token_ids
-        async for c, text, ids in gen.events():
-            pending.append(fmt.chunk(c, text, ids, with_ids))
+        async for c, text, ids, lps in gen.events():
+            pending.append(fmt.chunk(c, text, ids, lps, with_ids))
             if gen.queue.empty():
                 yield b"".join(pending)
                 pending.clear()

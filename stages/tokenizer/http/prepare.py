@@ -15,11 +15,18 @@ from tokenizers import Tokenizer
 
 from proto.base import TokenIds
 from proto.client import GenerateRequest
-from proto.sampling import SamplingParams
+from proto.sampling import MAX_LOGPROBS, SamplingParams
 from stages.tokenizer.http.chat_template import ChatTemplate, TemplateError
 from stages.tokenizer.http.errors import ApiError
 from stages.tokenizer.http.schemas import ChatCompletionRequest, CompletionRequest
-from stages.tokenizer.validate import Rejected, check_prompt, check_request, encode_prompt
+from stages.tokenizer.http.strict import unsupported_field
+from stages.tokenizer.validate import (
+    Rejected,
+    check_prompt,
+    check_prompt_size,
+    check_request,
+    encode_prompt,
+)
 
 MAX_CHOICES = 256  # prompts × n in one HTTP request
 THREAD_TOKENIZE_CHARS = 8192  # longer texts are tokenized in a thread (tokenizers drops the GIL)
@@ -36,6 +43,7 @@ class Context:
     vocab_size: int
     adapters: Mapping[str, str]  # name -> "registered" | "unloading"
     chat_template: ChatTemplate
+    max_prompt_bytes: int  # the actor's limit (validate.prompt_byte_limit): text over it is not tokenized
 
 
 @dataclass
@@ -48,6 +56,7 @@ class Prepared:
     include_usage: bool = False
     distinct_prompt_tokens: int = 0  # usage counts each prompt once, however many choices share it
     token_ids: bool = False  # return_token_ids: choices carry their output token ids
+    logprobs: bool = False  # choices carry their tokens' log-probabilities
 
 
 def resolve_model(name: str, ctx: Context) -> str | None:
@@ -78,26 +87,22 @@ def _rejected(exc: Rejected) -> ApiError:
     return ApiError.of_kind(exc.kind, exc.message, first if first in _FIELDS else None)
 
 
-def _unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
-    """Refuse, by name, what lorapipe's sampler cannot do (rather than ignoring it)."""
-    checks: list[tuple[str, bool]] = [
-        ("presence_penalty", req.presence_penalty != 0),
-        ("frequency_penalty", req.frequency_penalty != 0),
-        ("logit_bias", bool(req.logit_bias)),
-        ("best_of", req.best_of is not None and req.best_of != req.n),
-    ]
-    if isinstance(req, CompletionRequest):
-        checks += [("logprobs", req.logprobs is not None), ("suffix", bool(req.suffix))]
-    else:
-        checks += [
-            ("logprobs", req.logprobs),
-            ("top_logprobs", req.top_logprobs is not None),
-            ("tools", bool(req.tools)),
-            ("response_format", (req.response_format or {}).get("type", "text") != "text"),
-        ]
-    for name, bad in checks:
-        if bad:
-            raise ApiError(400, f"{name} is not supported by this server", name)
+def _check_fields(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """What strict.py cannot see alone: n and best_of (one sample per choice), logprobs of output
+    tokens only (not echo's prompt), top_logprobs with logprobs."""
+    if req.best_of is not None and req.best_of != req.n:
+        message = "best_of must equal n (one sample per choice)"
+        raise ApiError(400, message, "best_of", "unsupported_parameter")
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        raise ApiError(
+            400, "echo with logprobs needs the prompt's log-probabilities, which this server does not "
+            "compute", "echo", "unsupported_parameter",
+        )  # fmt: skip
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None:
+        if not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
     if not 1 <= req.n <= MAX_CHOICES:
         raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
 
@@ -119,14 +124,39 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, i
         seed=None if req.seed is None else req.seed + index,  # choices differ, and each is reproducible
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+        min_p=float(req.min_p or 0.0),
+        logit_bias=_logit_bias(req.logit_bias),
+        logprobs=_logprobs(req),
     )
 
 
-async def _tokenize_chat(text: str, tokenizer: Tokenizer) -> list[int]:
-    """A rendered chat: its special tokens come from the template, so none are added (as in HF)."""
+def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """How many likeliest tokens to report beside each output token's own (None: no logprobs)."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias names tokens by their ids written as strings."""
+    if not bias:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        message = "logit_bias keys must be token ids (integers written as strings)"
+        raise ApiError(400, message, "logit_bias") from None
+
+
+async def tokenize_text(text: str, tokenizer: Tokenizer, *, add_special_tokens: bool) -> list[int]:
+    """Long texts in a thread (tokenizers drops the GIL), so other requests are not held up. A rendered
+    chat adds no special tokens: they come from the template (as in HF)."""
     if len(text) > THREAD_TOKENIZE_CHARS:
-        return (await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)).ids
-    return tokenizer.encode(text, add_special_tokens=False).ids
+        return (await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)).ids
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
@@ -159,13 +189,14 @@ def _generate(rid: str, adapter: str | None, sampling: SamplingParams, ids: Sequ
 
 
 async def prepare_completion(req: CompletionRequest, ctx: Context) -> Prepared:
-    _unsupported(req)
+    _check_fields(req)
     adapter = resolve_model(req.model, ctx)
     prompts = _prompts(req.prompt)
     if len(prompts) * req.n > MAX_CHOICES:
         raise ApiError(400, f"{len(prompts)} prompts × n={req.n} exceeds {MAX_CHOICES} choices", "n")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     out = Prepared([], [], stops=_stops(req.stop), stream=req.stream, token_ids=req.return_token_ids)
+    out.logprobs = req.logprobs is not None
     for p, prompt in enumerate(prompts):
         text = prompt if isinstance(prompt, str) else None
         probe = _generate("", adapter, _sampling(req, max_tokens, 0), prompt) if text is None else None
@@ -174,6 +205,7 @@ async def prepare_completion(req: CompletionRequest, ctx: Context) -> Prepared:
         )
         try:
             check_request(probe, vocab_size=ctx.vocab_size, adapters=ctx.adapters)
+            check_prompt_size(probe, max_prompt_bytes=ctx.max_prompt_bytes, max_model_len=ctx.max_model_len)
             if text is not None and len(text) > THREAD_TOKENIZE_CHARS:
                 ids = await asyncio.to_thread(encode_prompt, probe, ctx.tokenizer)
             else:
@@ -203,25 +235,44 @@ def _message_dict(msg: Any) -> dict[str, Any]:
                 )
             texts.append(part["text"])
         content = "".join(texts)
+    for name in ("audio", "function_call"):
+        if getattr(msg, name) is not None:
+            raise unsupported_field(f"messages.{name}")
     out = msgspec.structs.asdict(msg)
     out["content"] = content if content is not None else ""
-    return {k: v for k, v in out.items() if v is not None}
+    return {k: v for k, v in out.items() if v is not None and k not in ("refusal", "annotations")}
+
+
+def render_chat(messages: list[Any], add_generation_prompt: bool, ctx: Context) -> str:
+    """The conversation through the model's chat template, refused by its size (as a text prompt is)
+    before anyone tokenizes it."""
+    if not messages:
+        raise ApiError(400, "messages must not be empty", "messages")
+    try:
+        text = ctx.chat_template.render([_message_dict(m) for m in messages], add_generation_prompt)
+    except TemplateError as exc:
+        raise ApiError(400, str(exc), "messages") from None
+    most = ctx.max_prompt_bytes
+    if len(text) * 4 > most and (nbytes := len(text.encode())) > most:
+        raise ApiError(
+            400,
+            f"the rendered messages are {nbytes} bytes, more than the server's limit of {most} bytes for "
+            f"a prompt (more tokens than the {ctx.max_model_len}-token context holds)",
+            "messages",
+        )
+    return text
 
 
 async def prepare_chat(req: ChatCompletionRequest, ctx: Context) -> Prepared:
-    _unsupported(req)
+    _check_fields(req)
     adapter = resolve_model(req.model, ctx)
-    if not req.messages:
-        raise ApiError(400, "messages must not be empty", "messages")
-    try:
-        text = ctx.chat_template.render([_message_dict(m) for m in req.messages], req.add_generation_prompt)
-    except TemplateError as exc:
-        raise ApiError(400, str(exc), "messages") from None
-    ids = await _tokenize_chat(text, ctx.tokenizer)
+    text = render_chat(req.messages, req.add_generation_prompt, ctx)
+    ids = await tokenize_text(text, ctx.tokenizer, add_special_tokens=False)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = limit if limit is not None else max(ctx.max_model_len - len(ids), 1)
     out = Prepared([], [], stops=_stops(req.stop), stream=req.stream, distinct_prompt_tokens=len(ids))
     out.token_ids = req.return_token_ids
+    out.logprobs = req.logprobs
     for i in range(req.n):
         gen = _generate(f"{i}-{uuid.uuid4().hex[:8]}", adapter, _sampling(req, max_tokens, i), ids)
         try:

@@ -1,6 +1,6 @@
 """OpenAI API request and response bodies as msgspec Structs (HTTP JSON, not inter-process messages).
-Unknown request fields are ignored, as OpenAI-compatible servers do; fields lorapipe cannot honour are
-declared so that a non-default value is refused by name (prepare.py) instead of silently dropped."""
+Request bodies declare only what lorapipe honours and forbid other fields: strict.py refuses an unknown
+field, or a known one this server does not implement, by name."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from typing import Any
 
 import msgspec
 
+from stages.tokenizer.http.logprobs import ChatLogprobs, CompletionLogprobs
 
-class Body(msgspec.Struct, kw_only=True):
+
+class Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
 
@@ -29,13 +31,15 @@ class _Sampling(Body, kw_only=True):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM extension
+    min_p: float | None = None  # vLLM extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> value added to its logit
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
-    user: str | None = None
+    best_of: int | None = None  # only equal to n (one sample per choice)
+    user: str | None = None  # identifies the end user to OpenAI; changes nothing here
     return_token_ids: bool = False  # vLLM extension: each choice also carries its output token ids
 
 
@@ -43,25 +47,33 @@ class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[Any]  # text, token ids, or a batch of either (checked in prepare.py)
     max_tokens: int | None = 16
     echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
+    logprobs: int | None = None  # each output token's log-probability and this many likeliest tokens'
 
 
 class ChatMessage(Body, kw_only=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # earlier turns of a conversation, passed to the chat template as they are
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    # what a response message carries besides its content: accepted back when empty
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None  # None: what is left of the context after the prompt
     max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM extension
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None  # with logprobs: this many likeliest tokens' too
+    # identifiers for OpenAI's caching and abuse monitoring; they change nothing here
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class LoadLoraRequest(Body, kw_only=True):
@@ -91,7 +103,7 @@ class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # only with return_token_ids
 
 
@@ -113,7 +125,7 @@ class ChatChoice(msgspec.Struct):
     index: int
     message: Message
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -121,7 +133,7 @@ class ChatStreamChoice(msgspec.Struct):
     index: int
     delta: Message
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 

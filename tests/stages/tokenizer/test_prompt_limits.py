@@ -5,6 +5,7 @@ and adapter ops are checked for runtime loading, names and the adapter root."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 
@@ -14,7 +15,7 @@ from proto.base import TokenIds
 from proto.client import GenerateRequest, LoadAdapter, UnloadAdapter
 from proto.sampling import SamplingParams
 from runtime.synthetic.model import make_model
-from stages.tokenizer.adapter_ops import check_adapter_op, confine
+from stages.tokenizer.adapter_ops import check_adapter_op, confine, path_refused
 from stages.tokenizer.validate import Rejected, check_prompt_size, encode_prompt, prompt_byte_limit
 
 
@@ -66,26 +67,31 @@ def test_adapter_ops_checks(tmp_path):
     (root / "out").symlink_to(tmp_path)
     real = os.path.realpath(root)
     load = LoadAdapter(request_id="r", name="x", path="a")
-    assert check_adapter_op(load, runtime_loading=True, adapter_root=real) == os.path.join(real, "a")
-    assert check_adapter_op(load, runtime_loading=True, adapter_root=None) == "a"  # unconfined: as given
+    ops = functools.partial(check_adapter_op, runtime_loading=True, allow_any_path=False)
+    assert ops(load, adapter_root=real) == os.path.join(real, "a")
+    unconfined = ops(load, adapter_root=None, allow_any_path=True)
+    assert unconfined == "a"  # as given, only when the server opted in
     with pytest.raises(Rejected) as info:
-        check_adapter_op(load, runtime_loading=False, adapter_root=None)
+        ops(load, runtime_loading=False, adapter_root=None)
     assert info.value.kind == "forbidden"
     with pytest.raises(Rejected) as info:
-        check_adapter_op(UnloadAdapter(request_id="r", name="x"), runtime_loading=False, adapter_root=None)
+        ops(UnloadAdapter(request_id="r", name="x"), runtime_loading=False, adapter_root=None)
     assert info.value.kind == "forbidden"
-    for path in ("out", "out/a", "../root/../x", "/etc", "/does/not/exist"):
-        assert confine(path, real) is None, path
-        with pytest.raises(Rejected, match="not inside") as info:
-            check_adapter_op(
-                LoadAdapter(request_id="r", name="x", path=path), runtime_loading=True, adapter_root=real
-            )
-        assert info.value.kind == "forbidden" and path not in info.value.message
+    # outside the root, or no root and no opt-in: one text, whatever exists on disk
+    texts = set()
+    for path, root_ in [(p, real) for p in ("out", "out/a", "../root/../x", "/etc", "/does/not/exist")] + [
+        (p, None) for p in ("a", "/etc", "/does/not/exist", str(root / "a"))
+    ]:
+        if root_ is not None:
+            assert confine(path, root_) is None, path
+        with pytest.raises(Rejected, match="adapter root") as info:
+            ops(LoadAdapter(request_id="r", name="x", path=path), adapter_root=root_)
+        assert info.value.kind == "forbidden"
+        texts.add(info.value.message)
+    assert texts == {path_refused("x")}
     for name in ("", "../x", "a\n", "x" * 129, ".hidden"):
         with pytest.raises(Rejected, match="adapter name") as info:
-            check_adapter_op(
-                LoadAdapter(request_id="r", name=name, path="a"), runtime_loading=True, adapter_root=real
-            )
+            ops(LoadAdapter(request_id="r", name=name, path="a"), adapter_root=real)
         assert info.value.kind == "invalid_request"
 
 

@@ -24,6 +24,7 @@ from proto.client import (
     StageHealth,
     TokenChunk,
     TokenChunks,
+    TokenLogprobs,
 )
 from proto.control import LauncherToStage, Shutdown, StageToLauncher, check_ready
 from proto.pipeline import (
@@ -62,6 +63,7 @@ class Pipeline:
             model_dir,
             self.ep,
             adapters=("a",),
+            allow_any_adapter_path=True,  # the fake loader answers for any path
             drain_timeout_s=5,
             health_timeout_s=0.2,
             control=self.ep.control,
@@ -327,5 +329,40 @@ def test_shutdown_after_a_stage_failure_errors_open_requests_at_once(tmp_path, m
         with pytest.raises(ServerError, match="stage 'worker' died"):
             await open_req
         assert await asyncio.wait_for(p.task, 10) == 0
+
+    _run(tmp_path, model_dir, body)
+
+
+def test_logprobs_travel_with_their_tokens(tmp_path, model_dir, tokenizer):
+    """The worker's per-token logprobs reach the SDK's Completion (streamed) and a stream=False reply
+    (gathered), one per token, in order; requests without them get None."""
+
+    def lp(tok: int) -> TokenLogprobs:
+        return TokenLogprobs(logprob=-tok / 100, top_ids=[tok, 1], top_logprobs=[-tok / 100, -5.0])
+
+    async def body(p: Pipeline) -> None:
+        ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+
+        async def emit(rid: str) -> None:
+            for i, tok in enumerate(ids):
+                finish = "stop" if i == len(ids) - 1 else None
+                delta = TokenDelta(request_id=rid, token_ids=[tok], finish_reason=finish, logprobs=[lp(tok)])
+                await p.worker.send(TokenBatch(step=i, items=[delta]))
+
+        gen = asyncio.create_task(p.client.generate("hello", max_tokens=20, logprobs=2))
+        req = await p.scheduled()
+        assert req.sampling.logprobs == 2
+        await emit(req.request_id)
+        out = await gen
+        assert out.logprobs == [lp(t) for t in ids] and out.token_ids == ids
+        with DealerSocket(p.ep.client, ClientReply, ClientRequest) as raw:
+            await raw.send(GenerateRequest(request_id="raw", prompt_ids=TokenIds.of(ids[:2]), stream=False))
+            await p.scheduled()
+            await emit("raw")
+            chunk = await asyncio.wait_for(raw.recv(), 10)
+            assert isinstance(chunk, TokenChunk) and chunk.logprobs == [lp(t) for t in ids]
+        plain = asyncio.create_task(p.client.generate("hello", max_tokens=20))
+        await p.emit_text(tokenizer, (await p.scheduled()).request_id, TEXT)
+        assert (await plain).logprobs is None
 
     _run(tmp_path, model_dir, body)

@@ -72,3 +72,28 @@ def test_each_request_is_sampled_from_the_row_it_names(device):
     assert sorted(failed) == [3]
     assert tokens[0] == int(np.argmax(ref[7])) and tokens[2] == int(np.argmax(ref[4]))
     assert ref[0, tokens[1]] >= np.sort(ref[0])[-20]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_of_the_requests_that_ask_against_float64(device):
+    """Request k reads row rows[k]: its sampled token's log-probability and its top k equal a float64
+    log-softmax of that row (raw logits, penalties aside); requests that do not ask get none."""
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(2)).to(device) * 3
+    rows = [4, 0, 2]
+    params = [
+        SamplingParams(logprobs=3),
+        SamplingParams(),
+        SamplingParams(temperature=0.8, seed=1, logprobs=0, presence_penalty=1.0),
+    ]
+    picks = (rows, torch.tensor(rows, device=device))
+    sampled = Sampler(torch.device(device)).issue(logits, ["a", "b", "c"], params, picks)
+    tokens, _ = sampled.result()
+    got = sampled.logprobs()
+    assert sorted(got) == [0, 2]
+    ref = torch.log_softmax(logits.cpu().double(), dim=-1)
+    for k, n in [(0, 3), (2, 0)]:
+        row = ref[rows[k]]
+        assert abs(got[k].logprob - float(row[tokens[k]])) < 1e-5
+        want = row.topk(n)
+        assert got[k].top_ids == want.indices.tolist()
+        assert np.allclose(got[k].top_logprobs, want.values.numpy(), atol=1e-5)

@@ -30,6 +30,8 @@ def test_api_key_guards_v1_but_not_health():
     ok = client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "base"
     assert client.get("/health").status_code == 200
+    for path in ("/tokenize", "/detokenize"):  # vLLM's routes, outside /v1, need the key too
+        assert client.post(path, json={"prompt": "x"}).status_code == 401
     assert TestClient(build_app(Front(None))).get("/v1/models").status_code == 200
 
 

@@ -72,7 +72,8 @@ def test_chat_template_errors_name_the_problem(tiny_llama, tmp_path):
 
 
 def _ctx() -> Context:
-    return Context(None, "base", 64, 100, {"a": "registered", "b": "unloading"}, ChatTemplate(None, {}))  # type: ignore[arg-type]
+    adapters = {"a": "registered", "b": "unloading"}
+    return Context(None, "base", 64, 100, adapters, ChatTemplate(None, {}), 256)  # type: ignore[arg-type]
 
 
 def test_model_names():

@@ -1,0 +1,50 @@
+"""Log-probabilities of sampled tokens, for the requests that ask (SamplingParams.logprobs = k): the
+sampled token's and the k likeliest under the model's raw logits (before penalties and temperature,
+as vLLM returns them), computed on the device in one batch per step and copied to the host with the
+tokens (no host sync of their own)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from proto.client import TokenLogprobs
+
+
+class StepLogprobs:
+    """One step's log-probabilities: `wanted` lists (request index k, its top count) for the requests
+    that asked; values [M, 1 + K] float32 (the sampled token's, then the top K's) and ids [M, K] int64,
+    K the largest top count among them."""
+
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[int],
+        tokens: torch.Tensor,
+        wanted: list[tuple[int, int]],
+    ):
+        """`logits` [N, V]; request k's row is rows[k] and its sampled token tokens[k] ([B] int64, on
+        the device)."""
+        self.wanted = wanted
+        picked = torch.stack([logits[rows[k]] for k, _ in wanted])  # [M, V]
+        lp = torch.log_softmax(picked.float(), dim=-1)  # [M, V]
+        index = torch.stack([tokens[k] for k, _ in wanted]).view(-1, 1)  # [M, 1]
+        top = lp.topk(max(n for _, n in wanted), dim=-1)  # [M, K] each
+        self.values = torch.cat((lp.gather(1, index), top.values), dim=1)  # [M, 1 + K]
+        self.ids = top.indices  # [M, K]
+
+    def to_host(self) -> None:
+        """Issue the copies into pinned memory (the caller records the event that covers them)."""
+        if self.values.is_cuda:
+            values = torch.empty(self.values.shape, dtype=self.values.dtype, pin_memory=True)
+            ids = torch.empty(self.ids.shape, dtype=self.ids.dtype, pin_memory=True)
+            self.values, self.ids = values.copy_(self.values, True), ids.copy_(self.ids, True)
+
+    def entries(self) -> dict[int, TokenLogprobs]:
+        """{request index: its token's log-probabilities}, once the host copies have landed."""
+        values, ids = self.values.tolist(), self.ids.tolist()
+        return {
+            k: TokenLogprobs(logprob=v[0], top_ids=i[:n], top_logprobs=v[1 : 1 + n])
+            for (k, n), v, i in zip(self.wanted, values, ids, strict=True)
+        }
