@@ -279,7 +279,8 @@ class TokenizerActor(Actor[TokenizerConfig]):
             case AdapterListing(op_id=op_id, adapters=entries):
                 await self._answer_op(op_id, lambda rid: AdapterList(request_id=rid, adapters=entries))
             case HealthStatus(op_id=op_id, stages=stages):
-                own = StageHealth(stage=self.stage, status="draining" if self.draining else "ok")
+                status = "draining" if self.draining else "degraded" if self.handler_failures else "ok"
+                own = StageHealth(stage=self.stage, status=status)
                 every = [own, *stages]
                 ok = all(s.status == "ok" for s in every)
                 await self._answer_op(op_id, lambda rid: HealthReply(request_id=rid, ok=ok, stages=every))
