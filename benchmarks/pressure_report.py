@@ -87,6 +87,28 @@ def targets(rows: Sequence[dict[str, Any]], rate_label: str) -> list[dict[str, A
     return out
 
 
+def conditions(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the comparison assumes: the roomy server read nothing from disk in its passes (its cache held
+    every adapter), and the tight one did (its cache was under pressure)."""
+    by = {r["pass"]: r for r in rows}
+    out = []
+    for server, passes, want in (
+        ("roomy", ("p2_roomy", "p3_roomy"), False),
+        ("tight", ("p1_tight", "p4_tight"), True),
+    ):
+        loads = [by.get(k, {}).get("adapter_loads") for k in passes]
+        seen = [x for x in loads if x is not None]
+        held = "read adapters from disk" if want else "held every adapter (no disk loads)"
+        out.append(
+            {
+                "condition": f"{server} {held}",
+                "value": ", ".join(f"{k} {fmt(x, '.0f')}" for k, x in zip(passes, loads, strict=True)),
+                "met": bool(seen) and (any(x > 0 for x in seen) if want else all(x == 0 for x in seen)),
+            }
+        )
+    return out
+
+
 def log_errors(out: Path) -> dict[str, dict[str, Any]]:
     """Per server log: how many ERROR lines, and the first few distinct ones."""
     res = {}
@@ -123,17 +145,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     passes = [ln.split("\t") for ln in (ns.out / "passes.tsv").read_text().splitlines() if ln.strip()]
     rows = [read_pass(ns.out, label, server, status) for label, server, status in passes]
     verdicts = targets(rows, f"p5_tight_{ns.rate}rps")
+    conds = conditions(rows)
     errors = log_errors(ns.out)
     print(table(rows))
     print()
     for v in verdicts:
         print(f"- {v['target']}: {v['value']} ({'met' if v['met'] else 'NOT met'})")
+    for c in conds:
+        print(f"- {c['condition']}: {c['value']} ({'yes' if c['met'] else 'NO'})")
     for r in rows:
         if r.get("first_errors"):
             print(f"- {r['pass']} errors: " + "; ".join(e[:200] for e in r["first_errors"]))
     for name, e in errors.items():
         print(f"- server {name}: {e['error_lines']} ERROR lines" + "".join(f"\n    {x}" for x in e["first"]))
-    summary = {"passes": rows, "targets": verdicts, "server_errors": errors}
+    summary = {"passes": rows, "targets": verdicts, "conditions": conds, "server_errors": errors}
     (ns.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return 0 if all(v["met"] for v in verdicts) else 1
 

@@ -16,6 +16,9 @@
 #   CPU plumbing check: DEVICE=cpu PRESET=tiny DTYPE=float32 NUM_ADAPTERS=12 REAL=1 NUM_PROMPTS=40 \
 #     INPUT_LEN=4:48 OUTPUT_LEN=2:16 RATE=20 POOL_GB=0.002 TIGHT_CACHE_GB=0.004 \
 #     SERVER_FLAGS="--max-lora-rank 64 --num-pages 1024 --port 0" bash benchmarks/run_pressure_bench.sh /tmp/pb
+#   CPU under pressure (a tight cache of about 3 rank-64 adapters, a pool of 2, 40 adapters): the same with
+#     NUM_ADAPTERS=40 REAL=2 NUM_PROMPTS=240 RATE=40 POOL_GB=0.0011 TIGHT_CACHE_GB=0.0016 PASS_TIMEOUT_S=60
+#     REPLY_TIMEOUT_S=20 SERVER_FLAGS="--max-lora-rank 64 --num-pages 2048 --port 0"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:?usage: bash benchmarks/run_pressure_bench.sh OUT_DIR}")
@@ -73,7 +76,9 @@ g=(--num-prompts "$num" --input-len "$in_len" --output-len "$out_len" --num-adap
 # the warm-up: every adapter twice, short requests
 "$py" -m tools.workload --out "$out/warmup.jsonl" --num-prompts $((2 * nad)) --input-len 64 --output-len 16 \
   --num-adapters "$nad" --adapter-distribution distinct --seed 99 --request-rate inf >/dev/null
-if [ -z "$roomy_gb" ]; then  # every adapter's block, aligned, plus a quarter for placement
+if [ -z "$roomy_gb" ]; then
+  # room for every adapter even if each reserved a block of the largest rank (a staging may reserve that
+  # much before the adapter's rank is known), plus 5%: the roomy cache never has to evict
   roomy_gb=$("$py" - "$model" "$adir" "$nad" "$dtype" <<'EOF'
 import json, sys
 from pathlib import Path
@@ -81,11 +86,10 @@ from runtime.common.host_pool import ALIGN
 from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig, parse_dtype
 model, adir, n, dtype = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-cfg = ModelConfig.from_dir(model)
-layout, dt = LoraLayout.for_model(cfg, 64), parse_dtype(dtype, cfg.dtype)
 ranks = [json.loads((adir / f"adapter{i}" / "adapter_config.json").read_text())["r"] for i in range(n)]
-total = sum(-(-layout.block_bytes(r, dt) // ALIGN) * ALIGN for r in ranks)
-print(f"{1.25 * total / 2**30:.4f}")
+cfg = ModelConfig.from_dir(model)
+block = LoraLayout.for_model(cfg, max(ranks)).block_bytes(max(ranks), parse_dtype(dtype, cfg.dtype))
+print(f"{1.05 * n * (-(-block // ALIGN) * ALIGN) / 2**30:.4f}")
 EOF
   )
 fi
