@@ -104,7 +104,7 @@ def test_the_tree_keeps_its_floors():
         ("stages.worker.runner", "from tools.make_adapters import make_adapters"),
         ("proto.plan", "import torch"),
         ("proto.plan", "from runtime.common.lora_layout import NUM_SLICES"),
-        ("runtime.common.host_pool", "from stages.loader.host_cache import ALIGN"),
+        ("runtime.common.host_pool", "from stages.scheduler.host_table import aligned"),
         ("runtime.base.actor", "from runtime.serve_args import ServeArgs"),
         ("kernels.lora_shrink", "from stages.worker.lora.pool import LoraPool"),
         ("runtime.offline", "from tools.make_tiny_model import make_model"),
@@ -120,7 +120,7 @@ def test_each_rule_catches_its_leak(module, source):
 @pytest.mark.parametrize(
     "module, source",
     [
-        ("stages.loader.actor", "from stages.loader.host_cache import HostCache"),
+        ("stages.scheduler.actor", "from stages.scheduler.host_table import HostTable"),
         ("stages.worker.runner", "from runtime.common.model_config import ModelConfig\nimport kernels"),
         ("stages.tokenizer.actor", "from runtime.base.actor import Actor\nfrom proto.client import Hello"),
         ("runtime.launcher", "from stages.worker.config import WorkerConfig"),

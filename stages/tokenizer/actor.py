@@ -59,7 +59,7 @@ from runtime.base.sockets import MAX_CLIENT_FRAMES, PeerGone, PullSocket, PushSo
 from stages.tokenizer.adapter_ops import check_adapter_op
 from stages.tokenizer.config import TokenizerConfig
 from stages.tokenizer.detokenizer import IncrementalDetokenizer
-from stages.tokenizer.failures import fail_dependents
+from stages.tokenizer.failures import fail_dependents, fail_open
 from stages.tokenizer.local_clients import LocalClients
 from stages.tokenizer.metrics import TokenizerMetrics
 from stages.tokenizer.requests import OpenRequest, RequestTable
@@ -381,7 +381,7 @@ class TokenizerActor(Actor[TokenizerConfig]):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.drain_timeout * 0.8):
                     await self.requests.idle.wait()
-        await self._fail_open()
+        await fail_open(self)
         await super().drain()
         if self.http is not None:  # after the last replies are queued: let HTTP responses finish
             await self.http.shutdown()
@@ -391,15 +391,6 @@ class TokenizerActor(Actor[TokenizerConfig]):
         bare 500 when the stage exits; refuse new ones; let the HTTP server send those answers."""
         self.draining, self.shutdown_reason = True, "its launcher died"
         self.drain_timeout = min(self.drain_timeout, 1.0)
-        await self._fail_open()
+        await fail_open(self)
         if self.http is not None:
             await self.http.shutdown()
-
-    async def _fail_open(self) -> None:
-        """Fail every request still being tokenized or running with the shutdown message."""
-        failed = list(self.tokenizing.drain())
-        for rid in list(self.requests.by_id):
-            failed.append((rid, self.requests.by_id[rid].identity))
-            self._drop(rid, outcome="shutdown")
-        for rid, identity in failed:
-            await self._error(identity, rid, "server_error", self._shutdown_message())

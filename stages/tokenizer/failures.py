@@ -1,6 +1,6 @@
-"""What the tokenizer does when one of its handlers fails on a message: the requests and the op the
-message named end at once with a `stage_failed` error, and leave the scheduler, so that no client waits
-for an answer that will never come."""
+"""How the tokenizer fails requests wholesale, so that no client waits for an answer that will never
+come: when one of its handlers fails on a message (the requests and the op it named end with
+`stage_failed` and leave the scheduler), and when the server shuts down (every open request)."""
 
 from __future__ import annotations
 
@@ -27,3 +27,13 @@ async def fail_dependents(actor: TokenizerActor, queue: str, item: Any, exc: Exc
             await actor._error(req.identity, rid, "stage_failed", text)
         elif identity is not None and isinstance(msg, GenerateRequest):
             await actor._error(identity, rid, "stage_failed", text)
+
+
+async def fail_open(actor: TokenizerActor) -> None:
+    """Fail every request still being tokenized or running with the shutdown message."""
+    failed = list(actor.tokenizing.drain())
+    for rid in list(actor.requests.by_id):
+        failed.append((rid, actor.requests.by_id[rid].identity))
+        actor._drop(rid, outcome="shutdown")
+    for rid, identity in failed:
+        await actor._error(identity, rid, "server_error", actor._shutdown_message())
