@@ -65,6 +65,7 @@ def test_security_flags_reach_the_stage_configs(tiny_llama, llama_adapters, tmp_
     assert tok.adapter_root == loader.adapter_root == os.path.realpath(tmp_path / "root")
     assert loader.trusted_paths == (os.path.realpath(llama_adapters["full8"]),)
     assert not tok.allow_any_adapter_path
-    anywhere = parse_serve_args(["--model", str(tiny_llama), "--device", "cpu", "--allow-any-adapter-path"])
+    flags = ["--model", str(tiny_llama), "--device", "cpu", "--allow-any-adapter-path", *NO_FIXED_PORTS]
+    anywhere = parse_serve_args(flags)
     configs = stage_configs(anywhere, validate(anywhere), Endpoints.in_run_dir(tmp_path), "pool", 4096)
     assert configs["tokenizer"].allow_any_adapter_path and configs["tokenizer"].adapter_root is None
