@@ -67,6 +67,7 @@ def run_demo(root: Path, device: str = "cpu", max_tokens: int = 12) -> int:
     args = ServeArgs(
         model=str(model),
         adapters=tuple((name, str(path)) for name, path in adapters.items()),
+        adapter_root=str(root / "adapters"),  # runtime loads read only the demo's adapters
         device=device,
         max_loras_per_batch=2,
         max_cpu_loras=3,
@@ -164,7 +165,7 @@ def serve_hint(args: ServeArgs) -> str:
     return (
         "Serve these files yourself (the server holds its terminal; Ctrl-C stops it):\n"
         f"  lorapipe serve --model {args.model} --device {args.resolved_device()} "
-        f"--served-model-name {DEMO_MODEL_NAME} {adapters}"
+        f"--served-model-name {DEMO_MODEL_NAME} --adapter-root {args.adapter_root} {adapters}"
     )
 
 

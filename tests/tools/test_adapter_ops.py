@@ -14,7 +14,8 @@ pytestmark = pytest.mark.timeout(180)
 
 def test_load_list_unload(tiny_llama, llama_adapters, capsys):
     first = {"full8": llama_adapters["full8"]}
-    with serve(tiny_llama, first, "--max-loras-per-batch", "2", "--max-lora-rank", "16") as server:
+    flags = ("--max-loras-per-batch", "2", "--max-lora-rank", "16", "--allow-any-adapter-path")
+    with serve(tiny_llama, first, *flags) as server:
         ep = ["--endpoint", server.endpoint, "--timeout", "60"]
         adapter_ops.main([*ep, "load", f"qv5={llama_adapters['qv5']}", f"rs12={llama_adapters['rs12']}"])
         assert "loaded 2 adapters: qv5, rs12" in capsys.readouterr().out
