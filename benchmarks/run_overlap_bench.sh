@@ -144,7 +144,7 @@ run_itl() { # MODE
   # free memory, holds fewer than 32 of 335 MB on an H100); after server_flags, so it wins over theirs
   local pool_gb=${itl_pool_gb:-$(du -sb "$adir" | awk '{v = $1 * 1.1 / 2^30; printf "%.4f", v < 0.01 ? 0.01 : v}')}
   # shellcheck disable=SC2086
-  start_server "$out/server_itl_$mode.log" --max-loras-per-batch "$nad" --max-cpu-loras "$nad" \
+  start_server "$out/server_itl_$mode.log" --max-loras-per-batch "$nad" --max-cpu-loras "$nad" --adapter-root "$adir" \
     --max-lora-rank "$rank" $server_flags --lora-gpu-memory-gb "$pool_gb" "${extra[@]}" "${args[@]}"
   local ops=("$py" -m tools.adapter_ops --endpoint "$endpoint") k loads=() quiet=()
   # warm-up: the workload itself, so every kernel variant its batches need is compiled (a first-time

@@ -77,13 +77,13 @@ def test_timeline_gauges_come_from_a_real_scheduler_registry():
 
     m = StageMetrics("scheduler")
     waiting = dict.fromkeys(WAITING_TIERS, 0) | {"host": 3, "disk": 5}
-    holds = dict.fromkeys(HOLD_STATES, 0) | {"waiting": 2, "held": 4}
+    holds = dict.fromkeys(HOLD_STATES, 0) | {"copies": 2, "writes": 4}
     SchedulerMetrics(
         m, lambda: None, lambda: 9, lambda: dict.fromkeys(TIERS, 0), lambda: waiting, lambda: holds
     )
     got = bench_metrics.parse(m.exposition())
     assert (got["waiting"], got["running"], got["waiting_host"], got["waiting_disk"]) == (9, 0, 3, 5)
-    assert (got["holds_waiting"], got["holds_held"], got["holds_refused"]) == (2, 4, 0)
+    assert (got["holds_copies"], got["holds_writes"]) == (2, 4)
     assert got["load_seconds_sum"] is None and got["step_graph_replays"] is None  # other stages' series
 
 

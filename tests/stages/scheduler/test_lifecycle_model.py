@@ -116,7 +116,7 @@ class System:
                     max_running_requests=6,
                     max_tokens_per_step=64,
                     pinned_adapters=("a3",),
-                    overlap_min_bytes=0,
+                    overlap_min_mb=0.0,
                     prefetch_depth=2,
                 ),
                 adapters={**startup, **{f"a{i}": w.paths[f"a{i}"] for i in range(NAMES)}},
