@@ -54,6 +54,7 @@ class AdapterLifecycle:
         self.pool_loads: dict[int, str] = {}  # pool id -> adapter whose copy into it is in flight
         self.loader_up = False
         self.copy_failures = 0  # pool copies the worker reported failed (its fault, not the adapter's)
+        self.writes = 0  # adapters WRITING (kept by `_move`: the staging pass reads it every plan)
         self._write_ids = itertools.count(1)
         self._host_looked: set[str] = set()  # adapters counted in host lookups since their last pool load
 
@@ -63,6 +64,7 @@ class AdapterLifecycle:
 
     # --- host tier transitions ----------------------------------------------------------------------
     def _move(self, e: RegisteredAdapter, tier: HostTier) -> None:
+        self.writes += (tier is HostTier.WRITING) - (e.host is HostTier.WRITING)
         e.host = tier
         e.since = self.clock()
         if tier is not HostTier.HOST:
@@ -158,7 +160,7 @@ class AdapterLifecycle:
         await self._stage_validating(planner)
         needed = planner.adapters_needed()[: self.stage_ahead]
         wanted = set(needed)
-        writes = self.adapters.count(HostTier.WRITING)
+        writes = self.writes
         for pos, name in enumerate(needed):
             e = self.adapters.get(name)
             if e is None:
@@ -174,11 +176,13 @@ class AdapterLifecycle:
 
     async def _stage_validating(self, planner: Planner | None) -> None:
         """Load ops wait for their adapter's first staging: ask for it whenever there is room."""
+        if not self.adapters.validating:
+            return
         needed = set(planner.adapters_needed()) if planner is not None else set()
-        for e in list(self.adapters.entries.values()):
-            if e.state is AdapterState.VALIDATING and e.host is HostTier.DISK:
-                if not await self._write(e, self._victims(needed)):
-                    return
+        for name in sorted(self.adapters.validating):
+            e = self.adapters.entries[name]
+            if e.host is HostTier.DISK and not await self._write(e, self._victims(needed)):
+                return
 
     def _count_host_lookup(self, e: RegisteredAdapter) -> None:
         if e.name in self._host_looked:
@@ -234,6 +238,7 @@ class AdapterLifecycle:
         """An unloaded adapter leaves (no copy in flight, no write outstanding: the caller checked)."""
         assert e.copies == 0 and e.host is not HostTier.WRITING
         self.table.free(e.name)
+        self.adapters.validating.discard(e.name)
         del self.adapters.entries[e.name]
 
     # --- start-up warming ---------------------------------------------------------------------------

@@ -34,6 +34,7 @@ class AdapterOps:
         if e.state is not AdapterState.VALIDATING:
             return
         e.state = AdapterState.REGISTERED
+        self.adapters.validating.discard(e.name)
         await self.to_tokenizer.put(AdapterUpdate(name=e.name, state="registered"))
         for op_id in e.pending_ops:
             await self.to_tokenizer.put(OpDone(op_id=op_id))

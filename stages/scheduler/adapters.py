@@ -59,6 +59,7 @@ class RegisteredAdapter:
 class AdapterRegistry:
     def __init__(self, adapters: dict[str, str]):
         self.entries: dict[str, RegisteredAdapter] = {n: RegisteredAdapter(n, p) for n, p in adapters.items()}
+        self.validating: set[str] = set()  # names whose state is VALIDATING (a load op waits on them)
 
     def get(self, name: str) -> RegisteredAdapter | None:
         return self.entries.get(name)
@@ -67,6 +68,7 @@ class AdapterRegistry:
         self.entries[name] = RegisteredAdapter(
             name, path, AdapterState.VALIDATING, since=now, pending_ops=[op_id]
         )
+        self.validating.add(name)
 
     def usable(self, name: str) -> bool:
         e = self.entries.get(name)

@@ -294,6 +294,9 @@ class System:
                     e.staged.offset == table.get(e.name).offset and e.staged.nbytes <= table.get(e.name).size
                 )
         assert sum(e.copies for e in s.adapters.entries.values()) == len(life.pool_loads)
+        assert life.writes == s.adapters.count(HostTier.WRITING), "the writes counter drifted"
+        validating = {n for n, e in s.adapters.entries.items() if e.state.value == "validating"}
+        assert s.adapters.validating == validating, "the validating set drifted"
         for name in table.ranges:
             assert name in s.adapters.entries, f"a range for {name}, which is not registered"
         writing = {e.write_id for e in s.adapters.entries.values() if e.host is HostTier.WRITING}
@@ -312,9 +315,12 @@ class System:
         assert s.adapters.copies() == 0 and not s.lifecycle.pool_loads, "copies leaked"
         assert s.adapters.count(HostTier.WRITING) == 0 and not self.loader.loading, "writes leaked"
 
-    def close(self) -> None:
+    async def stop_loader(self) -> None:
         for t in self.loader_tasks:
             t.cancel()
+        await asyncio.gather(*self.loader_tasks, return_exceptions=True)
+
+    def close(self) -> None:
         if self.loader is not None:
             self.loader.executor.shutdown(wait=True)
             self.loader.pool.close()
@@ -422,6 +428,7 @@ class Lifecycle(RuleBasedStateMachine):
             self.sys.check()
             self.sys.check_quiet()
         finally:
+            self.run(self.sys.stop_loader())
             self.sys.close()
             self.loop.close()
             self._dir.cleanup()
