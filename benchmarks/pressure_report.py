@@ -1,7 +1,7 @@
-"""The summary of `benchmarks/run_pressure_bench.sh` (issue 38): one table over its passes (a pass cut by
+"""The summary of `benchmarks/run_pressure_bench.sh`: one table over its passes (a pass cut by
 its time limit is read from its progress line, so the requests it left unfinished are still counted),
-issue 38's three targets with their verdicts, and the ERROR lines of each server log; all of it also as
-OUT_DIR/summary.json. `python -m benchmarks.pressure_report OUT_DIR [--rate R]`."""
+the three memory-pressure targets with their verdicts, and the ERROR lines of each server log; all of
+it also as OUT_DIR/summary.json. `python -m benchmarks.pressure_report OUT_DIR [--rate R]`."""
 
 from __future__ import annotations
 

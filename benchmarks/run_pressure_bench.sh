@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 38's GPU targets in one call: a Llama-3.2-1B-shaped model, 96 adapters of ranks 8/16/32/64, Zipf
+# The memory-pressure targets in one call: a Llama-3.2-1B-shaped model, 96 adapters of ranks 8/16/32/64, Zipf
 # 1.1, 32-1,024 in / 16-256 out, a GPU adapter pool of 1.45 GB, on the same build:
 #   tight: a host cache of 2.2 GB (about half the adapters); roomy: a host cache that holds all of them.
 #   Saturation passes of 1,000 requests (all at once) in the order tight, roomy, roomy, tight, then the
@@ -176,7 +176,7 @@ trap - EXIT
 
 # --- summary -----------------------------------------------------------------------------------------------
 {
-  echo "# Adapters under memory pressure (issue 38): $(date -u +%Y-%m-%dT%H:%MZ), commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+  echo "# Adapters under memory pressure: $(date -u +%Y-%m-%dT%H:%MZ), commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
   echo
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /' || true
   echo "PRESET=$preset DTYPE=$dtype NUM_ADAPTERS=$nad (ranks 8/16/32/64 over $((4 * real)) distinct files)" \

@@ -151,7 +151,10 @@ class Launcher:
         assert self.endpoints is not None
         pids = " ".join(f"{n}={s.pid}" for n, s in self.stages.items())
         metrics = f" metrics={self.metrics_url}" if self.metrics_url else ""
-        return f"lorapipe serving endpoint={self.endpoints.client}{metrics} pids: {pids}"
+        a = self.args
+        host = f"[{a.host}]" if ":" in a.host else a.host
+        http = f" http=http://{host}:{a.port}/v1" if a.port > 0 else ""
+        return f"lorapipe serving endpoint={self.endpoints.client}{http}{metrics} pids: {pids}"
 
     def _live(self) -> list[str]:
         return [] if self._stopping else [n for n, s in self.stages.items() if s.alive and s.ready]

@@ -80,7 +80,8 @@ def test_readme_examples_run_against_the_demo_server(demo, tmp_path):
     with log.open("w") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
-        wait_for_banner(proc, 120)
+        banner = wait_for_banner(proc, 120)
+        assert f" http=http://127.0.0.1:{http}/v1 " in banner, banner  # the ready line gives the HTTP URL
         assert f"OpenAI-compatible HTTP at http://127.0.0.1:{http}/v1" in log.read_text()
 
         def local(code: str) -> str:

@@ -1,7 +1,8 @@
-"""Issue 38's end-to-end stress test (`lorapipe serve` as a subprocess, CPU, tiny model): 40 adapters of
-ranks 8/16/32 behind a host cache of four rank-32 adapters and a GPU pool of two, 48 requests in flight,
-a Zipf phase, a uniform phase and clients that abort. Every request that was not aborted completes within
-a bound, greedy outputs equal the offline engine's, and afterwards nothing is held and no process is left.
+"""The end-to-end stress test under adapter memory pressure (`lorapipe serve` as a subprocess, CPU, tiny
+model): 40 adapters of ranks 8/16/32 behind a host cache of four rank-32 adapters and a GPU pool of two,
+48 requests in flight, a Zipf phase, a uniform phase and clients that abort. Every request that was not
+aborted completes within a bound, greedy outputs equal the offline engine's, and afterwards nothing is
+held and no process is left.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hostile adapters (issue 12, failures 2 and 5): FIFOs and devices never block a read, oversized files
+"""Hostile adapters: FIFOs and devices never block a read, oversized files
 are refused unread, scalings out of range (NaN or infinite alpha, negative or NaN alpha_pattern, a
 zero rank) and effective deltas that could overflow are refused at load, loads stay inside the
 adapter root, and a loader whose read hangs says so in its health while it keeps serving."""
