@@ -73,7 +73,7 @@ class Planner:
             lambda name: cfg.overlap_loading and load_bytes(name) >= cfg.overlap_min_bytes,
             cfg.prefetch_depth,
         )
-        self.admission = Admission(self.pool, adapter_rows, cfg.max_loras_per_batch, cfg.bypass_limit)
+        self.admission = Admission(self.pool, adapter_rows, cfg.max_loras_per_batch, cfg.max_adapter_bypass)
         # seconds admitted requests waited for their adapter, and from arrival to first admission (every
         # request): the scheduler's metrics drain them after each plan; bounded for callers that never do
         self.adapter_waits: deque[float] = deque(maxlen=WAITS_KEPT)
@@ -195,7 +195,7 @@ class Planner:
         distinct-adapter bound allow; those whose adapter cannot be placed yet let others pass, up to
         the bypass limit (admission.py), then prefetch."""
         step_adapters = {r.adapter for r in self.running if r.adapter is not None}
-        order = admission_order(self.waiting, self._step, step_adapters, self.cfg.affinity_steps)
+        order = admission_order(self.waiting, self._step, step_adapters, self.cfg.adapter_affinity_steps)
         res = self.admission.reserve(order, self.running, self.adapter_ready)
         nearer: set[str] = set()  # adapters of waiting requests ahead of the one being considered
         ahead, admitted = True, []
@@ -309,7 +309,9 @@ class Planner:
             req.slot = -1
         req.resumed = req.sent
         req.arrival = self.clock()
-        req.queued_step = -self.cfg.affinity_steps  # first in the queue, and never passed for affinity
+        req.queued_step = (
+            -self.cfg.adapter_affinity_steps
+        )  # first in the queue, and never passed for affinity
         self.waiting.appendleft(req)
         return req.request_id
 

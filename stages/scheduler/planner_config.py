@@ -26,6 +26,11 @@ class PlannerPolicy(msgspec.Struct, frozen=True, kw_only=True):
     adapter_affinity_steps: int = 200
 
 
+_POLICY = PlannerPolicy()  # the engine's defaults, which PlannerConfig's own follow
+# policy fields PlannerConfig holds as they are (max_loras_per_batch is resolved against the pool)
+_COPIED = tuple(f for f in PlannerPolicy.__struct_fields__ if f != "max_loras_per_batch")
+
+
 @dataclass(frozen=True)
 class PlannerConfig:
     num_pages: int
@@ -35,29 +40,32 @@ class PlannerConfig:
     pool_row_bytes: int = 0  # bytes of one rank row over all layers (for the pool's byte gauges)
     max_lora_rank: int = 64  # the largest adapter rank: pinned adapters always leave room for one
     max_loras_per_batch: int = 8  # distinct adapters in one step (every running request's counts)
-    max_running_requests: int = 64
-    max_tokens_per_step: int = 2048
+    max_running_requests: int = _POLICY.max_running_requests
+    max_tokens_per_step: int = _POLICY.max_tokens_per_step
     max_model_len: int = 4096
     pinned_adapters: tuple[str, ...] = ()
-    # The policy's knobs follow, under the planner's names (bypass_limit is max_adapter_bypass,
-    # affinity_steps adapter_affinity_steps, overlap_min_bytes overlap_min_mb in bytes). The engine sets
-    # every one from its policy (`from_policy`); the defaults here are the planner alone, for its unit
-    # tests: overlap, prefetch and affinity off (tests/runtime/test_defaults.py lists each difference).
+    # The policy's knobs follow, under the engine's names and with its defaults (`_POLICY`: the engine
+    # sets every one from its policy in `from_policy`; a unit test that wants the planner alone turns
+    # them off itself).
     # A load marks its slot loading (never a victim) until the worker reports it ready; requests that
     # need it are admitted at once (the worker gates each layer on its copy). Off: the synchronous
     # baseline, where the step that carries a load waits for all of it.
-    overlap_loading: bool = False
-    prefetch_depth: int = 0  # waiting requests looked ahead at for slot loads (0: off)
+    overlap_loading: bool = _POLICY.overlap_loading
+    prefetch_depth: int = _POLICY.prefetch_depth  # waiting requests looked ahead at for slot loads
     # Adapters smaller than this are neither marked loading nor prefetched into slots: evicting for a
     # load that cheap only churns slots (measured: 32 adapters of 11 MB in 8 slots ran 17% slower).
-    overlap_min_bytes: int = 0
+    overlap_min_mb: float = _POLICY.overlap_min_mb
     # Steps in which later requests may be admitted before one whose adapter is staged; then it is due
     # and the planner reserves what it needs (stages/scheduler/admission.py). Bounds every adapter wait.
-    bypass_limit: int = 16
+    max_adapter_bypass: int = _POLICY.max_adapter_bypass
     # Adapter affinity: waiting requests whose adapter is already in the step are admitted before the
     # others, each request at most this many steps after it was queued (then it goes back to queue
     # order). Fewer distinct adapters per running request; 0: plain queue order.
-    affinity_steps: int = 0
+    adapter_affinity_steps: int = _POLICY.adapter_affinity_steps
+
+    @property
+    def overlap_min_bytes(self) -> int:
+        return int(self.overlap_min_mb * 2**20)
 
     @classmethod
     def from_policy(
@@ -81,15 +89,8 @@ class PlannerConfig:
             pool_row_bytes=pool_row_bytes,
             max_lora_rank=max_lora_rank,
             max_loras_per_batch=policy.max_loras_per_batch or pool_ids,
-            max_running_requests=policy.max_running_requests,
-            max_tokens_per_step=policy.max_tokens_per_step,
             max_model_len=max_model_len,
-            pinned_adapters=policy.pinned_adapters,
-            overlap_loading=policy.overlap_loading,
-            prefetch_depth=policy.prefetch_depth,
-            overlap_min_bytes=int(policy.overlap_min_mb * 2**20),
-            bypass_limit=policy.max_adapter_bypass,
-            affinity_steps=policy.adapter_affinity_steps,
+            **{name: getattr(policy, name) for name in _COPIED},
         )
 
     def __post_init__(self):

@@ -40,9 +40,6 @@ SENTINELS = dict(
     max_plans_in_flight=4,
 )
 
-# The planner's own names for two knobs (stages/scheduler/planner.py and admission.py read them): the
-# last renames left, set apart so that no new one can join them unseen.
-PLANNER_NAMES = {"bypass_limit": "max_adapter_bypass", "affinity_steps": "adapter_affinity_steps"}
 
 # Defaults the worker's and the planner's configs still hold for their unit tests, which build them
 # without the engine (the engine always sets every one of these from EngineArgs). Exactly these: a new
@@ -54,11 +51,7 @@ KNOWN_DRIFT = {
     ("PlannerConfig", "max_model_len"),
     ("RunnerConfig", "cuda_graph_max_batch"),
     ("RunnerConfig", "cuda_graph_max_tokens"),
-    ("PlannerConfig", "max_loras_per_batch"),
-    ("PlannerConfig", "overlap_loading"),
-    ("PlannerConfig", "prefetch_depth"),
-    ("PlannerConfig", "affinity_steps"),
-    ("PlannerConfig", "overlap_min_bytes"),
+    ("PlannerConfig", "max_loras_per_batch"),  # the policy's None resolved against the pool's ids
 }
 
 
@@ -124,21 +117,16 @@ def test_no_knob_is_renamed_on_the_way_down(tiny_llama):
             )
             if knob is not None and knob != f.name:
                 renamed[f"{cls_name}.{f.name}"] = knob
-    expected = {f"PlannerConfig.{name}": knob for name, knob in PLANNER_NAMES.items()}
-    assert renamed == expected, f"knobs carried under another name (field: knob): {renamed}"
+    assert renamed == {}, f"knobs carried under another name (field: knob): {renamed}"
 
 
 def test_lower_configs_default_like_the_engine():
     drift = set()
     for cls in (RunnerConfig, PlannerConfig):
         for name, default in _defaults(cls).items():
-            knob = PLANNER_NAMES.get(name, name) if cls is PlannerConfig else name
-            want = getattr(DEFAULTS, knob, None)
-            if name == "overlap_min_bytes":  # the planner's threshold is the knob in bytes
-                knob, want = name, int(DEFAULTS.overlap_min_mb * 2**20)
-                assert cls is not PlannerConfig or "overlap_min_bytes" in _defaults(PlannerConfig)
-            elif knob not in KNOBS:
+            if name not in KNOBS:
                 continue
+            want = getattr(DEFAULTS, name)
             if default != want:
                 drift.add((cls.__name__, name))
     assert drift == KNOWN_DRIFT, (

@@ -88,7 +88,7 @@ def test_serve_and_offline_derive_the_same_engine(tiny_llama, llama_adapters, tm
     )
     assert served == llm.planner_cfg
     assert served.overlap_min_bytes == int(0.5 * 2**20) and served.max_loras_per_batch == 3
-    assert served.affinity_steps == 9
+    assert served.adapter_affinity_steps == 9
 
 
 def test_defaults_agree(tiny_llama):

@@ -10,6 +10,10 @@ from __future__ import annotations
 from proto.plan import FinishedRequest, StepResult
 from stages.scheduler.planner import Planner
 
+# The planner alone, as its unit tests drive it: no overlapped loading, prefetch or adapter affinity (the
+# engine's defaults turn all three on; tests that want one set it).
+PLANNER_ALONE = dict(overlap_loading=False, prefetch_depth=0, adapter_affinity_steps=0, overlap_min_mb=0.0)
+
 
 class PoolWorker:
     def __init__(self, planner: Planner, ranks: dict[str, int], overlap: bool, adapter_of=None):

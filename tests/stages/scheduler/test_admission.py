@@ -14,7 +14,7 @@ import pytest
 from proto.sampling import SamplingParams
 from stages.scheduler.admission import admission_order
 from stages.scheduler.planner import PlannedRequest, Planner, PlannerConfig
-from tests.stages.scheduler.pool_worker import PoolWorker, check_pool
+from tests.stages.scheduler.pool_worker import PLANNER_ALONE, PoolWorker, check_pool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,7 +23,7 @@ OFF = 10**9  # a bypass limit never reached
 
 def _cfg(**kw) -> PlannerConfig:
     base = dict(num_pages=512, page_size=4, pool_rows=16, pool_ids=8, max_running_requests=16,
-                max_tokens_per_step=64, max_model_len=64, max_lora_rank=8)  # fmt: skip
+                max_tokens_per_step=64, max_model_len=64, max_lora_rank=8, **PLANNER_ALONE)  # fmt: skip
     return PlannerConfig(**{**base, **kw})
 
 
@@ -86,14 +86,16 @@ RANKS = {"h0": 8, "h1": 8, "c": 8}
 
 
 def test_without_the_bound_a_cold_adapter_starves():
-    waited, never = _run(_cfg(bypass_limit=OFF), RANKS, _hot_stream(150), 150)
+    waited, never = _run(_cfg(max_adapter_bypass=OFF), RANKS, _hot_stream(150), 150)
     assert "cold" in never, "the hot stream let the cold request in (the scenario shows no starvation)"
 
 
 @pytest.mark.parametrize("affinity", [0, 5, 30])
 @pytest.mark.parametrize("limit", [1, 4, 16])
 def test_a_cold_adapter_is_admitted_within_the_bound(limit, affinity):
-    waited, never = _run(_cfg(bypass_limit=limit, affinity_steps=affinity), RANKS, _hot_stream(150), 400)
+    waited, never = _run(
+        _cfg(max_adapter_bypass=limit, adapter_affinity_steps=affinity), RANKS, _hot_stream(150), 400
+    )
     # passed for affinity at most `affinity` steps after it was queued (staged at once here); then after
     # `limit` bypassed steps, the hot adapters' running requests (at most 2 prompt + 4 output steps
     # each) drain, then the cold adapter loads and runs
@@ -103,7 +105,7 @@ def test_a_cold_adapter_is_admitted_within_the_bound(limit, affinity):
 def test_with_affinity_the_hot_stream_passes_the_cold_request_until_its_age_bound():
     """The other side of the bound above: the affinity order is in force (a cold request that queue order
     would admit within `limit` + 7 steps waits past that while it is young)."""
-    waited, never = _run(_cfg(bypass_limit=1, affinity_steps=30), RANKS, _hot_stream(150), 400)
+    waited, never = _run(_cfg(max_adapter_bypass=1, adapter_affinity_steps=30), RANKS, _hot_stream(150), 400)
     assert not never and waited["cold"] >= 30 - 1, waited["cold"]
 
 
@@ -123,7 +125,7 @@ def test_affinity_admits_waiting_requests_of_adapters_in_the_step_first():
     """x runs; the queue holds y, x, y, x requests and the step has room for two: queue order admits y
     and x, affinity both x requests (the y adapter stays out of the step)."""
     for affinity, want in ((0, {"y1", "x2"}), (50, {"x2", "x4"})):
-        cfg = _cfg(affinity_steps=affinity, max_running_requests=3)
+        cfg = _cfg(adapter_affinity_steps=affinity, max_running_requests=3)
         planner = Planner(cfg, adapter_rows={"x": 4, "y": 4}.__getitem__)
         worker = PoolWorker(planner, {"x": 4, "y": 4}, overlap=False)
         planner.add("x0", [1, 1], "x", SamplingParams(max_tokens=50))
@@ -142,7 +144,7 @@ def _hot_phases(seed: int):
     rng = random.Random(seed)
     names = [f"a{i}" for i in range(40)]
     ranks = {n: rng.choice([1, 3, 5, 8]) for n in names}
-    cfg = _cfg(bypass_limit=rng.choice([2, 8]), max_loras_per_batch=rng.choice([3, 8]),
+    cfg = _cfg(max_adapter_bypass=rng.choice([2, 8]), max_loras_per_batch=rng.choice([3, 8]),
                overlap_loading=bool(seed % 2), prefetch_depth=rng.choice([0, 4]))  # fmt: skip
     arrivals, hot = {}, []
     for step in range(200):
@@ -162,13 +164,13 @@ def _hot_phases(seed: int):
 @pytest.mark.parametrize("seed", range(12))
 def test_random_bursty_churn_bounds_every_wait(seed, affinity):
     cfg, ranks, arrivals = _hot_phases(seed)
-    cfg = dataclasses.replace(cfg, affinity_steps=affinity)
+    cfg = dataclasses.replace(cfg, adapter_affinity_steps=affinity)
     waited, never = _run(cfg, ranks, arrivals, 3000, seed=seed, max_delay=3)
     assert not never
     # Passed for affinity for at most `affinity` steps after it was queued, then in at most `limit`
     # steps; then the adapters it needs drain (their requests run at most one prompt step and 5 decode
     # steps, D = 6) and it loads; a cold request due behind another due one waits for that one's drain
     # too (at most three at once in these workloads).
-    bound = affinity + cfg.bypass_limit + 3 * (6 + 2)
+    bound = affinity + cfg.max_adapter_bypass + 3 * (6 + 2)
     worst = max(waited.values())
     assert worst <= bound, (worst, sorted(waited.items(), key=lambda kv: -kv[1])[:5])

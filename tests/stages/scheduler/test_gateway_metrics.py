@@ -9,6 +9,7 @@ from proto.sampling import SamplingParams
 from runtime.base.metrics import StageMetrics
 from stages.scheduler.gateway_metrics import add_gateway_metrics
 from stages.scheduler.planner import Planner, PlannerConfig
+from tests.stages.scheduler.pool_worker import PLANNER_ALONE
 
 
 def _scrape(m: StageMetrics) -> dict:
@@ -26,6 +27,7 @@ def test_gateway_series_follow_the_planner():
         max_running_requests=8,
         max_tokens_per_step=256,
         max_model_len=64,
+        **PLANNER_ALONE,
     )
     planner = Planner(cfg, adapter_rows=lambda name: 8)
     early = ["x", None]

@@ -14,7 +14,7 @@ import pytest
 from proto.plan import StepResult
 from proto.sampling import SamplingParams
 from stages.scheduler.planner import Planner, PlannerConfig
-from tests.stages.scheduler.pool_worker import PoolWorker, check_pool
+from tests.stages.scheduler.pool_worker import PLANNER_ALONE, PoolWorker, check_pool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,9 +62,8 @@ def test_pool_pressure_keeps_invariants(seed, overlap, depth):
         max_tokens_per_step=rng.choice([8, 16, 64]),
         max_model_len=min(48, num_pages * page_size),
         pinned_adapters=("a0",) if seed % 2 else (),
-        overlap_loading=overlap,
-        prefetch_depth=depth,
-        bypass_limit=rng.choice([1, 4, 16]),
+        **{**PLANNER_ALONE, "overlap_loading": overlap, "prefetch_depth": depth},
+        max_adapter_bypass=rng.choice([1, 4, 16]),
         max_lora_rank=8,
     )
     adapters = [None] + [f"a{i}" for i in range(12)]  # ~10x more adapter rows than the pool holds
@@ -75,7 +74,7 @@ def test_pool_pressure_keeps_invariants(seed, overlap, depth):
 def _overlap_cfg(**changes) -> PlannerConfig:
     """Room for two rank-8 adapters, overlap on, room for every request of the small scenarios below."""
     base = dict(num_pages=64, page_size=16, pool_rows=16, pool_ids=4, max_tokens_per_step=64,
-                max_model_len=256, overlap_loading=True, max_lora_rank=8)  # fmt: skip
+                max_model_len=256, max_lora_rank=8, **{**PLANNER_ALONE, "overlap_loading": True})  # fmt: skip
     return PlannerConfig(**{**base, **changes})
 
 
@@ -139,7 +138,7 @@ def test_pinned_adapter_is_never_evicted():
 
 def test_loads_under_the_size_threshold_stay_synchronous_and_are_not_prefetched():
     sizes = {"a": 1 << 20, "b": 256 << 20}
-    cfg = _overlap_cfg(max_running_requests=1, prefetch_depth=4, overlap_min_bytes=64 << 20)
+    cfg = _overlap_cfg(max_running_requests=1, prefetch_depth=4, overlap_min_mb=64.0)
     planner = Planner(cfg, adapter_rows=RANKS.__getitem__, load_bytes=sizes.__getitem__)
     planner.add("s", [1, 2], "a", SamplingParams(max_tokens=3))
     planner.add("b", [1, 2], "b", SamplingParams(max_tokens=3))

@@ -12,14 +12,14 @@ import pytest
 from proto.plan import FinishedRequest, StepResult
 from proto.sampling import SamplingParams
 from stages.scheduler.planner import Planner, PlannerConfig
-from tests.stages.scheduler.pool_worker import PoolWorker, check_pool
+from tests.stages.scheduler.pool_worker import PLANNER_ALONE, PoolWorker, check_pool
 
 RANKS = {"a": 1, "b": 4, "c": 8, "d": 3, "e": 16}
 
 
 def _cfg(**kw) -> PlannerConfig:
     base = dict(num_pages=64, page_size=16, pool_rows=16, pool_ids=4, max_tokens_per_step=64,
-                max_model_len=256, max_lora_rank=16)  # fmt: skip
+                max_model_len=256, max_lora_rank=16, **PLANNER_ALONE)  # fmt: skip
     return PlannerConfig(**{**base, **kw})
 
 

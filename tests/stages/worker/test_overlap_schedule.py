@@ -27,6 +27,7 @@ from stages.worker.runner import ModelRunner, RunnerConfig
 from stages.worker.step_graphs import StepGraphs
 from tests.conftest import pool_gb, record_logits
 from tests.peft_reference import PeftReference
+from tests.stages.scheduler.pool_worker import PLANNER_ALONE
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -112,7 +113,7 @@ def drive(runner, packed, recorded, *, overlap: bool, ahead: int = 2, guard=cont
     cfg = PlannerConfig(
         num_pages=NUM_PAGES, page_size=PAGE, pool_rows=runner.pool.total_rows, pool_ids=runner.pool.num_ids,
         max_lora_rank=16, max_loras_per_batch=3, max_running_requests=MAX_SEQS,
-        max_tokens_per_step=STEP_TOKENS, max_model_len=MAX_LEN,
+        max_tokens_per_step=STEP_TOKENS, max_model_len=MAX_LEN, **PLANNER_ALONE,
     )  # fmt: skip
     planner = Planner(cfg, adapter_rows=lambda name: packed[name].rank)
 
