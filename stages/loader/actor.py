@@ -34,7 +34,7 @@ from runtime.base.sockets import PullSocket, PushSocket
 from runtime.common.host_pool import attach_pool, block_tensor, close_pool, dtype_name
 from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig, parse_dtype
-from stages.loader.adapter_config import AdapterError
+from stages.loader.adapter_config import AdapterError, LoaderFault
 from stages.loader.adapter_plan import AdapterPlan, ReadLimits
 from stages.loader.adapter_reader import max_file_bytes, plan_adapter
 from stages.loader.block_writer import SegmentBuffer, prepare, write_part, zero_gaps
@@ -189,7 +189,7 @@ class LoaderActor(Actor[LoaderConfig]):
         try:
             plan = await self._read_with_deadline(job)
         except AdapterError as exc:
-            return await self._finish(job, AdapterFailed(name=job.name, message=str(exc)))
+            return await self._finish(job, _failed(job.name, exc))
         with plan:
             if plan.nbytes > msg.capacity:
                 text = f"adapter {job.name!r} needs {plan.nbytes} bytes; its host range holds {msg.capacity}"
@@ -200,8 +200,8 @@ class LoaderActor(Actor[LoaderConfig]):
                 check = (job.name, self.layout, view, plan.ranks, plan.scalings, plan.peak)
                 await loop.run_in_executor(self.executor, check_packed_deltas, *check)
                 del view
-            except AdapterError as exc:  # bad values or a failed read: the adapter's fault
-                return await self._finish(job, AdapterFailed(name=job.name, message=str(exc)))
+            except AdapterError as exc:  # bad values or a failed read (or the loader's LoaderFault)
+                return await self._finish(job, _failed(job.name, exc))
         load_time = time.perf_counter() - t0
         self.m_load_bytes.inc(plan.nbytes)
         self.m_load_seconds.observe(load_time)
@@ -221,7 +221,7 @@ class LoaderActor(Actor[LoaderConfig]):
         thread in a hung read cannot be stopped) until the read returns; health says so meanwhile."""
         loop = asyncio.get_running_loop()
         if len(self.stuck) >= self.read_threads - self.config.load_threads + 1:
-            raise AdapterError(job.name, f"the loader has {len(self.stuck)} reads stuck in the file system")
+            raise LoaderFault(job.name, f"the loader has {len(self.stuck)} reads stuck in the file system")
         fut = self.executor.submit(self._read, job, self._limits_now())
         try:
             return await asyncio.wait_for(
@@ -233,7 +233,7 @@ class LoaderActor(Actor[LoaderConfig]):
             self.stuck[key] = started
             fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._unstuck, key, f))
             await self._report_health()
-            raise AdapterError(
+            raise LoaderFault(
                 job.name, f"reading it took longer than {self.config.read_timeout_s:g}s (a hung file system?)"
             ) from None
 
@@ -335,3 +335,7 @@ class LoaderActor(Actor[LoaderConfig]):
         # cannot be stopped: unmapping it under them would end the process with SIGSEGV
         if self.pool is not None and (self.loading or not close_pool(self.pool)):
             self.log.info("host pool still mapped by a write in flight or a view; the exit unmaps it")
+
+
+def _failed(name: str, exc: AdapterError) -> AdapterFailed:
+    return AdapterFailed(name=name, message=str(exc), stage_fault=isinstance(exc, LoaderFault))

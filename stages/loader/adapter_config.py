@@ -51,6 +51,11 @@ class AdapterError(ValueError):
         self.reason = reason
 
 
+class LoaderFault(AdapterError):
+    """The loader, not the adapter, failed it (a read past its deadline, a writer process that died):
+    the adapter may be tried again, so it is answered as the loader's fault."""
+
+
 @dataclass(frozen=True)
 class AdapterConfig:
     r: int

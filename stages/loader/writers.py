@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from proto.loader_parts import Gap, LoaderToWriter, PartDone, WritePart, WriterReady, WriterToLoader
 from runtime.base.sockets import PeerGone, RouterSocket
 from runtime.common.host_pool import dtype_name
-from stages.loader.adapter_config import AdapterError
+from stages.loader.adapter_config import AdapterError, LoaderFault
 from stages.loader.adapter_plan import AdapterPlan
 from stages.loader.writer import file_id
 
@@ -157,11 +157,11 @@ class PartWriters:
             done = await asyncio.wait_for(asyncio.shield(fut), timeout)
         except TimeoutError:
             await self._kill(identity, w)
-            raise AdapterError(
+            raise LoaderFault(
                 plan.name, "reading it took longer than the read deadline (a hung file system?)"
             ) from None
         except WriterGone as e:
-            raise AdapterError(plan.name, f"its load was cut short: {e}") from None
+            raise LoaderFault(plan.name, f"its load was cut short: {e}") from None
         if done.error:
             raise AdapterError(plan.name, done.error) if done.adapter_fault else RuntimeError(done.error)
         plan.peaks.extend(done.peaks)

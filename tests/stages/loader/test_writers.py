@@ -61,7 +61,7 @@ def test_parts_written_by_processes_equal_the_reader(run_dir, tiny_llama, model,
             assert isinstance(staged, AdapterStaged), staged
             assert torch.equal(s.block(staged), packed(model, llama_adapters, name).block), name
         failed = await s.stage("bad", bad)
-        assert isinstance(failed, AdapterFailed)
+        assert isinstance(failed, AdapterFailed) and not failed.stage_fault  # the adapter's own fault
         assert failed.message == "adapter 'bad': up_proj of layer 1 holds NaN or infinite values"
         again = await s.stage("full8b", llama_adapters["full8"])  # the writers go on after a refusal
         assert torch.equal(s.block(again), packed(model, llama_adapters, "full8").block)
@@ -91,7 +91,7 @@ def test_a_writer_killed_in_its_part_fails_that_load_and_is_replaced(
         await asyncio.wait_for(sent.wait(), 20)
         os.kill(old, signal.SIGKILL)
         failed = await s.recv(AdapterFailed)
-        assert failed.name == "qv5"
+        assert failed.name == "qv5" and failed.stage_fault  # the loader's fault: qv5 may be tried again
         assert "its load was cut short: the adapter writer process exited (code -9)" in failed.message
         staged = await s.stage("qv5", llama_adapters["qv5"])  # on the writer that replaced it
         assert isinstance(staged, AdapterStaged), staged
