@@ -84,9 +84,8 @@ def _msg_of(item: Any) -> Any:
 
 
 class Actor(Generic[C]):
-    """Subclasses set `stage`, implement `setup()` (open sockets with `self.socket`, declare loops
-    with `add_receiver/add_handler/add_sender/add_loop`) and usually `drain()`; handlers `match` on
-    message types and call `on_<message>` methods."""
+    """Subclasses set `stage`, implement `setup()` (sockets via `self.socket`, loops via `add_*`) and
+    usually `drain()`; handlers `match` on message types and call `on_<message>` methods."""
 
     stage: ClassVar[str]
 
@@ -200,6 +199,9 @@ class Actor(Generic[C]):
     def add_loop(self, name: str, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
         self._loops.append((name, fn))
 
+    async def until_ready(self) -> None:
+        """Returns once the stage can serve (its loops already run): Ready waits for it. Default: now."""
+
     async def on_handler_failed(self, queue: str, item: Any, exc: Exception) -> None:
         """A handler raised on `item` (logged, counted): fail what depended on it, typed, at once."""
 
@@ -207,8 +209,7 @@ class Actor(Generic[C]):
         self.log.warning("dropped a malformed message on %s: %s", socket, exc)
 
     async def drain(self) -> None:
-        """Default: process everything already delivered and flush everything produced. Stages with
-        in-flight work (the tokenizer's open requests) wait for it here, then call super()."""
+        """Process what was delivered, flush what was produced (stages wait for their own work first)."""
         while True:
             for box in self._mailboxes:
                 await box.join()
@@ -217,12 +218,10 @@ class Actor(Generic[C]):
             await asyncio.sleep(0.001)  # let a receiver pick up what is pending
 
     async def on_parent_died(self) -> None:
-        """The launcher is gone (and the other stages go with it): the stage's last chance, within
-        `PARENT_DIED_GRACE_S`, to tell its clients before it exits. Default: nothing to tell."""
+        """The launcher is gone: the last chance (PARENT_DIED_GRACE_S) to tell clients. Default: none."""
 
     def request_drain(self) -> None:
-        """SIGTERM/SIGINT/Shutdown: stop taking new work and exit once drained; a second call stops
-        without waiting for the drain."""
+        """SIGTERM/SIGINT/Shutdown: stop taking new work, exit once drained; a second call: at once."""
         if self._stop_requested.is_set():
             self._stop_now.set()
         self._stop_requested.set()
@@ -252,6 +251,7 @@ class Actor(Generic[C]):
                 tg.create_task(self._drain_then_stop())
                 if self._control is not None:
                     tg.create_task(self._control_loop())
+                    await self.until_ready()
                     await self._tell_launcher(
                         Ready(stage=self.stage, pid=os.getpid(), protocol_version=PROTOCOL_VERSION)
                     )

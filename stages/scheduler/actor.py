@@ -70,6 +70,7 @@ class SchedulerActor(Actor[SchedulerConfig]):
         self.pending_clears: list[int] = []
         self.idle = asyncio.Event()
         self.idle.set()
+        self.peers_up = asyncio.Event()  # the loader and the worker have both announced themselves
         self.events = self.mailbox("events")
         self.to_worker = self.mailbox("plans", 4)
         self.to_tokenizer = self.mailbox("to_tokenizer")
@@ -121,6 +122,10 @@ class SchedulerActor(Actor[SchedulerConfig]):
         self.add_sender("tokenizer", self.to_tokenizer, tokenizer.send)
         self.add_sender("loader", to_loader, loader.send)
         self.add_loop("adapter_deadlines", self._tick_deadlines)
+
+    async def until_ready(self) -> None:
+        """Ready once the loader and the worker have announced themselves: health is ok from then on."""
+        await self.peers_up.wait()
 
     def _is_idle(self) -> bool:
         return not (self.early or self.in_flight or (self.planner and self.planner.has_work))
@@ -174,6 +179,8 @@ class SchedulerActor(Actor[SchedulerConfig]):
 
     async def _settle(self) -> None:
         """After every event: finish unloads, send plans, and note whether the stage is idle."""
+        if self.planner is not None and self.lifecycle.loader_up:
+            self.peers_up.set()
         self.pending_clears.extend(await self.ops.finish_unloads(self.planner))
         await self._kick()
         if self._is_idle():
