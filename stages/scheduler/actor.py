@@ -43,7 +43,7 @@ from proto.plan import (
 from runtime.base.actor import Actor
 from runtime.base.sockets import PullSocket, PushSocket
 from runtime.common.names import adapter_name_problem
-from stages.scheduler.adapter_lifecycle import AdapterLifecycle
+from stages.scheduler.adapter_lifecycle import AdapterLifecycle, copy_failed
 from stages.scheduler.adapter_ops import AdapterOps
 from stages.scheduler.adapter_waits import AdapterDeadlines, overdue_requests
 from stages.scheduler.adapters import AdapterRegistry, AdapterState, HostTier
@@ -96,8 +96,8 @@ class SchedulerActor(Actor[SchedulerConfig]):
             stage_ahead=config.policy.max_loras_per_batch or STAGE_AHEAD,
             warmer=StartupWarmer(config.adapters),
         )
-        self.series.host_gauges(self.metrics, self.host_table, self._host_blocks)
         self.ops = AdapterOps(self.adapters, self.lifecycle, self.to_tokenizer, self._fail)
+        self.series.host_gauges(self.metrics, self.host_table, self.ops.host_blocks)
         add_gateway_metrics(
             self.metrics,
             planner=lambda: self.planner,
@@ -236,14 +236,6 @@ class SchedulerActor(Actor[SchedulerConfig]):
             )
             await self._fail(req.request_id, "adapter_timeout", text)
 
-    def _host_blocks(self, state: str) -> int:
-        entries = self.adapters.entries.values()
-        if state == "writing":
-            return self.adapters.count(HostTier.WRITING)
-        if state == "copying":
-            return sum(1 for e in entries if e.ready and e.copies)
-        return self.adapters.count(HostTier.HOST)
-
     # --- requests ---------------------------------------------------------------------------------------
     async def on_tokenized_request(self, req: TokenizedRequest) -> None:
         adapters = self.adapters
@@ -289,14 +281,13 @@ class SchedulerActor(Actor[SchedulerConfig]):
         if self.planner is None:
             return
         # a request whose adapter's copy failed in this step failed with the worker, not by itself
-        copy_failed = {se.adapter for se in res.slot_errors}
+        not_copied = {se.adapter for se in res.slot_errors}
         adapter_of = {err.request_id: self.planner.adapter_of(err.request_id) for err in res.errors}
         self.planner.update(res)
         for err in res.errors:
             adapter = adapter_of[err.request_id]
-            if adapter is not None and adapter in copy_failed:
-                text = f"the gpu-worker failed to copy adapter {adapter!r}: {err.message}"
-                await self._fail(err.request_id, "stage_failed", text)
+            if adapter is not None and adapter in not_copied:
+                await self._fail(err.request_id, "stage_failed", copy_failed(adapter, err.message))
             else:
                 await self._fail(err.request_id, "server_error", err.message)
         await self.lifecycle.settle_loads(res.slots_ready, res.slot_errors, self.planner)

@@ -26,6 +26,11 @@ Fail = Callable[[str, str, str], Awaitable[None]]  # (request_id, kind, message)
 STAGEABLE = (AdapterState.REGISTERED, AdapterState.UNLOADING, AdapterState.VALIDATING)
 
 
+def copy_failed(adapter: str, why: str) -> str:
+    """The text a request gets when the worker failed to copy its adapter into the pool."""
+    return f"the gpu-worker failed to copy adapter {adapter!r}: {why}"
+
+
 class AdapterLifecycle:
     def __init__(
         self,
@@ -136,7 +141,7 @@ class AdapterLifecycle:
                 self._copy_done(se.adapter)
             if planner is None:
                 continue
-            text = f"the gpu-worker failed to copy adapter {se.adapter!r}: {se.message}"
+            text = copy_failed(se.adapter, se.message)
             for r in [r for r in [*planner.running, *planner.waiting] if r.adapter == se.adapter]:
                 planner.abort(r.request_id)
                 await self.fail(r.request_id, "stage_failed", text)

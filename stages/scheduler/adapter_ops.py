@@ -141,6 +141,15 @@ class AdapterOps:
         """Holds on host blocks: pool copies reading them, and writes the loader has not answered."""
         return {"copies": self.adapters.copies(), "writes": self.adapters.count(HostTier.WRITING)}
 
+    def host_blocks(self, state: str) -> int:
+        """Adapters in the host cache: packed (`resident`), of those being copied into the pool
+        (`copying`), or ranges being written (`writing`)."""
+        if state == "writing":
+            return self.adapters.count(HostTier.WRITING)
+        if state == "copying":
+            return sum(1 for e in self.adapters.entries.values() if e.ready and e.copies)
+        return self.adapters.count(HostTier.HOST)
+
     def listing(self, planner: Planner | None) -> list[ListedAdapter]:
         out = []
         for e in self.adapters.entries.values():
