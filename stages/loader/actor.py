@@ -14,7 +14,6 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -48,23 +47,12 @@ SPARE_READ_THREADS = 4  # threads beyond load_threads, taking over from reads st
 LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
-@dataclass
-class _Load:
-    """One StageAdapter: read `path` and pack it into [offset, offset + capacity) of the pool."""
-
-    msg: StageAdapter
-
-    @property
-    def name(self) -> str:
-        return self.msg.name
-
-
 class LoaderActor(Actor[LoaderConfig]):
     stage = "loader"
 
     def __init__(self, config: LoaderConfig) -> None:
         super().__init__(config)
-        self.loading: dict[int, _Load] = {}  # write_id -> its write, until answered
+        self.loading: dict[int, StageAdapter] = {}  # write_id -> the write, until answered
         self.read_threads = config.load_threads + SPARE_READ_THREADS
         self.executor = ThreadPoolExecutor(self.read_threads, thread_name_prefix="loader")
         self.stuck: dict[str, float] = {}  # adapter name#read -> when its overdue read started
@@ -148,9 +136,8 @@ class LoaderActor(Actor[LoaderConfig]):
     async def on_stage_adapter(self, msg: StageAdapter) -> None:
         if msg.write_id in self.loading:  # the scheduler numbers writes once each: a duplicate is its bug
             raise RuntimeError(f"write {msg.write_id} of adapter {msg.name!r} is already in flight")
-        job = _Load(msg)
-        self.loading[msg.write_id] = job
-        await self.loads.put(job)
+        self.loading[msg.write_id] = msg
+        await self.loads.put(msg)
 
     async def on_handler_failed(self, queue: str, msg: Any, exc: Exception) -> None:
         """A StageAdapter the handler failed on is answered, so the scheduler frees its range and fails
@@ -169,34 +156,33 @@ class LoaderActor(Actor[LoaderConfig]):
                 await self._load(job)
             except Exception as exc:  # a bad adapter (or a bug in one load) must not stop the stage
                 self.log.exception("load of adapter %r failed", job.name)
-                if self.loading.get(job.msg.write_id) is job:
+                if self.loading.get(job.write_id) is job:
                     text = f"the adapter-loader failed on adapter {job.name!r}: {type(exc).__name__}: {exc}"
                     failed = AdapterFailed(name=job.name, message=text, stage_fault=True)
                     await self._finish(job, failed)
             finally:
                 self.loads.task_done()
 
-    async def _load(self, job: _Load) -> None:
+    async def _load(self, job: StageAdapter) -> None:
         """Plan from the header (no tensor data read), then read and pack the file's chunks straight into
         the range on the thread pool, in parallel; every failure is answered (the range is the
         scheduler's to free)."""
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        msg = job.msg
-        if msg.offset < 0 or msg.offset + msg.capacity > self.pool.size:
-            text = f"adapter {job.name!r}: host range {msg.offset}+{msg.capacity} is outside the pool"
+        if job.offset < 0 or job.offset + job.capacity > self.pool.size:
+            text = f"adapter {job.name!r}: host range {job.offset}+{job.capacity} is outside the pool"
             return await self._finish(job, AdapterFailed(name=job.name, message=text, stage_fault=True))
         try:
             plan = await self._read_with_deadline(job)
         except AdapterError as exc:
             return await self._finish(job, _failed(job.name, exc))
         with plan:
-            if plan.nbytes > msg.capacity:
-                text = f"adapter {job.name!r} needs {plan.nbytes} bytes; its host range holds {msg.capacity}"
+            if plan.nbytes > job.capacity:
+                text = f"adapter {job.name!r} needs {plan.nbytes} bytes; its host range holds {job.capacity}"
                 return await self._finish(job, AdapterFailed(name=job.name, message=text))
             try:
-                await self._write(plan, msg.offset)
-                view = block_tensor(self.pool, msg.offset, plan.rank, self.layout, self.dtype)
+                await self._write(plan, job.offset)
+                view = block_tensor(self.pool, job.offset, plan.rank, self.layout, self.dtype)
                 check = (job.name, self.layout, view, plan.ranks, plan.scalings, plan.peak)
                 await loop.run_in_executor(self.executor, check_packed_deltas, *check)
                 del view
@@ -205,18 +191,18 @@ class LoaderActor(Actor[LoaderConfig]):
         load_time = time.perf_counter() - t0
         self.m_load_bytes.inc(plan.nbytes)
         self.m_load_seconds.observe(load_time)
-        await self._finish(job, self._staged_msg(plan, msg.offset, load_time))
+        await self._finish(job, self._staged_msg(plan, job.offset, load_time))
 
-    async def _finish(self, job: _Load, answer: AdapterStaged | AdapterFailed) -> None:
+    async def _finish(self, job: StageAdapter, answer: AdapterStaged | AdapterFailed) -> None:
         """Answer the StageAdapter (once: a write leaves `loading` here)."""
-        del self.loading[job.msg.write_id]
-        answer = msgspec.structs.replace(answer, write_id=job.msg.write_id)
+        del self.loading[job.write_id]
+        answer = msgspec.structs.replace(answer, write_id=job.write_id)
         self.m_loads.labels(result="staged" if isinstance(answer, AdapterStaged) else "failed").inc()
         if isinstance(answer, AdapterFailed):
             self.log.warning("%s", answer.message)
         await self.to_scheduler.put(answer)
 
-    async def _read_with_deadline(self, job: _Load) -> AdapterPlan:
+    async def _read_with_deadline(self, job: StageAdapter) -> AdapterPlan:
         """Plan in a thread; past `read_timeout_s` the load fails and its thread counts as stuck (a
         thread in a hung read cannot be stopped) until the read returns; health says so meanwhile."""
         loop = asyncio.get_running_loop()
@@ -267,10 +253,10 @@ class LoaderActor(Actor[LoaderConfig]):
         tasks = max(2, self.config.writers // max(1, len(self.loading)))
         return dataclasses.replace(self.limits, tasks=tasks)
 
-    def _read(self, job: _Load, limits: ReadLimits) -> AdapterPlan:
+    def _read(self, job: StageAdapter, limits: ReadLimits) -> AdapterPlan:
         cfg = self.config
         try:
-            path = inside_root(job.msg.path, cfg.adapter_root, cfg.trusted_paths)
+            path = inside_root(job.path, cfg.adapter_root, cfg.trusted_paths)
         except FileRefused as exc:
             raise AdapterError(job.name, str(exc)) from None
         return plan_adapter(job.name, path, self.model_cfg, self.layout, self.dtype, limits)
