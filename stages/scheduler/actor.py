@@ -46,7 +46,7 @@ from runtime.common.names import adapter_name_problem
 from stages.scheduler.adapter_lifecycle import AdapterLifecycle, copy_failed
 from stages.scheduler.adapter_ops import AdapterOps
 from stages.scheduler.adapter_waits import AdapterDeadlines, overdue_requests
-from stages.scheduler.adapters import AdapterRegistry, AdapterState, HostTier
+from stages.scheduler.adapters import AdapterRegistry, AdapterState
 from stages.scheduler.config import SchedulerConfig, plan_limit
 from stages.scheduler.gateway_metrics import add_gateway_metrics
 from stages.scheduler.host_table import HostTable
@@ -202,10 +202,10 @@ class SchedulerActor(Actor[SchedulerConfig]):
             case StepResult():
                 rids = [f.request_id for f in msg.finished] + [e.request_id for e in msg.errors]
             case AdapterStaged() | AdapterFailed():
-                e = self.adapters.get(msg.name)
-                if e is not None and e.host is HostTier.WRITING and e.write_id == msg.write_id:
-                    given_up = AdapterFailed(name=msg.name, message=text, write_id=msg.write_id)
-                    self.lifecycle.on_adapter_failed(given_up)
+                # the write is given up (nothing changes when the answer was stale or already applied)
+                self.lifecycle.on_adapter_failed(
+                    AdapterFailed(name=msg.name, message=text, write_id=msg.write_id)
+                )
                 if planner is not None:
                     rids = [r.request_id for r in planner.waiting if r.adapter == msg.name]
                 text = f"adapter {msg.name!r}: {text}"
