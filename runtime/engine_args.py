@@ -57,6 +57,8 @@ class EngineArgs:
     warmup: bool = True  # compile every reachable kernel variant before ready (CUDA; nothing on CPU)
     # ranks the model and its adapters are sharded over, one process and one GPU each (stages/worker/tp/)
     tensor_parallel_size: int = 1
+    # sum small tensor-parallel messages through NCCL too, not through NVLink peer memory (allreduce.py)
+    disable_custom_all_reduce: bool = False
 
     def resolved_device(self) -> str:
         if self.device is not None:
@@ -149,6 +151,7 @@ def runner_config(e: EngineArgs, model_cfg: ModelConfig) -> RunnerConfig:
         max_running_requests=e.max_running_requests,
         warmup=e.warmup,
         layered_min_bytes=int(e.overlap_min_mb * 2**20) if e.overlap_loading else None,
+        disable_custom_all_reduce=e.disable_custom_all_reduce,
     )
 
 

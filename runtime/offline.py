@@ -129,10 +129,11 @@ class LLM:
             self._to_ranks(AddAdapter(name=name, path=str(Path(path).resolve())))
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do with one)."""
+        """Stop the other tensor-parallel ranks and leave their group, so that this process can start
+        another engine (nothing to do with one rank). The engine generates nothing after this."""
         if self.ranks is not None:
             ranks, self.ranks = self.ranks, None
-            ranks.close()
+            ranks.close(self.runner)
 
     def __enter__(self) -> LLM:
         return self

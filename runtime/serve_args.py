@@ -116,6 +116,12 @@ def _model_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         help="shard the model and every adapter over N GPUs (cuda:0..N-1; N processes on cpu), one "
         "worker process each",
     )
+    g.add_argument(
+        "--disable-custom-all-reduce",
+        action="store_true",
+        default=d.disable_custom_all_reduce,
+        help="tensor parallel: sum every message through NCCL, not small ones through NVLink peer memory",
+    )
     g.add_argument("--seed", type=int, metavar="N", default=d.seed, help="seed of requests that set none")
 
 

@@ -61,6 +61,7 @@ class RunnerConfig:
     # (overlapped loading, --overlap-min-mb); None: never. Where the pool's largest adapter reaches it,
     # full step graphs get layer-gated twins so that such steps replay too (step_graphs.py).
     layered_min_bytes: int | None = None
+    disable_custom_all_reduce: bool = False  # tensor parallel: every sum through NCCL (tp/allreduce.py)
 
 
 def graph_pool_bytes(pool: tuple[int, int]) -> int:

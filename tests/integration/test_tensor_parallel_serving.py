@@ -51,14 +51,21 @@ def _rank_pids(server) -> list[int]:
 
 
 def test_two_ranks_serve_the_offline_engines_greedy_outputs(tiny_llama, llama_adapters):
-    names = [*llama_adapters, None]
+    serve_like_offline(tiny_llama, llama_adapters)
+
+
+def serve_like_offline(model, adapters, *flags: str, **offline_kw) -> None:
+    """The server at TP=2 (`flags` added) against the offline engine (`offline_kw` added), then a
+    SIGTERM that must end the server with status 0."""
+    names = [*adapters, None]
     workload = [(p, names[i % len(names)]) for i, p in enumerate(PROMPTS * 2)]
-    llm = LLM(tiny_llama, device="cpu", adapters=llama_adapters, max_loras_per_batch=2, max_lora_rank=16)
-    want = llm.generate(
-        [p for p, _ in workload],
-        adapters=[a for _, a in workload],
-        sampling=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
-    )
+    kw = dict(device="cpu", adapters=adapters, max_loras_per_batch=2, max_lora_rank=16) | offline_kw
+    with LLM(model, **kw) as llm:
+        want = llm.generate(
+            [p for p, _ in workload],
+            adapters=[a for _, a in workload],
+            sampling=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+        )
 
     async def run(endpoint):
         async with AsyncClient(endpoint, timeout=120) as c:
@@ -67,19 +74,22 @@ def test_two_ranks_serve_the_offline_engines_greedy_outputs(tiny_llama, llama_ad
             )
 
     # a pool of 16 rank rows (of a rank's shard) for adapters of 26: they swap in both ranks' pools
-    cfg = ModelConfig.from_dir(tiny_llama)
-    shard_row = row_bytes(LoraLayout.for_model(shard_config(cfg, 2), 16), parse_dtype(None, cfg.dtype))
+    cfg = ModelConfig.from_dir(model)
+    dtype = parse_dtype(offline_kw.get("dtype"), cfg.dtype)
+    shard_row = row_bytes(LoraLayout.for_model(shard_config(cfg, 2), 16), dtype)
     pool = ("--lora-gpu-memory-gb", repr(16 * shard_row / 2**30), "--adapter-affinity-steps", "0")
-    with serve(tiny_llama, llama_adapters, *FLAGS, *pool) as s:
+    with serve(model, adapters, *FLAGS, *pool, *flags) as s:
         assert len(_rank_pids(s)) == 1, "the worker did not start rank 1"
         outs = asyncio.run(run(s.endpoint))
         loads = s.metric("lorapipe_slot_copies_total", "worker")
         capacity = s.metric("lorapipe_lora_pool_rows_capacity", "scheduler")
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=60) == 0, "the server at TP=2 did not exit cleanly on SIGTERM"
     for (p, a), out, ref in zip(workload, outs, want, strict=True):
         assert out.token_ids == ref.token_ids, f"adapter {a} prompt {p!r}"
         assert out.finish_reason == "length"
     # every adapter was copied into both ranks' pools, and some into rows another had held
-    assert capacity == 16 and loads >= len(llama_adapters), (capacity, loads)
+    assert capacity == 16 and loads >= len(adapters), (capacity, loads)
 
 
 def test_a_dead_rank_fails_the_server_and_leaves_no_process(tiny_llama):

@@ -8,6 +8,7 @@ process dies (the kernel's parent-death signal, SIGKILL)."""
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import os
 import signal
@@ -62,6 +63,17 @@ def sync_copies(group: TPGroup) -> None:
     if group.device.type == "cuda":
         torch.cuda.synchronize(group.device)
     dist.barrier(group=group.control)
+
+
+def release_graphs(runner: ModelRunner) -> None:
+    """Drop the runner's CUDA graphs and wait for its device: a graph that captured a collective keeps
+    the group's communicator busy, and a graceful teardown would wait on it. The runner runs no step
+    after this."""
+    runner.graphs = None
+    runner.step_graphs = None
+    gc.collect()
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
 
 
 class HostBlocks:
@@ -128,7 +140,10 @@ class Follower:
         self.runner.load_adapter(load.slot, packed, runs_of(load.row_starts, load.row_counts))
 
     def close(self) -> None:
-        self.group.close()
+        """Stopped by rank 0 (`StopRanks`): every rank leaves the group together."""
+        self.executor, self.launched = None, collections.deque()
+        release_graphs(self.runner)
+        self.group.close(graceful=True)
 
 
 def run_rank(argv: list[str], read: Read | None = None) -> int:

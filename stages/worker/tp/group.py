@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from stages.worker.tp.allreduce import PeerAllReduce, make_peer
+
 # NVLink multicast (NVLS) is off on the lent multi-GPU machines; honoured unless the caller set it.
 NCCL_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0"}
 
@@ -25,6 +27,7 @@ class TPSpec:
     host: str
     port: int
     timeout_s: float = 300.0  # a collective that waits longer (a rank died or hangs) fails the group
+    peer_all_reduce: bool = True  # small sums through NVLink peer memory where it can (allreduce.py)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -36,6 +39,16 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if device.startswith("cuda") else device
 
 
+def check_no_group() -> None:
+    """A process belongs to one group at a time (torch's default process group); a second engine's
+    ranks would otherwise fail deep inside torch."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already belongs to a tensor-parallel group: close() the engine that made it "
+            "(or leave its `with` block) before starting another"
+        )
+
+
 class TPGroup:
     def __init__(self, spec: TPSpec, device: torch.device, store: dist.Store | None = None):
         """Joins the group (blocks until every rank has). `store`: rank 0's rendezvous store, already
@@ -43,6 +56,7 @@ class TPGroup:
         self.rank, self.size, self.device = spec.rank, spec.size, device
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         cuda = device.type == "cuda"
+        check_no_group()
         if cuda:
             for k, v in NCCL_ENV_DEFAULTS.items():
                 os.environ.setdefault(k, v)
@@ -60,10 +74,16 @@ class TPGroup:
         # control messages and host-side agreement travel on the CPU, whatever the compute device
         self.control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
         self._gloo_compute = not cuda
+        self.peer: PeerAllReduce | None = make_peer(
+            dist.group.WORLD, device, spec.size, disabled=not spec.peer_all_reduce
+        )
 
-    # -- collectives of the forward (compute device, CUDA-graph capturable on NCCL) --------------------
+    # -- collectives of the forward (compute device, CUDA-graph capturable) ----------------------------
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum `t` over ranks in place; returns it."""
+        """The sum of `t` over ranks: through peer memory for a small message (a new tensor), else
+        in place through NCCL/gloo (`t` itself). Callers use the returned tensor."""
+        if self.peer is not None and self.peer.paths.path(t.nbytes) != "nccl":
+            return self.peer(t)
         dist.all_reduce(t)
         return t
 
@@ -98,13 +118,18 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t.item())
 
-    def close(self) -> None:
-        """Leave the group without waiting for the other ranks. On NCCL that is an abort: a graceful
-        teardown waits for every rank's, and hangs while CUDA graphs that captured the collectives are
-        still alive; nothing is in flight when a rank leaves. There is no public abort yet (torch 2.11)."""
+    def close(self, graceful: bool = False) -> None:
+        """Leave the group. `graceful` (every rank leaves together, nothing in flight, and no CUDA graph
+        that captured a collective is alive: a graceful NCCL teardown waits on such graphs' work):
+        destroy the group, so that this process can make another. Otherwise, on NCCL, abort it: the
+        other ranks may be gone or stuck inside a collective, and only an abort returns then."""
         if not dist.is_initialized():
             return
+        self.peer = None  # the symmetric buffer is the group's: it goes first
         if self._gloo_compute:
+            dist.destroy_process_group()
+        elif graceful:
+            torch.cuda.synchronize(self.device)
             dist.destroy_process_group()
         else:
             dist.distributed_c10d._abort_process_group()

@@ -25,6 +25,7 @@ class RankZero:
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.ranks: RankProcesses | None = None
+        self.runner: ModelRunner | None = None
 
     def runner_config(self) -> RunnerConfig:
         """Rank 0's runner config; the other ranks get it with their own device. No adapter is copied
@@ -41,7 +42,8 @@ class RankZero:
         self.ranks = RankProcesses(
             rc, cfg.tensor_parallel_size, "stages.worker.tp.serve_rank", host_pool_name=cfg.host_pool_name
         )
-        return self.ranks.watch(lambda: ModelRunner(rc, tp=self.ranks.group))
+        self.runner = self.ranks.watch(lambda: ModelRunner(rc, tp=self.ranks.group))
+        return self.runner
 
     def wrap(self, executor: StepExecutor) -> RankZeroExecutor:
         """On the step thread: the other ranks get their executors, and rank 0's steps go to them."""
@@ -62,7 +64,7 @@ class RankZero:
         """On the step thread, at drain."""
         if self.ranks is not None:
             ranks, self.ranks = self.ranks, None
-            ranks.close()
+            ranks.close(self.runner)
 
 
 class RankZeroExecutor:

@@ -1,7 +1,9 @@
 """Rank 0's view of the other ranks of a tensor-parallel worker: `RankProcesses` starts ranks 1..N-1 as
 processes, joins the group with them, hands them each message (`proto/tensor_parallel.py`), makes sure
 their adapter copies are done before rank 0 reports a slot ready, and stops them. A rank that exits
-before the group is formed, or while rank 0 waits on it, fails rank 0 with `RankFailed`."""
+before the group is formed, or while rank 0 waits on it, fails rank 0 with `RankFailed`; one that exits
+while rank 0 is inside a step's collectives (on CUDA, where they wait on the device) makes the watchdog
+abort the group, which fails the step, and end this process if the step still does not return."""
 
 from __future__ import annotations
 
@@ -23,14 +25,17 @@ import torch
 import torch.distributed as dist
 
 from proto.tensor_parallel import StopRanks, SyncCopies
-from stages.worker.runner import RunnerConfig
-from stages.worker.tp.follower import FollowerConfig, rank_codec, sync_copies
-from stages.worker.tp.group import TPGroup, TPSpec, rank_device
+from stages.worker.runner import ModelRunner, RunnerConfig
+from stages.worker.tp.follower import FollowerConfig, rank_codec, release_graphs, sync_copies
+from stages.worker.tp.group import TPGroup, TPSpec, check_no_group, rank_device
 
 log = logging.getLogger("lorapipe.tp")
 ROOT = Path(__file__).resolve().parents[3]  # so `python -m MODULE` imports this tree from any cwd
 T = TypeVar("T")
 STOP_TIMEOUT_S = 10.0
+LEAVE_TIMEOUT_S = 2.0  # a graceful teardown that takes longer is aborted instead
+WATCH_S = 0.2  # how often the watchdog looks at the other ranks
+STUCK_EXIT_S = 5.0  # after a rank died and the group was aborted, how long a step may still block
 
 
 class RankFailed(RuntimeError):
@@ -50,14 +55,20 @@ class RankProcesses:
         the CPU) and joins the group as rank 0; returns once every rank has joined. The ranks die with
         this process; the calling thread must live as long as the engine (the kernel's parent-death
         signal follows it). `host_pool_name`: the shared host cache the ranks copy adapters from."""
+        check_no_group()
         self.size = size
         self.codec = rank_codec()
         self.store = dist.TCPStore(
             "127.0.0.1", 0, size, is_master=True, timeout=_delta(timeout_s), wait_for_workers=False
         )
-        where = {"host": "127.0.0.1", "port": self.store.port}
+        where = {
+            "host": "127.0.0.1",
+            "port": self.store.port,
+            "peer_all_reduce": not runner_cfg.disable_custom_all_reduce,
+        }
         self._dir = tempfile.TemporaryDirectory(prefix="lorapipe-tp-")
         self.procs: list[subprocess.Popen] = []
+        self._stopping = threading.Event()  # set once this side stops the ranks (or gives up on them)
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -79,6 +90,8 @@ class RankProcesses:
         except BaseException:
             self.kill()
             raise
+        if device.type == "cuda":
+            threading.Thread(target=self._watchdog, name="tp-watchdog", daemon=True).start()
 
     def watch(self, fn: Callable[[], T]) -> T:
         """`fn()` (which meets the other ranks in collectives), failing with `RankFailed` if a rank
@@ -118,13 +131,17 @@ class RankProcesses:
         self.send(SyncCopies())
         sync_copies(self.group)
 
-    def close(self) -> None:
-        """Stop the other ranks, leave the group and reap them; a rank that does not stop in time is
-        killed."""
+    def close(self, runner: ModelRunner | None = None) -> None:
+        """Stop the other ranks, leave the group with them (rank 0's `runner` drops its CUDA graphs
+        first, as each other rank does) and reap them; a rank that does not stop in time is killed."""
+        self._stopping.set()
         try:
-            if all(p.poll() is None for p in self.procs):
+            alive = all(p.poll() is None for p in self.procs)
+            if alive:
                 self.send(StopRanks())
-            self._leave()
+                if runner is not None:
+                    release_graphs(runner)
+            self._leave(graceful=alive)
             deadline = time.monotonic() + STOP_TIMEOUT_S
             for p in self.procs:
                 p.wait(max(0.0, deadline - time.monotonic()))
@@ -137,14 +154,40 @@ class RankProcesses:
     def abandon(self) -> None:
         """After a failure on rank 0: kill the other ranks (they may wait in a collective rank 0 will
         never join) and leave the group."""
+        self._stopping.set()
         self.kill()
-        self._leave()
+        self._leave(graceful=False)
         self._dir.cleanup()
 
-    def _leave(self) -> None:
-        """Leave the group, giving up after STOP_TIMEOUT_S (the teardown is left on its thread)."""
+    def _leave(self, graceful: bool) -> None:
+        """Leave the group: together with the other ranks (`graceful`), aborting if that takes over
+        LEAVE_TIMEOUT_S, or alone, giving up after STOP_TIMEOUT_S (the teardown is left on its thread)."""
+        if graceful and _within(lambda: self.group.close(graceful=True), LEAVE_TIMEOUT_S):
+            return
+        if graceful:
+            log.warning("leaving the tensor-parallel group took over %g s; aborting it", LEAVE_TIMEOUT_S)
         if not _within(self.group.close, STOP_TIMEOUT_S):
             log.warning("leaving the tensor-parallel group took over %g s; going on", STOP_TIMEOUT_S)
+
+    def _watchdog(self) -> None:
+        """A rank that exits while this side has not stopped it: kill the others and abort the group, so
+        that a collective waiting for the dead rank fails instead of waiting out the group's timeout. A
+        step still blocked STUCK_EXIT_S later (a peer-memory kernel waits on the device for the dead
+        rank's signal, which no abort reaches) ends this process: it could never return."""
+        while not self._stopping.wait(WATCH_S):
+            dead = [(rank, p.returncode) for rank, p in enumerate(self.procs, 1) if p.poll() is not None]
+            if not dead:
+                continue
+            if self._stopping.is_set():
+                return
+            log.error("tensor-parallel rank %d exited (%s) while serving; aborting the group", *dead[0])
+            self.kill()
+            _within(self.group.close, STOP_TIMEOUT_S)
+            if not self._stopping.wait(STUCK_EXIT_S):
+                log.critical("a step is still blocked on the dead rank after %g s; exiting", STUCK_EXIT_S)
+                logging.shutdown()
+                os._exit(70)
+            return
 
     def kill(self) -> None:
         for p in self.procs:
