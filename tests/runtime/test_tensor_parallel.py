@@ -51,10 +51,8 @@ def _generate(model_dir, adapters, recorded, tp: int, **kw):
     names = list(adapters)
     mix = [names[i % len(names)] if i % 3 != 2 else None for i in range(len(PROMPTS))]
     recorded.clear()
-    kw.setdefault("max_lora_rank", 16)
-    with LLM(
-        model_dir, device="cpu", adapters=adapters, dtype="float32", tensor_parallel_size=tp, **kw
-    ) as llm:
+    kw = {"max_lora_rank": 16, "device": "cpu"} | kw
+    with LLM(model_dir, adapters=adapters, dtype="float32", tensor_parallel_size=tp, **kw) as llm:
         outs = llm.generate(PROMPTS, adapters=mix, sampling=SAMPLING)
         _generate.last_stats = llm.last_stats
         graphs = llm.runner.graphs

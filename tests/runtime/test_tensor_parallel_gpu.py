@@ -104,8 +104,7 @@ def test_close_ends_both_gpus_ranks_cleanly_and_a_second_engine_runs(tiny_llama,
 KILL_MID_RUN = textwrap.dedent("""
     import sys, threading, time
     from proto.sampling import SamplingParams
-    from runtime.base.endpoints import free_port
-from runtime.offline import LLM
+    from runtime.offline import LLM
     llm = LLM(sys.argv[1], device="cuda", tensor_parallel_size=2, num_pages=512)
     (rank1,) = llm.ranks.procs
     planner_steps = lambda: llm.last_planner.stats.steps if llm.last_planner is not None else 0

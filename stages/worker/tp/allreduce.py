@@ -28,9 +28,17 @@ log = logging.getLogger("lorapipe.tp")
 # Crossovers on H100/H200 NVLink (benchmarks/bench_allreduce.py sweeps the sizes): one-shot reads every
 # peer's whole message, which stops paying once a message takes longer to read than two-shot's extra
 # synchronisation costs; NCCL's ring catches up with two-shot at a few MiB.
-ONE_SHOT_MAX_BYTES = 512 * 1024
+ONE_SHOT_MAX_BYTES = 1024 * 1024
 TWO_SHOT_MAX_BYTES = 8 * 1024 * 1024
 SYMM_MEM_WORLD_SIZES = (2, 4, 8)  # what the symmetric-memory kernels are built for
+# Symmetric-memory rendezvous number their store exchanges with a counter of the process (torch 2.11),
+# so a process that made a group's buffer before is out of step with fresh rank processes: a second
+# engine in one process (rank 0's) sums through NCCL instead.
+_made_in_this_process = False
+
+
+def peer_made_here() -> bool:
+    return _made_in_this_process
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,8 @@ class PeerAllReduce:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, paths: AllReducePaths):
         import torch.distributed._symmetric_memory as symm_mem
 
+        global _made_in_this_process
+        _made_in_this_process = True
         self.paths = paths
         self.group_name = group.group_name
         self.buffer = symm_mem.empty(paths.two_shot_max, dtype=torch.uint8, device=device)

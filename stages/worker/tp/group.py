@@ -71,12 +71,15 @@ class TPGroup:
             timeout=timeout,
             device_id=device if cuda else None,
         )
-        # control messages and host-side agreement travel on the CPU, whatever the compute device
-        self.control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
         self._gloo_compute = not cuda
-        self.peer: PeerAllReduce | None = make_peer(
-            dist.group.WORLD, device, spec.size, disabled=not spec.peer_all_reduce
-        )
+        self.peer: PeerAllReduce | None = None
+        try:
+            # control messages and host-side agreement travel on the CPU, whatever the compute device
+            self.control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
+            self.peer = make_peer(dist.group.WORLD, device, spec.size, disabled=not spec.peer_all_reduce)
+        except BaseException:
+            self.close()  # a group half made is left, so that this process can make another
+            raise
 
     # -- collectives of the forward (compute device, CUDA-graph capturable) ----------------------------
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from proto.tensor_parallel import StopRanks, SyncCopies
 from stages.worker.runner import ModelRunner, RunnerConfig
+from stages.worker.tp.allreduce import peer_made_here
 from stages.worker.tp.follower import FollowerConfig, rank_codec, release_graphs, sync_copies
 from stages.worker.tp.group import TPGroup, TPSpec, check_no_group, rank_device
 
@@ -64,7 +65,7 @@ class RankProcesses:
         where = {
             "host": "127.0.0.1",
             "port": self.store.port,
-            "peer_all_reduce": not runner_cfg.disable_custom_all_reduce,
+            "peer_all_reduce": not (runner_cfg.disable_custom_all_reduce or peer_made_here()),
         }
         self._dir = tempfile.TemporaryDirectory(prefix="lorapipe-tp-")
         self.procs: list[subprocess.Popen] = []
