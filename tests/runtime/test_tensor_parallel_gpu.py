@@ -126,7 +126,8 @@ KILL_MID_RUN = textwrap.dedent("""
 def test_a_rank_killed_mid_generation_ends_the_engine_in_bounded_time(tiny_llama):
     """Either the step fails (the group is aborted) or, if it cannot return, the process exits; it never
     waits out the group's 300 s timeout."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NCCL_NVLS_ENABLE": "0",
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "NCCL_NVLS_ENABLE": "0",
            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-c", KILL_MID_RUN, str(tiny_llama)],
