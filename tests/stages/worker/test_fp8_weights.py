@@ -23,6 +23,7 @@ from stages.loader.adapter_reader import read_adapter
 from stages.worker.model.linear import FP8_MAX, Fp8Weight
 from stages.worker.model.weights import load_weights
 from stages.worker.runner import ModelRunner, RunnerConfig, SeqInput
+from stages.worker.tp.shard import shard_weights
 from tests.conftest import NO_FIXED_PORTS
 
 CPU = torch.device("cpu")
@@ -152,3 +153,21 @@ def test_unsupported_quantization_is_refused_by_name(bf16_model, tmp_path, quant
 def test_unknown_quantization_flag_is_refused(bf16_model):
     with pytest.raises(ValueError, match="unknown quantization 'int4'"):
         ModelRunner(RunnerConfig(model_dir=str(bf16_model), quantization="int4"))
+
+
+def test_tensor_parallel_shards_the_scales_with_the_weights(bf16_model):
+    cfg = ModelConfig.from_dir(bf16_model)
+    whole = load_weights(bf16_model, cfg, torch.bfloat16, CPU, quantize=True)
+    size = 2
+    shards = [shard_weights(whole, cfg, rank, size) for rank in range(size)]
+    lw = whole.layers[0]
+    for group in ("qkv", "gate_up"):  # by output rows: each rank's rows keep their own scales
+        parts = [getattr(s.layers[0], group) for s in shards]
+        assert all(isinstance(p, Fp8Weight) for p in parts)
+        got = sorted(tuple(r.tolist()) for p in parts for r in p.dequantize())
+        assert got == sorted(tuple(r.tolist()) for r in getattr(lw, group).dequantize())
+    for group in ("o", "down"):  # by input columns: every output row's scale on every rank
+        parts = [getattr(s.layers[0], group) for s in shards]
+        assert all(torch.equal(p.scale, getattr(lw, group).scale) for p in parts)
+        joined = torch.cat([p.dequantize() for p in parts], dim=1)
+        assert torch.equal(joined, getattr(lw, group).dequantize())
