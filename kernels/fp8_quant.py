@@ -13,7 +13,9 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # Least row maximum a scale is taken from: an all-zero row gets a finite scale and zero codes.
 MIN_AMAX = 1e-12
-BLOCK = 1024
+# Columns a program holds at once: a whole row up to this width (the second pass then reads it from
+# L1/L2), so a decode batch's few rows each take one load loop iteration per pass.
+MAX_BLOCK = 16384
 
 
 @triton.jit
@@ -48,18 +50,10 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((M, K), dtype=FP8, device=x.device)  # [M, K]
     scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)  # [M, 1]
     if M:
-        _quant_kernel[(M,)](
-            x,
-            q,
-            scale,
-            K,
-            x.stride(0),
-            q.stride(0),
-            FMAX=FP8_MAX,
-            MIN_AMAX=MIN_AMAX,
-            BLOCK=BLOCK,
-            num_warps=4,
-        )
+        block = min(triton.next_power_of_2(max(K, 1)), MAX_BLOCK)
+        warps = max(1, min(16, block // 512))  # 16 elements a thread
+        consts = dict(FMAX=FP8_MAX, MIN_AMAX=MIN_AMAX, BLOCK=block)
+        _quant_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), **consts, num_warps=warps)
     return q, scale
 
 

@@ -1,8 +1,8 @@
 """The per-token fp8 quantization kernel and its torch reference against a float64 computation: each
 row's scale is its largest magnitude over 448, and every code is the e4m3 value nearest x / scale; rows
-with a gap between them, an all-zero row, no rows, widths that are no multiple of the block. The kernel's
-codes are checked on CUDA only: the Triton interpreter's float-to-e4m3 conversion is off by a binade
-for some values (e.g. -31.1 → -16), so on the CPU the kernel's scales are checked and its codes are not."""
+with a gap between them, an all-zero row, no rows, widths that are no power of two or wider than one
+block. The kernel's codes are checked on CUDA only: the Triton interpreter's float-to-e4m3 conversion
+is off by a binade for some values (e.g. -31.1 → -16), so on the CPU only the kernel's scales are."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _check(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("rows, width", [(5, 2500), (1, 64), (3, 1024), (0, 128)])
+@pytest.mark.parametrize("rows, width", [(5, 2500), (1, 64), (3, 1024), (0, 128), (3, 20000)])
 def test_quantize_per_token(device, dtype, rows, width):
     gen = torch.Generator().manual_seed(rows * 31 + width)
     wide = torch.randn((rows, width + 5), generator=gen, dtype=torch.float64) * 4
