@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from kernels.fp8_quant import quantize_per_token
 from proto.sampling import SamplingParams
 from runtime.offline import LLM
 from runtime.synthetic.adapters import make_adapters
@@ -68,8 +69,7 @@ def make_checkpoint(out: Path, preset: str, structure: str, device: str, seed: i
             t = 0.02 * (0.95 * (u @ v) / math.sqrt(LOW_RANK) + math.sqrt(1 - 0.95**2) * noise)
         else:
             t = 0.02 * torch.randn(shape, generator=gen, device=device)
-        layer = name.split(".")[2] if ".layers." in name else None
-        if part and layer != next(iter(part)).split(".")[2 if ".layers." in next(iter(part)) else 0]:
+        if part and _file_group(name) != _file_group(next(iter(part))):
             flush()
         part[name] = t.to(torch.bfloat16).cpu()
     flush()
@@ -78,11 +78,20 @@ def make_checkpoint(out: Path, preset: str, structure: str, device: str, seed: i
     return out
 
 
-def engine(model: Path, adapters: dict, device: str, quantization: str | None, graphs: bool) -> LLM:
-    kw = {} if graphs else dict(cuda_graph_max_batch=0, cuda_graph_max_tokens=0, warmup=False)
+def _file_group(name: str) -> str:
+    """Which file a tensor goes to: its layer's, or the one of everything outside the layers."""
+    return name.split(".")[2] if ".layers." in name else "other"
+
+
+def engine(model: Path, adapters: dict, device: str, quantization: str | None, serving: bool) -> LLM:
+    """`serving`: CUDA graphs, warm-up and a KV cache for the throughput runs; else the least engine
+    that computes the quality runs' forwards (eagerly, one 512-token sequence at a time)."""
+    if serving:
+        kw = dict(num_pages=2048)  # 32k tokens: batch 64 x 384, or 4 x 2,049
+    else:
+        kw = dict(num_pages=64, cuda_graph_max_batch=0, cuda_graph_max_tokens=0, warmup=False)
     return LLM(model, adapters=adapters, device=device, dtype="bfloat16", quantization=quantization,
-               max_lora_rank=16, max_running_requests=64, num_pages=2048, lora_gpu_memory_gb=0.5,
-               **kw)  # fmt: skip
+               max_lora_rank=16, max_running_requests=64, lora_gpu_memory_gb=0.5, **kw)  # fmt: skip
 
 
 def timed(llm: LLM, prompts, adapters, max_tokens: int, device: str) -> float:
@@ -139,25 +148,48 @@ def quality(engines: dict[str, LLM], names: list[str], n: int, length: int, voca
     return {"mean_kl": kl_sum / positions, "top1_agreement": agree / positions, "positions": int(positions)}
 
 
+def _scaled_mm(fast: bool):
+    def run(xq_xs, w8):
+        xq, xs = xq_xs
+        scale_b = w8.scale.view(1, -1)
+        return torch._scaled_mm(
+            xq, w8.q.t(), scale_a=xs, scale_b=scale_b, out_dtype=torch.bfloat16, use_fast_accum=fast
+        )
+
+    return run
+
+
 def gemms(cfg: dict, device: str, iters: int = 50) -> list[dict]:
-    """Microseconds per call of each projection at a few token counts, bf16 against fp8."""
+    """Microseconds per call of each projection at a few token counts: bf16 `F.linear`, the fp8 path
+    (`fp8_linear`), and its parts: the per-token quantization, `_scaled_mm` alone, and `_scaled_mm` with
+    fast accumulation (not used: it trades accuracy for speed). Each call takes the next of several
+    copies of the weight, together larger than the L2 cache, so that every call reads its weight from
+    device memory as in a forward."""
     if device != "cuda":
         return []
     h, i = cfg["hidden_size"], cfg["intermediate_size"]
     qkv = h + 2 * cfg["num_key_value_heads"] * cfg["head_dim"]
     rows = []
     for name, n, k in (("qkv", qkv, h), ("o", h, h), ("gate_up", 2 * i, h), ("down", h, i)):
-        w = (torch.randn((n, k), device=device) * 0.02).bfloat16()
-        w8 = quantize_weight(w)
+        copies = -(-(256 << 20) // (n * k))  # fp8 copies of at least 256 MiB in all
+        ws = [(torch.randn((n, k), device=device) * 0.02).bfloat16() for _ in range(copies)]
+        w8s = [quantize_weight(w) for w in ws]
         for m in (16, 64, 2048):
             x = torch.randn((m, k), device=device).bfloat16()
+            xq = quantize_per_token(x)
             row = {"proj": name, "m": m, "n": n, "k": k}
-            for kind, fn, weight in (("bf16_us", F.linear, w), ("fp8_us", fp8_linear, w8)):
-                fn(x, weight)
+            for kind, fn, arg, weights in (
+                ("bf16_us", F.linear, x, ws),
+                ("fp8_us", fp8_linear, x, w8s),
+                ("quant_us", lambda a, _: quantize_per_token(a), x, [None]),
+                ("scaled_mm_us", _scaled_mm(False), xq, w8s),
+                ("scaled_mm_fast_us", _scaled_mm(True), xq, w8s),
+            ):
+                fn(arg, weights[0])
                 graph = torch.cuda.CUDAGraph()  # replayed: launch gaps do not count
                 with torch.cuda.graph(graph):
-                    for _ in range(iters):
-                        fn(x, weight)
+                    for j in range(iters):
+                        fn(arg, weights[j % len(weights)])
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 graph.replay()
@@ -231,11 +263,12 @@ def report(r: dict, batches: list[int]) -> None:
         print(f"{key + ' tok/s':<26}{m['bf16']:>12.0f}{m['fp8']:>12.0f}{r[key]['speedup']:>10.2f}")
     for key in ("quality_random", "quality_lowrank"):
         q = r[key]
-        print(f"{key:<26} mean KL {q['mean_kl']:.4f}  top-1 agreement {q['top1_agreement']:.4f}")
+        print(f"{key:<26} mean KL {q['mean_kl']:.2e}  top-1 agreement {q['top1_agreement']:.4f}")
     for row in r["gemm_us"]:
         print(
             f"gemm {row['proj']:<8} m={row['m']:<5} "
-            f"bf16 {row['bf16_us']:8.1f} us  fp8 {row['fp8_us']:8.1f} us"
+            f"bf16 {row['bf16_us']:8.1f} us  fp8 {row['fp8_us']:8.1f} us  (quant {row['quant_us']:.1f}, "
+            f"scaled_mm {row['scaled_mm_us']:.1f}, fast accum {row['scaled_mm_fast_us']:.1f})"
         )
 
 
