@@ -35,8 +35,8 @@ class Fp8Weight:
         return Fp8Weight(self.q.to(device), self.scale.to(device))
 
     def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """[N, K] in `dtype` (exact in float64 and float32)."""
-        return (self.q.to(dtype) * self.scale.to(dtype)[:, None]).to(dtype)
+        """[N, K] in `dtype`: the exact products (float64) rounded once."""
+        return (self.q.double() * self.scale.double()[:, None]).to(dtype)
 
 
 def quantize_weight(w: torch.Tensor) -> Fp8Weight:

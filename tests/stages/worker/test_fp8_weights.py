@@ -20,7 +20,7 @@ from runtime.synthetic.adapters import make_adapters
 from runtime.synthetic.fp8 import write_fp8
 from runtime.synthetic.model import make_model
 from stages.loader.adapter_reader import read_adapter
-from stages.worker.model.linear import FP8_MAX, Fp8Weight
+from stages.worker.model.linear import FP8_MAX, Fp8Weight, cat_weights, quantize_weight
 from stages.worker.model.weights import load_weights
 from stages.worker.runner import ModelRunner, RunnerConfig, SeqInput
 from stages.worker.tp.shard import shard_weights
@@ -171,3 +171,19 @@ def test_tensor_parallel_shards_the_scales_with_the_weights(bf16_model):
         assert all(torch.equal(p.scale, getattr(lw, group).scale) for p in parts)
         joined = torch.cat([p.dequantize() for p in parts], dim=1)
         assert torch.equal(joined, getattr(lw, group).dequantize())
+
+
+def test_a_fused_projection_of_fp8_and_unquantized_parts():
+    """A checkpoint that left one of q/k/v unquantized: without --quantization the group runs in the
+    activations' dtype (the fp8 parts dequantized); with it, every part is fp8 with its own scales."""
+    gen = torch.Generator().manual_seed(0)
+    q8 = quantize_weight(torch.randn((32, 16), generator=gen).bfloat16())
+    kv = torch.randn((16, 16), generator=gen).bfloat16()
+    mixed = cat_weights([q8, kv], quantize=False)
+    assert mixed.dtype == torch.bfloat16
+    assert torch.equal(mixed, torch.cat([q8.dequantize(torch.float64).bfloat16(), kv]))
+    fused = cat_weights([q8, kv], quantize=True)
+    assert isinstance(fused, Fp8Weight) and fused.shape == (48, 16)
+    assert torch.equal(fused.q[:32].float(), q8.q.float()) and torch.equal(fused.scale[:32], q8.scale)
+    kv8 = quantize_weight(kv)
+    assert torch.equal(fused.q[32:].float(), kv8.q.float()) and torch.equal(fused.scale[32:], kv8.scale)
