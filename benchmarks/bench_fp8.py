@@ -11,8 +11,9 @@
   of low-rank structure (a rank-64 product carrying most of each projection, plus full-rank noise);
 - the GEMMs alone: bf16 `F.linear` against the fp8 path (per-token quantization + `_scaled_mm`) at the
   model's projection shapes.
-The checkpoints are made on the device and written once to --scratch (default: in the temporary
-directory). Prints one summary table; everything goes to OUT_DIR/fp8_bench.json."""
+The checkpoints are made on the device, written to --scratch (default: in the temporary directory),
+and removed once read (--keep-checkpoints keeps them). Prints one summary table; everything goes to
+OUT_DIR/fp8_bench.json."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import dataclasses
 import gc
 import json
 import math
+import shutil
 import statistics
 import tempfile
 import time
@@ -211,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--prefill", type=int, nargs=2, default=[4, 2048], metavar=("PROMPTS", "TOKENS"))
     p.add_argument("--quality", type=int, nargs=2, default=[32, 512], metavar=("PROMPTS", "TOKENS"))
+    p.add_argument("--keep-checkpoints", action="store_true", help="leave the checkpoints in --scratch")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     scratch = a.scratch or Path(tempfile.gettempdir()) / "lorapipe-fp8-bench"
@@ -245,11 +248,15 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     if a.device == "cuda":
         torch.cuda.empty_cache()
+    if not a.keep_checkpoints:  # one 8B checkpoint on disk at a time
+        shutil.rmtree(model)
     structured = make_checkpoint(scratch / f"llama-{a.preset}-lowrank", a.preset, "lowrank", a.device)
     engines = {
         k: engine(structured, adapters, a.device, q, False) for k, q in (("bf16", None), ("fp8", "fp8"))
     }
     result["quality_lowrank"] = quality(engines, names, *a.quality, vocab)
+    if not a.keep_checkpoints:
+        shutil.rmtree(structured)
     result["total_s"] = time.perf_counter() - t0
     (a.out / "fp8_bench.json").write_text(json.dumps(result, indent=1))
     report(result, a.batches)
