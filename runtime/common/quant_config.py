@@ -43,21 +43,26 @@ def checkpoint_quant(raw: dict | None) -> CheckpointQuant | None:
             raise _refuse(f"'fp8' with weight_block_size {block} (block-wise scales)")
         if str(raw.get("fmt", "e4m3")) != "e4m3":
             raise _refuse(f"'fp8' with fmt {raw['fmt']!r}")
+        if raw.get("kv_cache_scheme") or raw.get("kv_cache_quant_targets"):
+            raise _refuse("'fp8' with a quantized KV cache")
     elif method != "fbgemm_fp8":  # FBGEMM's layout is per-channel e4m3 throughout
         raise _refuse(repr(method))
     return CheckpointQuant(method=method)
 
 
 def _check_compressed_tensors(raw: dict) -> None:
-    fmt = raw.get("format")
-    if fmt not in ("float-quantized", "naive-quantized"):
-        raise _refuse(f"'compressed-tensors' format {fmt!r}")
+    top = raw.get("format")
+    if top not in ("float-quantized", "naive-quantized", "mixed-precision", None):
+        raise _refuse(f"'compressed-tensors' format {top!r}")
     if raw.get("kv_cache_scheme"):
         raise _refuse("'compressed-tensors' with a kv_cache_scheme (a quantized KV cache)")
     groups = raw.get("config_groups") or {}
     if not groups:
         raise _refuse("'compressed-tensors' without config_groups")
     for name, group in groups.items():
+        fmt = group.get("format") or top  # a group's own format, where the file gives one
+        if fmt not in ("float-quantized", "naive-quantized"):
+            raise _refuse(f"'compressed-tensors' {name} format {fmt!r}")
         w = group.get("weights") or {}
         kind = f"{w.get('type')} {w.get('num_bits')}-bit"
         if (w.get("type"), w.get("num_bits")) != ("float", 8):

@@ -82,14 +82,17 @@ def load_weights(
     def projection(module: str) -> Weight:
         """`module`.weight as stored: fp8 codes with their scales, or a tensor in `dtype`."""
         t = raw(module + ".weight")
-        if t.dtype.itemsize != 1 or not t.is_floating_point():
+        if t.is_floating_point() and t.dtype.itemsize > 1:
             return t.to(device=device, dtype=dtype)
         if t.dtype != FP8:
             raise ModelConfigError(
-                f"{model_dir}: {module}.weight is {t.dtype}; fp8 weights must be e4m3 (float8_e4m3fn)"
+                f"{model_dir}: {module}.weight is {t.dtype}; quantized weights must be float8_e4m3fn"
             )
         for unused in (".input_scale", ".input_scale_ub"):  # static activation scales: per token instead
             used.add(module + unused)
+        for zero in (".weight_zero_point", ".input_zero_point"):  # symmetric schemes may store zeros
+            if module + zero in where and raw(module + zero).any():
+                raise ModelConfigError(f"{model_dir}: {module}{zero} is not zero; only symmetric fp8 runs")
         scale = fp8_scale(raw(module + ".weight_scale"), t.shape[0], module)
         return Fp8Weight(t.to(device).contiguous(), scale.to(device))
 

@@ -135,6 +135,9 @@ def test_lora_delta_is_added_in_bf16_to_the_fp8_output(bf16_model, tmp_path):
         ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
             "weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}}, "'block'-strategy"),
         ({"quant_method": "compressed-tensors", "format": "int-quantized"}, "'int-quantized'"),
+        ({"quant_method": "compressed-tensors", "format": "mixed-precision", "config_groups": {"group_1": {
+            "format": "pack-quantized", "weights": {"num_bits": 4, "type": "int"}}}}, "'pack-quantized'"),
+        ({"quant_method": "fp8", "kv_cache_scheme": {"num_bits": 8}}, "quantized KV cache"),
     ],
 )  # fmt: skip
 def test_unsupported_quantization_is_refused_by_name(bf16_model, tmp_path, quant, named):
@@ -187,3 +190,24 @@ def test_a_fused_projection_of_fp8_and_unquantized_parts():
     assert torch.equal(fused.q[:32].float(), q8.q.float()) and torch.equal(fused.scale[:32], q8.scale)
     kv8 = quantize_weight(kv)
     assert torch.equal(fused.q[32:].float(), kv8.q.float()) and torch.equal(fused.scale[32:], kv8.scale)
+
+
+def test_group_formats_and_zero_points(bf16_model, tmp_path):
+    """compressed-tensors may give the format per config group and store symmetric zero points (zeros):
+    both load; a non-zero zero point (an asymmetric scheme) is refused by name."""
+    fp8 = write_fp8(bf16_model, tmp_path / "fp8", "compressed-tensors", "channel")
+    cfg = json.loads((fp8 / "config.json").read_text())
+    quant = cfg["quantization_config"]
+    quant["config_groups"]["group_0"]["format"] = quant.pop("format")
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    file = fp8 / "model.safetensors"
+    tensors = load_file(str(file))
+    zeros = {k.replace(".weight_scale", ".weight_zero_point"): torch.zeros_like(v) for k, v in tensors.items()
+             if k.endswith(".weight_scale")}  # fmt: skip
+    save_file({**tensors, **zeros}, str(file))
+    w = load_weights(fp8, ModelConfig.from_dir(fp8), torch.bfloat16, CPU)
+    assert isinstance(w.layers[1].down, Fp8Weight)
+    name = "model.layers.1.mlp.down_proj.weight_zero_point"
+    save_file({**tensors, **zeros, name: torch.ones_like(zeros[name])}, str(file))
+    with pytest.raises(ModelConfigError, match=f"{name} is not zero"):
+        load_weights(fp8, ModelConfig.from_dir(fp8), torch.bfloat16, CPU)
