@@ -180,7 +180,7 @@ def _check_quantization(args: ServeArgs, model_cfg: ModelConfig) -> None:
         from stages.worker.model.linear import check_fp8_device
 
         try:
-            check_fp8_device(torch.device("cuda"), parse_dtype(args.dtype, model_cfg.dtype))
+            check_fp8_device(torch.device("cuda"), parse_dtype(args.dtype, model_cfg.dtype), probe=False)
         except ValueError as exc:
             flag = "--quantization fp8" if args.quantization else f"--model {args.model}"
             raise ServeArgsError(f"{flag}: {exc}") from None

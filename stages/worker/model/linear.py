@@ -83,8 +83,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
     return out if bias is None else out + bias
 
 
-def check_fp8_device(device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse a device and activation dtype the fp8 GEMM cannot run with."""
+def check_fp8_device(device: torch.device, dtype: torch.dtype, probe: bool = True) -> None:
+    """Refuse a device and activation dtype the fp8 GEMM cannot run with. `probe`: also run one small
+    fp8 GEMM on the device (which creates a CUDA context: the worker's, not the launcher's)."""
     if device.type != "cuda":
         return
     major, minor = torch.cuda.get_device_capability(device)
@@ -94,6 +95,8 @@ def check_fp8_device(device: torch.device, dtype: torch.dtype) -> None:
         )
     if dtype != torch.bfloat16:
         raise ValueError(f"fp8 weights run with bfloat16 activations on CUDA; --dtype gives {dtype}")
+    if not probe:
+        return
     try:  # row-wise scales are not on every architecture this torch build knows
         a = torch.zeros((16, 16), dtype=FP8, device=device)
         s = torch.ones((16, 1), dtype=torch.float32, device=device)
