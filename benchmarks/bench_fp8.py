@@ -144,7 +144,7 @@ def quality(engines: dict[str, LLM], names: list[str], n: int, length: int, voca
         slot = i % len(names)
         ref = torch.log_softmax(all_logits(engines["bf16"], tokens, slot), dim=-1)
         got = torch.log_softmax(all_logits(engines["fp8"], tokens, slot), dim=-1)
-        kl_sum += (ref.exp() * (ref - got)).sum().item()
+        kl_sum += (ref.exp() * (ref - got)).sum(dtype=torch.float64).item()
         agree += (ref.argmax(-1) == got.argmax(-1)).sum().item()
         positions += length
     return {"mean_kl": kl_sum / positions, "top1_agreement": agree / positions, "positions": int(positions)}
