@@ -22,6 +22,9 @@ class EngineArgs:
     model: str
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str = "auto"
+    # "fp8": the linear projections in fp8 e4m3, one scale per output channel (a bf16 checkpoint is
+    # quantized at load); None: as the checkpoint stores them (an fp8 checkpoint runs in fp8)
+    quantization: str | None = None
     max_loras_per_batch: int | None = None  # distinct adapters in one step; None: as many as the pool holds
     lora_gpu_memory_gb: float | None = None  # the GPU adapter pool; None: see RunnerConfig
     max_adapter_bypass: int = 16  # steps a request whose adapter is staged may be passed
@@ -137,6 +140,7 @@ def runner_config(e: EngineArgs, model_cfg: ModelConfig) -> RunnerConfig:
         model_dir=e.model,
         device=e.resolved_device(),
         dtype=serving_dtype(e, model_cfg),
+        quantization=e.quantization,
         max_lora_rank=e.max_lora_rank,
         lora_gpu_memory_gb=e.lora_gpu_memory_gb,
         lora_backend=e.lora_backend,

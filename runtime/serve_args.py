@@ -13,6 +13,7 @@ from runtime import http_args
 from runtime.base.endpoints import DEFAULT_CLIENT_PORT, DEFAULT_ENDPOINT
 from runtime.base.sockets import MAX_CLIENT_MSG_BYTES
 from runtime.common.names import adapter_name_problem
+from runtime.common.quant_config import QUANTIZATIONS
 from runtime.engine_args import EngineArgs
 from runtime.host_cache_size import DEFAULT_CPU_LORA_CACHE_GB
 from runtime.serve_loading_args import add_loading_arguments
@@ -108,6 +109,13 @@ def _model_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         "--device", choices=("cpu", "cuda"), default=None, help="where to run (default: cuda if available)"
     )
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="serving dtype (auto: the checkpoint's)")
+    g.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=d.quantization,
+        help="fp8: the base model's linear layers in fp8 e4m3, one scale per output channel, a bf16 "
+        "checkpoint quantized at load (default: as the checkpoint stores them; fp8 ones run in fp8)",
+    )
     g.add_argument(
         "--tensor-parallel-size",
         type=int,

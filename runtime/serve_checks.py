@@ -70,6 +70,7 @@ def validate(args: ServeArgs) -> ModelConfig:
             raise ServeArgsError(f"--pin-adapter {name}: no --adapter registers that name")
     _check_numbers(args, model_cfg)
     _check_device(args)
+    _check_quantization(args, model_cfg)
     _check_endpoint(args.endpoint)
     try:
         check_security(args)
@@ -166,6 +167,23 @@ def _check_device(args: ServeArgs) -> None:
     for flag, name in kernels:
         if name == "triton" and device != "cuda":
             raise ServeArgsError(f"{flag} triton needs --device cuda")
+
+
+def _check_quantization(args: ServeArgs, model_cfg: ModelConfig) -> None:
+    """fp8 weights (asked for, or the checkpoint's) need a GPU that runs fp8 GEMMs and bf16 activations."""
+    if args.quantization is None and model_cfg.quantization is None:
+        return
+    if args.resolved_device() == "cuda":
+        import torch
+
+        from runtime.common.model_config import parse_dtype
+        from stages.worker.model.linear import check_fp8_device
+
+        try:
+            check_fp8_device(torch.device("cuda"), parse_dtype(args.dtype, model_cfg.dtype), probe=False)
+        except ValueError as exc:
+            flag = "--quantization fp8" if args.quantization else f"--model {args.model}"
+            raise ServeArgsError(f"{flag}: {exc}") from None
 
 
 def _check_endpoint(endpoint: str) -> None:

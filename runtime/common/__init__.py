@@ -1,2 +1,3 @@
 """What several stages share: the LoRA layout (`lora_layout`), the packed adapter (`packed`), the model
-config (`model_config`) and the shared-memory host pool (`host_pool`). Imports no stage."""
+config (`model_config`, with the checkpoint's quantization from `quant_config`) and the shared-memory
+host pool (`host_pool`). Imports no stage."""

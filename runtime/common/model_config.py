@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.common.quant_config import CheckpointQuant, QuantConfigError, checkpoint_quant
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,6 +51,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype
+    quantization: CheckpointQuant | None = None  # the checkpoint's own (its weights pre-quantized)
 
     @property
     def q_size(self) -> int:
@@ -97,6 +100,10 @@ class ModelConfig:
         if is_qwen and not c.get("use_sliding_window", False):
             window = None
         dtype_name = c.get("dtype") or c.get("torch_dtype") or "float32"
+        try:
+            quantization = checkpoint_quant(c.get("quantization_config"))
+        except QuantConfigError as e:
+            raise ModelConfigError(str(e)) from None
         return cls(
             architecture=arch,
             hidden_size=c["hidden_size"],
@@ -117,6 +124,7 @@ class ModelConfig:
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
+            quantization=quantization,
         )
 
 

@@ -11,6 +11,7 @@ from kernels.host_copy import IndexUploads
 from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig, parse_dtype
 from runtime.common.packed import PackedAdapter
+from runtime.common.quant_config import check_quantization
 from stages.worker.decode_graphs import DecodeGraphs
 from stages.worker.lora.backend import slot_segments
 from stages.worker.lora.factory import make_backend
@@ -18,6 +19,7 @@ from stages.worker.lora.pool import LoraPool, Runs, default_pool_bytes, pool_geo
 from stages.worker.model.attention import plan_for, resolve_backend
 from stages.worker.model.forward_batch import ForwardBatch, SeqExtent
 from stages.worker.model.kv_cache import KVCache
+from stages.worker.model.linear import check_fp8_device
 from stages.worker.model.llama import LlamaModel
 from stages.worker.model.pointwise import resolve_pointwise
 from stages.worker.model.weights import load_weights
@@ -36,6 +38,7 @@ class RunnerConfig:
     model_dir: str
     device: str = "cpu"
     dtype: str | None = None  # None/"auto": the checkpoint's dtype
+    quantization: str | None = None  # "fp8": quantize the projections at load (engine_args.py)
     max_lora_rank: int = 64
     # GiB of the rank-paged adapter pool; None: 10% of free device memory before the KV cache is sized
     # (CUDA), 64 MiB elsewhere; at least one adapter of max_lora_rank (stages/worker/lora/pool.py)
@@ -123,11 +126,15 @@ class ModelRunner:
         # `host_layout`: how the loader packs adapters (the whole model's); `lora_layout`: this pool's
         self.host_layout = LoraLayout.for_model(self.full_cfg, self.cfg.max_lora_rank)
         self.shard_adapter = None
+        quantize = check_quantization(self.cfg.quantization) == "fp8"
+        if quantize or self.model_cfg.quantization is not None:
+            check_fp8_device(self.device, self.dtype)
         if self.tp is None:
-            weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
+            weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device, quantize)
         else:  # read on the host, then only this rank's shard goes to the device
             tp = self.tp
-            whole = load_weights(self.cfg.model_dir, self.full_cfg, self.dtype, torch.device("cpu"))
+            cpu = torch.device("cpu")
+            whole = load_weights(self.cfg.model_dir, self.full_cfg, self.dtype, cpu, quantize)
             weights = to_device(shard_weights(whole, self.full_cfg, tp.rank, tp.size), self.device)
             del whole
             self.model_cfg = shard_config(self.full_cfg, tp.size)

@@ -1,11 +1,11 @@
-"""The Llama-family forward (Llama, Qwen2, Mistral) over flattened tokens: torch linear layers, every
-one's LoRA delta added by the backend handed in (none for base-only batches), attention and the
-pointwise ops (norms, rotary + K/V write, activation) from the backends chosen at construction."""
+"""The Llama-family forward (Llama, Qwen2, Mistral) over flattened tokens: linear layers (`linear.py`:
+torch's, or fp8 GEMMs for fp8 weights), every one's LoRA delta added by the backend handed in (none for
+base-only batches), attention and the pointwise ops (norms, rotary + K/V write, activation) from the
+backends chosen at construction."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig, rope_inv_freq
@@ -13,6 +13,7 @@ from stages.worker.lora.backend import LoraBackend
 from stages.worker.model.attention import attention_fn
 from stages.worker.model.forward_batch import ForwardBatch
 from stages.worker.model.kv_cache import KVCache
+from stages.worker.model.linear import linear
 from stages.worker.model.pointwise import pointwise_ops
 from stages.worker.model.split import WHOLE
 from stages.worker.model.weights import LayerWeights, ModelWeights
@@ -72,14 +73,14 @@ class LlamaModel:
         """Layer i up to attention: norm, QKV (+ LoRA), rotary, the K/V write. Returns q [T, heads, D]."""
         cfg, lw = self.cfg, self.w.layers[i]
         x = self.ops.norm(h, lw.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, q + 2 kv]
+        qkv = linear(x, lw.qkv, lw.qkv_bias)  # [T, q + 2 kv]
         self._lora(lora, x, qkv, i, "qkv")
         return self.ops.rope_kv(qkv, cos, sin, kv_rows, kv, i, cfg.num_heads, cfg.num_kv_heads)  # [T, H, D]
 
     def post_attention(self, i: int, h, attn, lora) -> torch.Tensor:
         """Layer i after attention: O (+ LoRA) and the residual, then the MLP block. Returns h [T, H]."""
         lw = self.w.layers[i]
-        o = F.linear(attn, lw.o, lw.o_bias)  # [T, H]
+        o = linear(attn, lw.o, lw.o_bias)  # [T, H]
         self._lora(lora, attn, o, i, "o")
         o = self.split.sum_partial(o)
         h, x = self.ops.add_norm(h, o, lw.post_norm, self.cfg.rms_norm_eps)  # h + o and its norm
@@ -94,11 +95,11 @@ class LlamaModel:
             lora.apply(x, out, layer, self.lora_layout.group(group))
 
     def _mlp(self, i, lw: LayerWeights, x, lora) -> torch.Tensor:
-        gate_up = F.linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2I]
+        gate_up = linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2I]
         if lora is None:
             act = self.ops.act(gate_up)  # silu(gate) * up, [T, I]
         else:  # the backend may fuse the delta into the activation
             act = lora.apply_act(x, gate_up, i, self.lora_layout.group("gate_up"), self.ops.act)
-        down = F.linear(act, lw.down, lw.down_bias)  # [T, H]
+        down = linear(act, lw.down, lw.down_bias)  # [T, H]
         self._lora(lora, act, down, i, "down")
         return self.split.sum_partial(down)

@@ -1,5 +1,7 @@
 """Loads a Hugging Face checkpoint's safetensors (single file or sharded with an index) into the fused
-per-layer tensors the forward uses (q/k/v and gate/up stacked), checking nothing is missing or extra."""
+per-layer tensors the forward uses (q/k/v and gate/up stacked), checking nothing is missing or extra.
+A projection stored in fp8 (e4m3 `weight` + `weight_scale`, a scalar or one per output row) stays fp8
+(`linear.Fp8Weight`); with `quantize` every projection is made fp8, one scale per output row."""
 
 from __future__ import annotations
 
@@ -11,19 +13,20 @@ import torch
 from safetensors import safe_open
 
 from runtime.common.model_config import ModelConfig, ModelConfigError
+from stages.worker.model.linear import FP8, Fp8Weight, Weight, cat_weights
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, H]
+    qkv: Weight  # [q_size + 2 * kv_size, H]; each projection a tensor or an Fp8Weight
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
-    o: torch.Tensor  # [H, q_size]
+    o: Weight  # [H, q_size]
     o_bias: torch.Tensor | None  # [H]
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 * I, H]
+    gate_up: Weight  # [2 * I, H]
     gate_up_bias: torch.Tensor | None  # [2 * I]
-    down: torch.Tensor  # [H, I]
+    down: Weight  # [H, I]
     down_bias: torch.Tensor | None  # [H]
 
 
@@ -52,7 +55,7 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(
-    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, quantize: bool = False
 ) -> ModelWeights:
     model_dir = Path(model_dir)
     handles = {}
@@ -64,17 +67,52 @@ def load_weights(
             where[k] = f
     used: set[str] = set()
 
-    def get(name: str) -> torch.Tensor:
+    def raw(name: str) -> torch.Tensor:
         if name not in where:
             raise ModelConfigError(f"{model_dir}: checkpoint is missing tensor {name!r}")
         used.add(name)
-        return handles[where[name]].get_tensor(name).to(device=device, dtype=dtype)
+        return handles[where[name]].get_tensor(name)
+
+    def get(name: str) -> torch.Tensor:
+        t = raw(name)
+        if t.dtype.itemsize == 1 and t.is_floating_point():
+            raise ModelConfigError(f"{model_dir}: {name} is {t.dtype}; only linear projections may be fp8")
+        return t.to(device=device, dtype=dtype)
+
+    def projection(module: str) -> Weight:
+        """`module`.weight as stored: fp8 codes with their scales, or a tensor in `dtype`."""
+        t = raw(module + ".weight")
+        if t.is_floating_point() and t.dtype.itemsize > 1:
+            return t.to(device=device, dtype=dtype)
+        if t.dtype != FP8:
+            raise ModelConfigError(
+                f"{model_dir}: {module}.weight is {t.dtype}; quantized weights must be float8_e4m3fn"
+            )
+        for unused in (".input_scale", ".input_scale_ub"):  # static activation scales: per token instead
+            used.add(module + unused)
+        for zero in (".weight_zero_point", ".input_zero_point"):  # symmetric schemes may store zeros
+            if module + zero in where and raw(module + zero).any():
+                raise ModelConfigError(f"{model_dir}: {module}{zero} is not zero; only symmetric fp8 runs")
+        scale = fp8_scale(raw(module + ".weight_scale"), t.shape[0], module)
+        return Fp8Weight(t.to(device).contiguous(), scale.to(device))
+
+    def fp8_scale(s: torch.Tensor, rows: int, module: str) -> torch.Tensor:
+        s = s.to(torch.float32).reshape(-1)
+        if s.numel() not in (1, rows):
+            raise ModelConfigError(
+                f"{model_dir}: {module}.weight_scale has {s.numel()} values for {rows} output rows; "
+                f"only per-tensor or per-channel fp8 scales are supported"
+            )
+        return s.expand(rows).contiguous()  # [N]: a per-tensor scale repeated per row
 
     def maybe(name: str, present: bool) -> torch.Tensor | None:
         return get(name) if present else None
 
     def cat(names: list[str]) -> torch.Tensor:
         return torch.cat([get(n) for n in names], dim=0)
+
+    def fused(modules: list[str]) -> Weight:
+        return cat_weights([projection(m) for m in modules], quantize)
 
     layers = []
     for i in range(cfg.num_layers):
@@ -84,14 +122,14 @@ def load_weights(
         layers.append(
             LayerWeights(
                 input_norm=get(p + "input_layernorm.weight"),
-                qkv=cat([n + ".weight" for n in att]),
+                qkv=fused(att),
                 qkv_bias=cat([n + ".bias" for n in att]) if cfg.qkv_bias else None,
-                o=get(p + "self_attn.o_proj.weight"),
+                o=fused([p + "self_attn.o_proj"]),
                 o_bias=maybe(p + "self_attn.o_proj.bias", cfg.o_bias),
                 post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=cat([n + ".weight" for n in mlp]),
+                gate_up=fused(mlp),
                 gate_up_bias=cat([n + ".bias" for n in mlp]) if cfg.mlp_bias else None,
-                down=get(p + "mlp.down_proj.weight"),
+                down=fused([p + "mlp.down_proj"]),
                 down_bias=maybe(p + "mlp.down_proj.bias", cfg.mlp_bias),
             )
         )

@@ -1,7 +1,9 @@
 """One rank's shard of the base model (Megatron's split): Q/K/V and gate/up by output rows (attention
 heads, intermediate features), O and down by input columns, the embedding and the LM head by vocabulary
 rows. A projection split by input columns keeps its bias on rank 0 only, since the ranks' outputs are
-summed. The rank's `ModelConfig` has its own head and feature counts and the whole vocabulary."""
+summed. An fp8 projection's per-row scales go with its rows (Q/K/V, gate/up) or stay whole (O, down: a
+split of input columns leaves every output row). The rank's `ModelConfig` has its own head and feature
+counts and the whole vocabulary."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import dataclasses
 import torch
 
 from runtime.common.model_config import ModelConfig, ModelConfigError
+from stages.worker.model.linear import Fp8Weight, Weight
 from stages.worker.model.weights import LayerWeights, ModelWeights
 
 
@@ -64,12 +67,16 @@ def shard_weights(w: ModelWeights, cfg: ModelConfig, rank: int, size: int) -> Mo
     qkv_parts = ((0, q), (cfg.q_size, kv), (cfg.q_size + cfg.kv_size, kv))  # (start in whole, rows)
     gate_up_parts = ((0, inter), (cfg.intermediate_size, inter))
 
-    def by_rows(t: torch.Tensor | None, parts) -> torch.Tensor | None:
+    def by_rows(t: Weight | None, parts) -> Weight | None:
         if t is None:
             return None
+        if isinstance(t, Fp8Weight):
+            return Fp8Weight(by_rows(t.q, parts), by_rows(t.scale, parts))
         return torch.cat([_rows(t, start + rank * n, n) for start, n in parts]).contiguous()
 
-    def by_cols(t: torch.Tensor, n: int) -> torch.Tensor:
+    def by_cols(t: Weight, n: int) -> Weight:
+        if isinstance(t, Fp8Weight):
+            return Fp8Weight(by_cols(t.q, n), t.scale)
         return t[:, rank * n : (rank + 1) * n].contiguous()
 
     def rank0_bias(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -98,7 +105,7 @@ def shard_weights(w: ModelWeights, cfg: ModelConfig, rank: int, size: int) -> Mo
 def to_device(w: ModelWeights, device: torch.device) -> ModelWeights:
     """`w` on `device`, a tied LM head still the embedding itself."""
 
-    def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+    def mv(t: Weight | None) -> Weight | None:  # an Fp8Weight moves its codes and scales
         return None if t is None else t.to(device)
 
     layers = [
