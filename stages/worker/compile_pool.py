@@ -106,6 +106,19 @@ def recording() -> Iterator[list[Spec]]:
         knobs.runtime.jit_cache_hook = before
 
 
+@contextmanager
+def counting_compiles() -> Iterator[list[bool]]:
+    """Within: one entry per kernel the JIT compiles or loads in this process, True where it compiled
+    (the on-disk cache did not hold it)."""
+    compiled: list[bool] = []
+    before = knobs.compilation.listener
+    knobs.compilation.listener = lambda *, cache_hit, **_: compiled.append(not cache_hit)
+    try:
+        yield compiled
+    finally:
+        knobs.compilation.listener = before
+
+
 def _child_init(target: tuple, modules: tuple[str, ...]) -> None:
     driver.set_active(TargetDriver(GPUTarget(*target)))
     for m in modules:
@@ -117,14 +130,9 @@ def compile_spec(spec: Spec) -> bool:
     source and options as the launch did, for the active driver's target). True: it was compiled, False:
     the cache already held it."""
     fn = getattr(importlib.import_module(spec.module), spec.name)
-    hits: list[bool] = []
-    before = knobs.compilation.listener
-    knobs.compilation.listener = lambda *, cache_hit, **_: hits.append(cache_hit)
-    try:
+    with counting_compiles() as compiled:
         fn.preload(spec.data)
-    finally:
-        knobs.compilation.listener = before
-    return not hits or not all(hits)  # no report: counted as compiled
+    return not compiled or any(compiled)  # no report: counted as compiled
 
 
 class CompilePool:
