@@ -138,11 +138,16 @@ def warm_up(
         _forward(runner)
     torch.cuda.synchronize(runner.device)
     took = time.perf_counter() - start
-    say(
-        f"warm-up done in {took:.1f} s: {compiled} of {len(specs)} kernels compiled by the pool, "
-        f"{sum(here)} of {len(here)} compiled in the worker"
-    )
+    say(done_line(took, compiled, len(specs), sum(here), len(here)))
     return WarmupStats(len(launches), len(attn), took, cache_dir, len(specs), compiled, sum(here))
+
+
+def done_line(seconds: float, pool_compiled: int, kernels: int, here_compiled: int, here: int) -> str:
+    """The warm-up's last log line (benchmarks/cold_start_report.py reads it)."""
+    return (
+        f"warm-up done in {seconds:.1f} s: {pool_compiled} of {kernels} kernels compiled by the pool, "
+        f"{here_compiled} of {here} compiled in the worker"
+    )
 
 
 def _lora(runner: ModelRunner, launches: list, progress: _Progress | None) -> None:
