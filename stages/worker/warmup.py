@@ -129,6 +129,10 @@ def warm_up(
         with recording() as specs, torch.inference_mode():
             _lora(runner, launches, None)
             _attention(runner, attn, None)
+            # The step-sized forward's own kernels (norms, rotary, activation) too. Recorded launches do
+            # not run, so its activations are garbage; its indices all come from host copies, and nothing
+            # of it is kept.
+            _forward(runner)
         say(f"warm-up: {len(specs)} kernel specializations to compile in {pool.workers} processes")
     progress = _Progress(len(specs) + len(launches) + len(attn), say, report)
     compiled = pool.compile(specs, lambda: progress.step("compiled")) if specs else 0
