@@ -28,6 +28,9 @@ def run_warmup(args: ServeArgs, model_cfg: ModelConfig) -> int:
     if not cfg.device.startswith("cuda"):
         print("lorapipe warmup: error: needs a CUDA device (--device cuda)", file=sys.stderr)
         return 2
+    if args.tensor_parallel_size > 1:  # each rank's shard has its own shapes: warm up by serving
+        print("lorapipe warmup: error: --tensor-parallel-size > 1 is not supported", file=sys.stderr)
+        return 2
     os.environ["TRITON_CACHE_DIR"] = compile_cache_dir(args)  # the worker's; namespaced by the runner
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     import torch
