@@ -21,8 +21,8 @@ device=${DEVICE:-cuda} preset=${PRESET:-1b} dtype=${DTYPE:-bfloat16}
 num=${NUM_PROMPTS:-1000} s1=${S1:-1}
 port=${PORT:-28400}
 common=${SERVER_FLAGS:-"--max-model-len 2048 --max-running-requests 256 --max-tokens-per-step 8192"}
-mixed_flags="--max-lora-rank 64 --max-loras-per-batch 96 --max-cpu-loras 96"
-r16_flags="--max-lora-rank 16 --max-loras-per-batch 32 --max-cpu-loras 32"
+mixed_flags="--max-lora-rank 64"
+r16_flags="--max-lora-rank 16"
 s1_flags="--max-lora-rank 16 --lora-gpu-memory-gb 4 --cpu-lora-cache-gb 16"
 min_ratio=${MIN_RATIO:-0.95}
 ready_timeout=${READY_TIMEOUT_S:-600}
