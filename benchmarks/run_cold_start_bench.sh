@@ -12,6 +12,8 @@
 # run_churn_bench.sh), so every adapter is loaded, validated and packed as its own, from the page cache.
 # Writes OUT_DIR/results.md (the summary table, also printed) and results.json, the bench JSONs and logs.
 #   usage: bash benchmarks/run_cold_start_bench.sh OUT_DIR     knobs: the variables below (S1=0 skips s1)
+#   CPU smoke test (no c): DEVICE=cpu PRESET=tiny DTYPE=float32 NUM_PROMPTS=8 S1=0 \
+#     SERVER_FLAGS="--max-model-len 512 --num-pages 512" bash benchmarks/run_cold_start_bench.sh /tmp/cs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-${OUT:-${TMPDIR:-/tmp}/lorapipe-bench/cold_start_bench}}")
@@ -101,7 +103,8 @@ start_server r16_cold "$scratch/r16" 32 "$out/cache_b" $r16_flags
 stop_server
 done_part "b: 32 rank-16 adapters, empty cache"
 
-# c. a cache made by `lorapipe warmup`, then a's server on it; the weights' read time apart
+# c. a cache made by `lorapipe warmup`, then a's server on it; the weights' read time apart (CUDA only)
+if [ "$device" = cuda ]; then
 rm -rf "$out/cache_c"
 t0=$SECONDS
 # shellcheck disable=SC2086
@@ -122,6 +125,7 @@ load_weights(sys.argv[1], cfg, parse_dtype(sys.argv[2], cfg.dtype), torch.device
 torch.cuda.synchronize(); print(f"weights_read_s={time.perf_counter() - t:.2f}")
 PY
 done_part "c: lorapipe warmup, then a's server on its cache"
+fi
 
 # s1. the 2,000-adapter S1 server, empty cache, two bursts over 8 adapters
 if [ "$s1" = 1 ]; then
