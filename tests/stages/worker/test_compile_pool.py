@@ -39,7 +39,6 @@ def test_second_warm_up_compiles_nothing_and_another_target_is_not_served(tmp_pa
     assert h100["second"] == 0 and h100["in_process"] == 0  # the same cache: nothing compiled again
     entries = sorted(p.name for p in cache.iterdir())
     a100 = _scenario(tmp_path, cache, 80)  # same kernels and launches, another GPU, same directory
-    assert not set(a100["specs"]) & set(h100["specs"])
     assert a100["in_process"] == len(a100["specs"])  # every one compiled, none taken from sm_90's
     assert set(entries) < {p.name for p in cache.iterdir()}
 
