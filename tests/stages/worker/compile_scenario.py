@@ -57,7 +57,7 @@ def main(out_path: str, arch: int) -> None:
     specs = record(target)
     result = {"specs": [s.data for s in specs], "names": sorted({s.name for s in specs})}
     if arch == 90:
-        with CompilePool(target, workers=2) as pool:
+        with CompilePool(target, workers=1) as pool:
             result["first"] = pool.compile(specs)
             result["second"] = pool.compile(specs)
     # The worker's own launch path after the pool: the JIT compiles (here: preloads) in this process.
