@@ -112,16 +112,16 @@ class ModelRunner:
         # gather indices of a step's logits rows, uploaded without queueing behind adapter copies
         self.index_uploads = IndexUploads(self.max_seqs, self.device)
         compile_pool = start_compiling(self.device, cfg.warmup)  # its processes start while weights load
-        self._init_model()
-        self._init_lora()
-        self._init_kv_cache()
-        self._init_graphs()
-        if cfg.warmup:
-            try:
+        try:
+            self._init_model()
+            self._init_lora()
+            self._init_kv_cache()
+            self._init_graphs()
+            if cfg.warmup:
                 self.warmup = warm_up(self, pool=compile_pool, report=on_warmup)
-            finally:
-                if compile_pool is not None:
-                    compile_pool.close()
+        finally:
+            if compile_pool is not None:
+                compile_pool.close()
         self._capture_graphs()
 
     def _init_model(self) -> None:

@@ -34,8 +34,6 @@ from stages.worker.model.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from stages.worker.compile_pool import CompilePool
-
-if TYPE_CHECKING:
     from stages.worker.runner import ModelRunner
 
 log = logging.getLogger("lorapipe.worker")
