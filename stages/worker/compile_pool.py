@@ -148,8 +148,8 @@ class CompilePool:
             initializer=_child_init,
             initargs=((target.backend, target.arch, target.warp_size), KERNEL_MODULES),
         )
-        for f in [self._pool.submit(os.getpid) for _ in range(self.workers)]:  # start them all now
-            del f
+        for _ in range(self.workers):  # one process starts per task submitted while none is idle: all now
+            self._pool.submit(os.getpid)
 
     def compile(self, specs: list[Spec], on_done: Callable[[], None] | None = None) -> int:
         """Compile `specs` in parallel (a failure raises here, naming the kernel). Returns how many were
