@@ -10,9 +10,9 @@ from collections.abc import Iterable
 
 import msgspec
 
-# 4: host blocks placed by the scheduler; 3: TokenChunks; 2: the GPU adapter pool, merged metrics,
-# LoaderHealth, forbidden
-PROTOCOL_VERSION = 4
+# 5: WarmupProgress; 4: host blocks placed by the scheduler; 3: TokenChunks; 2: the GPU adapter pool,
+# merged metrics, LoaderHealth, forbidden
+PROTOCOL_VERSION = 5
 """Bump on any change that is not "append a field with a default at the end of a Struct"."""
 
 

@@ -151,6 +151,8 @@ class StageHealth(Record):
     stage: str  # "tokenizer", "scheduler", "worker", "loader"
     status: Literal["ok", "degraded", "down", "draining"]
     detail: str = ""
+    warmup_done: int = 0  # the worker's kernel warm-up while it runs: steps done of warmup_total
+    warmup_total: int = 0  # 0: no warm-up running
 
 
 class HealthReply(Message):

@@ -123,5 +123,13 @@ class WorkerStarted(Message):
     lora_max_rank: int = 0  # the largest adapter rank the pool takes (--max-lora-rank)
 
 
+class WarmupProgress(Message):
+    """While the worker compiles and loads its kernels (before WorkerStarted): steps done of the total
+    (the compile pool's kernels, then the variant launches that load them), for health probes."""
+
+    done: int
+    total: int
+
+
 SchedulerToWorker = edge("scheduler_to_worker", BatchPlan)
-WorkerToScheduler = edge("worker_to_scheduler", WorkerStarted, StepResult, SlotsReady)
+WorkerToScheduler = edge("worker_to_scheduler", WorkerStarted, StepResult, SlotsReady, WarmupProgress)

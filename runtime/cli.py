@@ -1,5 +1,6 @@
 """The `lorapipe` command line: `lorapipe serve` runs the multi-process pipeline under the launcher;
-`lorapipe demo` makes a tiny model and adapters, serves them and streams a mixed-adapter workload."""
+`lorapipe warmup` fills the compile cache for the same arguments; `lorapipe demo` makes a tiny model and
+adapters, serves them and streams a mixed-adapter workload."""
 
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=HelpFormatter,
     )
     add_serve_arguments(serve)
+    warmup = sub.add_parser(
+        "warmup",
+        help="fill the compile cache for `serve` with the same arguments (image build, init container)",
+        description="Compile every kernel a server started with the same arguments will run, into its "
+        "compile cache (--compile-cache-dir), on this machine's GPU, then exit.",
+        formatter_class=HelpFormatter,
+    )
+    add_serve_arguments(warmup)
     demo = sub.add_parser(
         "demo",
         help="make a tiny model and adapters, serve them, stream mixed requests",
@@ -37,14 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=12, help="tokens each request generates")
     args, extra = parser.parse_known_args(argv)
     if extra:  # told by the subcommand, whose flags they were meant to be
-        {"serve": serve, "demo": demo}[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "serve":
+        command = {"serve": serve, "warmup": warmup, "demo": demo}[args.command]
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command in ("serve", "warmup"):
         try:
             serve_args = from_namespace(args)
             model_cfg = validate(serve_args)
         except ServeArgsError as exc:
-            print(f"lorapipe serve: error: {exc}", file=sys.stderr)  # one line; no usage block
+            print(f"lorapipe {args.command}: error: {exc}", file=sys.stderr)  # one line; no usage block
             sys.exit(2)
+        if args.command == "warmup":
+            from runtime.warmup_cli import run_warmup
+
+            return run_warmup(serve_args, model_cfg)
         from runtime.launcher import run_server
 
         return run_server(serve_args, model_cfg=model_cfg)

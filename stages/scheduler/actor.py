@@ -37,6 +37,7 @@ from proto.plan import (
     SchedulerToWorker,
     SlotsReady,
     StepResult,
+    WarmupProgress,
     WorkerStarted,
     WorkerToScheduler,
 )
@@ -65,6 +66,7 @@ class SchedulerActor(Actor[SchedulerConfig]):
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
         self.planner: Planner | None = None  # built once the worker says what its KV cache and pool hold
+        self.warmup: WarmupProgress | None = None  # the worker's kernel warm-up, until WorkerStarted
         self.early: list[TokenizedRequest] = []
         self.in_flight: dict[int, BatchPlan] = {}
         self.pending_clears: list[int] = []
@@ -148,7 +150,10 @@ class SchedulerActor(Actor[SchedulerConfig]):
                 await self.on_step_result(msg)
             case SlotsReady():
                 await life.settle_loads(msg.slots_ready, msg.slot_errors, planner)
+            case WarmupProgress():
+                self.warmup = msg
             case WorkerStarted():
+                self.warmup = None
                 await self.on_worker_started(msg)
             case LoaderStarted():
                 self.loader_health = None
@@ -327,11 +332,20 @@ class SchedulerActor(Actor[SchedulerConfig]):
         worker_detail = f"{len(self.in_flight)} plans queued"
         if copy_failures:
             worker_detail += f"; {copy_failures} adapter copies failed"
+        w = self.warmup
+        if w is not None:
+            worker_detail = f"warming up: {w.done}/{w.total} kernel variants compiled or loaded"
         return [
             StageHealth(
                 stage="scheduler", status="degraded" if self.handler_failures else "ok", detail=detail
             ),
-            StageHealth(stage="worker", status=worker, detail=worker_detail),
+            StageHealth(
+                stage="worker",
+                status=worker,
+                detail=worker_detail,
+                warmup_done=w.done if w else 0,
+                warmup_total=w.total if w else 0,
+            ),
             self._loader_health(),
         ]
 

@@ -7,17 +7,20 @@ Slot copies run on a load stream; a copy no step has needed yet is reported with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+import zmq
 
 from proto.pipeline import WorkerToTokenizer
 from proto.plan import (
     SchedulerToWorker,
     SlotLoad,
     SlotsReady,
+    WarmupProgress,
     WorkerStarted,
     WorkerToScheduler,
 )
@@ -121,7 +124,16 @@ class WorkerActor(Actor[WorkerConfig]):
         loop = asyncio.get_running_loop()
         # tensor parallel: this process is rank 0 and starts the others from the step thread
         self.rank_zero = RankZero(cfg) if cfg.tensor_parallel_size > 1 else None
-        start = self.rank_zero.start if self.rank_zero is not None else lambda: ModelRunner(cfg.runner)
+        # Connected before the runner builds: the warm-up's progress goes to the scheduler's health meanwhile.
+        scheduler = self.socket(PushSocket(ep.worker_to_scheduler, WorkerToScheduler, bind=False))
+
+        def progress(done: int, total: int) -> None:  # on the step thread
+            loop.call_soon_threadsafe(self._send_progress, scheduler, WarmupProgress(done=done, total=total))
+
+        if self.rank_zero is not None:
+            start = self.rank_zero.start
+        else:
+            start = lambda: ModelRunner(cfg.runner, on_warmup=progress)  # noqa: E731
         self.runner = await loop.run_in_executor(self.thread, start)
         graphs, steps = self.runner.graphs, self.runner.step_graphs
         if graphs is not None:
@@ -159,7 +171,6 @@ class WorkerActor(Actor[WorkerConfig]):
         self.add_receiver(
             "scheduler", self.socket(PullSocket(ep.scheduler_to_worker, SchedulerToWorker)), plans
         )
-        scheduler = self.socket(PushSocket(ep.worker_to_scheduler, WorkerToScheduler, bind=False))
         tokenizer = self.socket(PushSocket(ep.worker_to_tokenizer, WorkerToTokenizer, bind=False))
         profiler = None
         if cfg.profile_dir is not None and cfg.profile_steps is not None:
@@ -182,6 +193,11 @@ class WorkerActor(Actor[WorkerConfig]):
             lora_max_rank=pool.layout.max_rank,
         )
         await self.to_scheduler.put(started)
+
+    def _send_progress(self, scheduler: PushSocket, msg: WarmupProgress) -> None:
+        """Best effort: a probe that misses one progress message sees the next."""
+        with contextlib.suppress(zmq.Again):
+            scheduler.send_nowait(msg)
 
     async def _send_step(self, outcome: StepOutcome) -> None:
         """One step's tokens, then its result (the step loop sends them in plan order)."""

@@ -29,6 +29,7 @@ from stages.worker.tp.group import TPGroup
 from stages.worker.tp.lora_shard import AdapterSharder
 from stages.worker.tp.shard import shard_config, shard_weights, to_device
 from stages.worker.tp.transform import tensor_parallel
+from stages.worker.warmup import Report, start_compiling, warm_up
 
 __all__ = ["ModelRunner", "RunnerConfig", "SeqInput"]
 
@@ -92,10 +93,12 @@ def inverse_of(order: list[int]) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, cfg: RunnerConfig, model_cfg: ModelConfig | None = None, tp: TPGroup | None = None):
+    def __init__(self, cfg: RunnerConfig, model_cfg: ModelConfig | None = None, tp: TPGroup | None = None,
+                 on_warmup: Report | None = None):  # fmt: skip
         """`model_cfg`: the model's config.json as the caller already parsed it (else read here). `tp`:
         this process is one rank of a tensor-parallel group; it holds that rank's shard of the weights,
-        KV heads and adapter pool (`model_cfg` is then the rank's view, `full_cfg` the model's)."""
+        KV heads and adapter pool (`model_cfg` is then the rank's view, `full_cfg` the model's).
+        `on_warmup`: hears the warm-up's progress (steps done, total)."""
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.tp = tp
@@ -112,14 +115,17 @@ class ModelRunner:
         self.pointwise_backend = resolve_pointwise(cfg.pointwise_backend, self.device)
         # gather indices of a step's logits rows, uploaded without queueing behind adapter copies
         self.index_uploads = IndexUploads(self.max_seqs, self.device)
-        self._init_model()
-        self._init_lora()
-        self._init_kv_cache()
-        self._init_graphs()
-        if cfg.warmup:
-            from stages.worker.warmup import warm_up
-
-            self.warmup = warm_up(self)
+        compile_pool = start_compiling(self.device, cfg.warmup)  # its processes start while weights load
+        try:
+            self._init_model()
+            self._init_lora()
+            self._init_kv_cache()
+            self._init_graphs()
+            if cfg.warmup:
+                self.warmup = warm_up(self, pool=compile_pool, report=on_warmup)
+        finally:
+            if compile_pool is not None:
+                compile_pool.close()
         self._capture_graphs()
 
     def _init_model(self) -> None:

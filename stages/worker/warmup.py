@@ -12,6 +12,10 @@ of forwards, while the plan needs one launch per variant and one LoRA launch per
 different layers may differ in alignment, which Triton specialises on). One real forward at the
 step-size limit then warms the allocator and the matmul libraries. Nothing here runs on the CPU:
 there is nothing to compile.
+
+With a compile pool (`compile_pool.py`; CUDA), the plan's launches are first recorded rather than run,
+the pool compiles the recorded specializations in parallel into the cache, and the launches then load
+them: the specializations are the JIT's own, so the launch pass compiles nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from stages.worker.model import attention
 from stages.worker.model.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
+    from stages.worker.compile_pool import CompilePool
     from stages.worker.runner import ModelRunner
 
 log = logging.getLogger("lorapipe.worker")
@@ -41,30 +46,63 @@ class WarmupStats:
     attention: int  # attention variants launched
     seconds: float
     cache_dir: str
+    kernels: int = 0  # distinct kernel specializations the launches need (recorded for the pool)
+    compiled: int = 0  # of those, compiled by the pool (the rest were in the cache)
+    compiled_here: int = 0  # kernels the launches compiled in this process (not found in the cache)
+
+
+Report = Callable[[int, int], None]  # (steps done, total): compiles of the pool, then variant launches
 
 
 class _Progress:
-    """Log lines with a count and the elapsed time: the first, then at most one per LOG_EVERY_S, the last."""
+    """Log lines with a count and the elapsed time: the first, then at most one per LOG_EVERY_S, the last.
+    `report` hears every step."""
 
-    def __init__(self, total: int, say: Callable[[str], None]):
-        self.total, self.say, self.done = total, say, 0
+    def __init__(self, total: int, say: Callable[[str], None], report: Report | None = None):
+        self.total, self.say, self.done, self.report = total, say, 0, report
         self.start = self.last = time.perf_counter()
+        if report is not None:
+            report(0, total)
 
     def step(self, what: str) -> None:
         self.done += 1
+        if self.report is not None:
+            self.report(self.done, self.total)
         now = time.perf_counter()
         if self.done in (1, self.total) or now - self.last >= LOG_EVERY_S:
             self.last = now
             self.say(f"warm-up: {self.done}/{self.total} kernel variants ({what}), {now - self.start:.1f} s")
 
 
-def warm_up(runner: ModelRunner, say: Callable[[str], None] = log.info) -> WarmupStats:
-    """Compile everything serving can reach on this runner (CUDA only; a no-op elsewhere)."""
+def start_compiling(device: torch.device, warmup: bool) -> CompilePool | None:
+    """On CUDA: point the compile cache at its namespace for this GPU and these kernels, and (`warmup`)
+    start the compile pool, whose processes start up while the caller reads the weights."""
+    if device.type != "cuda":
+        return None
+    from triton.runtime.driver import driver
+
+    from stages.worker.compile_pool import CompilePool, namespace_cache
+
+    with torch.cuda.device(device):
+        target = driver.active.get_current_target()
+    namespace_cache(target)
+    return CompilePool(target) if warmup else None
+
+
+def warm_up(
+    runner: ModelRunner,
+    say: Callable[[str], None] = log.info,
+    pool: CompilePool | None = None,
+    report: Report | None = None,
+) -> WarmupStats:
+    """Compile everything serving can reach on this runner (CUDA only; a no-op elsewhere): in `pool`
+    when given, then load it all in this process. `report` hears the progress."""
     cache_dir = os.environ.get("TRITON_CACHE_DIR", "triton's default (~/.triton/cache)")
     start = time.perf_counter()
     if runner.device.type != "cuda":
         return WarmupStats(0, 0, 0.0, cache_dir)
-    from stages.worker.warmup_plan import attention_variants, lora_launches
+    from stages.worker.compile_pool import counting_compiles, recording
+    from stages.worker.warmup_plan import attention_variants, lora_launches, plan_axes
 
     graphs = runner.graphs_sizes()
     lora = runner.lora
@@ -82,20 +120,39 @@ def warm_up(runner: ModelRunner, say: Callable[[str], None] = log.info) -> Warmu
         )
     say(
         f"warm-up: {len(launches)} LoRA and {len(attn)} attention kernel variants to compile or load "
-        f"(cache: {cache_dir})"
+        f"(cache: {cache_dir}); {plan_axes(launches, attn)}"
     )
-    progress = _Progress(len(launches) + len(attn), say)
-    with torch.inference_mode():
+    specs = []
+    if pool is not None:
+        with recording() as specs, torch.inference_mode():
+            _lora(runner, launches, None)
+            _attention(runner, attn, None)
+            # The step-sized forward's own kernels (norms, rotary, activation) too. Recorded launches do
+            # not run, so its activations are garbage; its indices all come from host copies, and nothing
+            # of it is kept.
+            _forward(runner)
+        say(f"warm-up: {len(specs)} kernel specializations to compile in {pool.workers} processes")
+    progress = _Progress(len(specs) + len(launches) + len(attn), say, report)
+    compiled = pool.compile(specs, lambda: progress.step("compiled")) if specs else 0
+    with torch.inference_mode(), counting_compiles() as here:
         _lora(runner, launches, progress)
         _attention(runner, attn, progress)
         _forward(runner)
     torch.cuda.synchronize(runner.device)
     took = time.perf_counter() - start
-    say(f"warm-up done in {took:.1f} s")
-    return WarmupStats(len(launches), len(attn), took, cache_dir)
+    say(done_line(took, compiled, len(specs), sum(here), len(here)))
+    return WarmupStats(len(launches), len(attn), took, cache_dir, len(specs), compiled, sum(here))
 
 
-def _lora(runner: ModelRunner, launches: list, progress: _Progress) -> None:
+def done_line(seconds: float, pool_compiled: int, kernels: int, here_compiled: int, here: int) -> str:
+    """The warm-up's last log line (benchmarks/cold_start_report.py reads it)."""
+    return (
+        f"warm-up done in {seconds:.1f} s: {pool_compiled} of {kernels} kernels compiled by the pool, "
+        f"{here_compiled} of {here} compiled in the worker"
+    )
+
+
+def _lora(runner: ModelRunner, launches: list, progress: _Progress | None) -> None:
     from kernels.batch_info import BatchInfo
     from kernels.lora_expand_act import ExpandActConfig
 
@@ -122,10 +179,11 @@ def _lora(runner: ModelRunner, launches: list, progress: _Progress) -> None:
                 backend.apply_act_as(info, configs, x, out, layer, group, runner.model.ops.act)
             else:
                 backend.apply_as(info, configs, x, out, layer, group)
-        progress.step(f"LoRA {launch.group} block_m={launch.block_m} block_rank={launch.block_rank}")
+        if progress is not None:
+            progress.step(f"LoRA {launch.group} block_m={launch.block_m} block_rank={launch.block_rank}")
 
 
-def _attention(runner: ModelRunner, variants: list[tuple[int, int]], progress: _Progress) -> None:
+def _attention(runner: ModelRunner, variants: list[tuple[int, int]], progress: _Progress | None) -> None:
     from kernels.paged_attention import META_COLS, AttentionPlan
 
     m, dev = runner.model_cfg, runner.device
@@ -152,7 +210,8 @@ def _attention(runner: ModelRunner, variants: list[tuple[int, int]], progress: _
         )
         for layer in range(m.num_layers):
             attention.triton_paged_attention(q, runner.kv, layer, fb, runner.model.scale, m.sliding_window)
-        progress.step(f"attention block_m={block_m} splits={splits}")
+        if progress is not None:
+            progress.step(f"attention block_m={block_m} splits={splits}")
 
 
 def _forward(runner: ModelRunner) -> None:

@@ -181,3 +181,31 @@ def attention_variants(
         }
         out.extend((bm, s) for s in sorted(splits))
     return out
+
+
+def plan_axes(launches: Sequence[LoraLaunch], attention: Sequence[tuple[int, int]]) -> str:
+    """How many distinct values each axis of the plan holds (the variants are the combinations that
+    the heuristics reach, not the product), for the warm-up's log."""
+    keys = [launch.key for launch in launches]
+    lora = {
+        "group": {k[0] for k in keys},
+        "block_m": {k[1] for k in keys},
+        "block_rank": {k[2] for k in keys},
+        "shrink config": {k[3] for k in keys},
+        "expand config": {k[4] for k in keys},
+        "token count": {launch.num_tokens for launch in launches},
+        "tile count": {launch.num_tiles for launch in launches},
+    }
+    attn = {"block_m": {b for b, _ in attention}, "key splits": {s for _, s in attention}}
+
+    def show(axes: dict[str, set]) -> str:
+        def values(v: set) -> str:
+            return (
+                "{" + ",".join(map(str, sorted(v))) + "}"
+                if len(v) <= 4 and all(isinstance(x, int) for x in v)
+                else ""
+            )
+
+        return ", ".join(f"{name} {len(v)}{values(v)}" for name, v in axes.items())
+
+    return f"LoRA axes: {show(lora)}; attention axes: {show(attn)}"

@@ -66,6 +66,7 @@ from proto.plan import (
     SlotLoad,
     SlotsReady,
     StepResult,
+    WarmupProgress,
     WorkerStarted,
 )
 from proto.sampling import SamplingParams
@@ -84,7 +85,11 @@ ADJUSTED = SamplingParams(
 )
 LOGPROBS = [TokenLogprobs(logprob=-0.25, top_ids=[5, 9], top_logprobs=[-0.25, -2.0]), TokenLogprobs(-1.5)]
 ENTRY = AdapterEntry(name="a", path="/ad/a", tier="gpu", slot=1, state="ready", rank=8, active_requests=2)
-STAGES = [StageHealth(stage="scheduler", status="ok"), StageHealth(stage="worker", status="down", detail="x")]
+STAGES = [
+    StageHealth(stage="scheduler", status="ok"),
+    StageHealth(stage="worker", status="down", detail="x"),
+    StageHealth(stage="worker", status="degraded", detail="warming up", warmup_done=3, warmup_total=9),
+]
 SLOT_LOAD = SlotLoad(
     slot=2,
     adapter="a",
@@ -188,6 +193,7 @@ EXAMPLES: list[Message] = [
         step_time=0.002,
     ),
     SlotsReady(slots_ready=[1]),
+    WarmupProgress(done=37, total=140),
     LaunchStep(plan=BatchPlan(step=12, new_requests=[NewRequestData(request_id="g5", prompt_ids=LONG_IDS)])),
     FinishStep(),
     SyncCopies(),

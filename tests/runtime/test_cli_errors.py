@@ -52,3 +52,11 @@ def test_an_adapter_given_as_the_model_says_so_once(capsys, llama_adapters):
     line = _error(capsys, ["serve", "--model", path, *NO_FIXED_PORTS])
     assert line.count(path) == 1, line
     assert "no config.json" in line and "--adapter NAME=DIR" in line
+
+
+def test_warmup_takes_the_serve_flags_and_needs_a_gpu(capsys, tiny_llama):
+    line = _error(capsys, ["warmup", "--model", str(tiny_llama), "--frobnicate"])
+    assert "lorapipe warmup: error: unrecognized arguments: --frobnicate" in line
+    assert cli_main(["warmup", "--model", str(tiny_llama), "--device", "cpu", "--max-lora-rank", "16"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == "lorapipe warmup: error: needs a CUDA device (--device cuda)"

@@ -17,6 +17,7 @@ from proto.client import (
     HealthReply,
     ListAdapters,
     LoadAdapter,
+    StageHealth,
     UnloadAdapter,
 )
 from stages.tokenizer.http.app import build_app
@@ -112,7 +113,7 @@ class HttpFrontEnd:
         except ApiError as exc:
             return False, {"status": "down", "detail": exc.message}
         assert isinstance(reply, HealthReply)
-        stages = {s.stage: {"status": s.status, "detail": s.detail} for s in reply.stages}
+        stages = {s.stage: _stage(s) for s in reply.stages}
         return reply.ok, {"status": "ok" if reply.ok else "not ready", "stages": stages}
 
     async def metrics_text(self) -> str:
@@ -122,6 +123,14 @@ class HttpFrontEnd:
             raise ApiError(
                 503, f"the launcher did not answer a metrics query within {METRICS_TIMEOUT_S:g}s"
             ) from None
+
+
+def _stage(s: StageHealth) -> dict[str, Any]:
+    """One stage of /health; the worker's kernel warm-up progress while it runs."""
+    out: dict[str, Any] = {"status": s.status, "detail": s.detail}
+    if s.warmup_total:
+        out["warmup"] = {"done": s.warmup_done, "total": s.warmup_total}
+    return out
 
 
 def _rid() -> str:

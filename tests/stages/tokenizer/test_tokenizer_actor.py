@@ -366,3 +366,27 @@ def test_logprobs_travel_with_their_tokens(tmp_path, model_dir, tokenizer):
         assert (await plain).logprobs is None
 
     _run(tmp_path, model_dir, body)
+
+
+def test_health_carries_the_worker_warm_up_progress_to_the_sdk_and_http(tmp_path, model_dir, tokenizer):
+    from stages.tokenizer.http.front import _stage
+
+    async def body(p: Pipeline) -> None:
+        health = asyncio.create_task(p.client.health())
+        op = await p.scheduled(HealthProbe)
+        warming = StageHealth(
+            stage="worker", status="degraded", detail="warming up", warmup_done=12, warmup_total=140
+        )
+        await p.sched_out.send(HealthStatus(op_id=op.op_id, stages=[warming]))
+        reply = await health
+        assert not reply.ok
+        (worker,) = [s for s in reply.stages if s.stage == "worker"]
+        assert (worker.warmup_done, worker.warmup_total) == (12, 140)
+        assert _stage(worker) == {
+            "status": "degraded",
+            "detail": "warming up",
+            "warmup": {"done": 12, "total": 140},
+        }
+        assert "warmup" not in _stage(StageHealth(stage="worker", status="ok"))
+
+    _run(tmp_path, model_dir, body)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels import device_info
-from kernels.batch_info import choose_block_m, plan_runs, plan_tiles
+from kernels.batch_info import BatchInfoBuilder, choose_block_m, plan_runs, plan_tiles
 from kernels.lora_expand_act import ExpandActConfig
 from kernels.paged_attention import choose_splits, plan_blocks
 from runtime.common.lora_layout import LoraLayout
@@ -25,6 +25,7 @@ from stages.worker.warmup_plan import (
     attention_variants,
     block_m_spans,
     lora_launches,
+    plan_axes,
     rank_classes,
     tile_range,
 )
@@ -160,3 +161,29 @@ def test_warm_up_does_nothing_on_cpu(tiny_llama):
     )
     stats = warm_up(runner)
     assert (stats.lora, stats.attention) == (0, 0) and stats.seconds < 0.1
+
+
+def test_rank_classes_cover_every_rank_a_batch_can_have():
+    """Brute force through the real batch builder: for every max rank up to 160, batches whose largest
+    adapter has each rank 1..max get a rank tile that the plan holds and that covers that rank, and
+    every class the plan holds is one such a batch gets (none compiled for nothing)."""
+    builder = BatchInfoBuilder(8, "cpu")
+    tile = {r: builder.build([0, 1], [0], r).block_rank for r in range(1, 161)}
+    for max_rank in range(1, 161):
+        classes = rank_classes(max_rank)
+        assert all(tile[r] in classes and tile[r] >= r for r in range(1, max_rank + 1)), max_rank
+        assert set(classes) == {tile[r] for r in range(1, max_rank + 1)}, max_rank
+    assert rank_classes(8) == rank_classes(16) == [16] and rank_classes(64) == [16, 32, 64]
+
+
+def test_plan_axes_count_what_the_plan_holds(monkeypatch):
+    monkeypatch.setattr(device_info, "num_sms", lambda device: 132)
+    launches = lora_launches(_backend(max_tokens=96, max_rank=40), (1, 8))
+    line = plan_axes(launches, [(16, 1), (16, 2), (64, 1)])
+    keys = [launch.key for launch in launches]
+    assert f"block_rank {len({k[2] for k in keys})}{{16,32,64}}" in line
+    assert (
+        f"shrink config {len({k[3] for k in keys})}," in line
+        and f"group {len({k[0] for k in keys})}," in line
+    )
+    assert line.endswith("attention axes: block_m 2{16,64}, key splits 2{1,2}")

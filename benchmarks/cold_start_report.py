@@ -1,0 +1,140 @@
+"""The cold-start benchmark's summary (benchmarks/run_cold_start_bench.sh): time to ready per server, the
+warm-up's share and its compile counts from the server logs, the bursts' throughput, and the targets as
+PASS/FAIL lines. One markdown table on stdout, everything in `--out` JSON.
+    python -m benchmarks.cold_start_report OUT_DIR --min-ratio 0.95 --out OUT_DIR/results.json"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+_DONE = re.compile(
+    r"warm-up done in ([0-9.]+) s: (\d+) of (\d+) kernels compiled by the pool, (\d+) of (\d+)"
+)
+_PLAN = re.compile(r"warm-up: (\d+) LoRA and (\d+) attention kernel variants")
+_GRAPHS = re.compile(r"captured (\d+) (?:decode|\w+ step) CUDA graphs.*? in ([0-9.]+) s")
+SERVERS = {
+    "mixed_cold": "a. 96 adapters r8/16/32/64, empty cache",
+    "r16_cold": "b. 32 rank-16 adapters, empty cache",
+    "mixed_prebuilt": "c. as a, on a `lorapipe warmup` cache",
+    "s1_cold": "s1. 2,000 rank-16 adapters, empty cache",
+}
+BURSTS = {"mixed_cold": "mixed", "s1_cold": "s1"}
+
+
+def read_log(path: Path) -> dict[str, Any]:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    done, plan = _DONE.search(text), _PLAN.search(text)
+    return {
+        "variants": int(plan[1]) + int(plan[2]) if plan else None,
+        "warmup_s": float(done[1]) if done else None,
+        "pool_compiled": int(done[2]) if done else None,
+        "kernels": int(done[3]) if done else None,
+        "worker_compiled": int(done[4]) if done else None,
+        "graph_capture_s": sum(float(s) for _, s in _GRAPHS.findall(text)) or None,
+    }
+
+
+def _throughput(path: Path) -> float | None:
+    return json.loads(path.read_text())["summary"]["output_throughput"] if path.exists() else None
+
+
+def build(out: Path, min_ratio: float) -> dict[str, Any]:
+    ready: dict[str, float] = {}
+    if (out / "ready.txt").exists():
+        for line in (out / "ready.txt").read_text().split():
+            k, _, v = line.partition("=")
+            ready[k] = float(v)
+    rows = {}
+    for key, label in SERVERS.items():
+        if key not in ready:
+            continue
+        row = {"label": label, "ready_s": ready[key], **read_log(out / f"server_{key}.log")}
+        if key in BURSTS:
+            first, second = (_throughput(out / f"{BURSTS[key]}_{n}.json") for n in ("first", "second"))
+            row.update(
+                first_tok_s=first, second_tok_s=second, ratio=first / second if first and second else None
+            )
+        rows[key] = row
+    weights = ready.get("weights_read_s")
+    checks = []
+
+    def check(name: str, value: float | None, ok: bool) -> None:
+        checks.append({"target": name, "value": value, "pass": bool(ok)})
+
+    if "mixed_cold" in rows:
+        check("a: ready <= 30 s", rows["mixed_cold"]["ready_s"], rows["mixed_cold"]["ready_s"] <= 30)
+    if "r16_cold" in rows:
+        check("b: ready <= 20 s", rows["r16_cold"]["ready_s"], rows["r16_cold"]["ready_s"] <= 20)
+    if "mixed_prebuilt" in rows and weights is not None:
+        c = rows["mixed_prebuilt"]
+        check("c: ready - weight read <= 10 s", c["ready_s"] - weights, c["ready_s"] - weights <= 10)
+        check(
+            "c: nothing compiled at start",
+            c["pool_compiled"],
+            c["pool_compiled"] == c["worker_compiled"] == 0,
+        )
+    for key in BURSTS:
+        if rows.get(key, {}).get("ratio") is not None:
+            check(
+                f"{key}: first/second burst >= {min_ratio}",
+                rows[key]["ratio"],
+                rows[key]["ratio"] >= min_ratio,
+            )
+    return {
+        "servers": rows,
+        "weights_read_s": weights,
+        "warmup_cli_s": ready.get("warmup_cli_s"),
+        "checks": checks,
+    }
+
+
+def _fmt(x: Any, spec: str = "{:.1f}") -> str:
+    return "-" if x is None else spec.format(x)
+
+
+def table(r: dict[str, Any]) -> str:
+    lines = [
+        "| server | ready s | warm-up s | variants | kernels | compiled: pool / worker | graphs s | "
+        "burst 1 tok/s | burst 2 tok/s | 1st/2nd |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["servers"].values():
+        lines.append(
+            f"| {row['label']} | {_fmt(row['ready_s'])} | {_fmt(row['warmup_s'])} "
+            f"| {_fmt(row['variants'], '{}')} "
+            f"| {_fmt(row['kernels'], '{}')} | {_fmt(row['pool_compiled'], '{}')} / "
+            f"{_fmt(row['worker_compiled'], '{}')} | {_fmt(row['graph_capture_s'])} "
+            f"| {_fmt(row.get('first_tok_s'), '{:.0f}')} | {_fmt(row.get('second_tok_s'), '{:.0f}')} "
+            f"| {_fmt(row.get('ratio'), '{:.3f}')} |"
+        )
+    lines.append("")
+    lines.append(
+        f"weights read: {_fmt(r['weights_read_s'], '{:.2f}')} s; "
+        f"`lorapipe warmup`: {_fmt(r['warmup_cli_s'])} s"
+    )
+    lines += [
+        f"{'PASS' if c['pass'] else 'FAIL'} {c['target']}: {_fmt(c['value'], '{:.3f}')}" for c in r["checks"]
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("dir", type=Path, help="the benchmark's output directory")
+    p.add_argument("--min-ratio", type=float, default=0.95, help="first/second burst target")
+    p.add_argument("--out", type=Path, required=True, help="results JSON")
+    ns = p.parse_args(argv)
+    r = build(ns.dir, ns.min_ratio)
+    ns.out.write_text(json.dumps(r, indent=2))
+    print(table(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The cold-start report reads the warm-up's own log lines, the ready times and the bursts, and judges
+the targets."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.cold_start_report import build, table
+from stages.worker.warmup import done_line
+
+
+def _burst(path, tok_s: float) -> None:
+    path.write_text(json.dumps({"summary": {"output_throughput": tok_s}}))
+
+
+def test_report_reads_logs_and_judges_targets(tmp_path):
+    (tmp_path / "ready.txt").write_text(
+        "mixed_cold=24.5\nr16_cold=21.0\nwarmup_cli_s=40\nmixed_prebuilt=12.0\nweights_read_s=3.50\n"
+    )
+    (tmp_path / "server_mixed_cold.log").write_text(
+        "warm-up: 110 LoRA and 15 attention kernel variants to compile or load (cache: x); axes\n"
+        f"{done_line(11.26, 300, 300, 6, 420)}\ncaptured 33 decode CUDA graphs in 2.5 s\n"
+        "captured 9 full step CUDA graphs (0 layer-gated; token buckets 128,256) in 1.5 s\n"
+    )
+    (tmp_path / "server_mixed_prebuilt.log").write_text(done_line(2.0, 0, 300, 0, 420))
+    _burst(tmp_path / "mixed_first.json", 30000.0)
+    _burst(tmp_path / "mixed_second.json", 31000.0)
+    r = build(tmp_path, 0.95)
+    a = r["servers"]["mixed_cold"]
+    assert (a["variants"], a["warmup_s"], a["kernels"], a["pool_compiled"], a["worker_compiled"]) == (
+        125,
+        11.3,
+        300,
+        300,
+        6,
+    )
+    assert a["graph_capture_s"] == 4.0 and abs(a["ratio"] - 30000 / 31000) < 1e-9
+    verdict = {c["target"]: c["pass"] for c in r["checks"]}
+    assert verdict == {
+        "a: ready <= 30 s": True,
+        "b: ready <= 20 s": False,
+        "c: ready - weight read <= 10 s": True,
+        "c: nothing compiled at start": True,
+        "mixed_cold: first/second burst >= 0.95": True,
+    }
+    assert "FAIL b: ready <= 20 s" in table(r)
