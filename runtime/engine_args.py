@@ -57,6 +57,8 @@ class EngineArgs:
     warmup: bool = True  # compile every reachable kernel variant before ready (CUDA; nothing on CPU)
     # ranks the model and its adapters are sharded over, one process and one GPU each (stages/worker/tp/)
     tensor_parallel_size: int = 1
+    # reuse the KV pages of prompt prefixes already computed for the same adapter (off: every prompt whole)
+    prefix_caching: bool = True
 
     def resolved_device(self) -> str:
         if self.device is not None:
