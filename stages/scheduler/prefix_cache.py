@@ -24,8 +24,8 @@ def page_hashes(root: bytes, token_ids: list[int], page_size: int) -> list[bytes
     """The chain hash of each full page of `token_ids` (a trailing partial page has none)."""
     out = []
     prev = hashlib.blake2b(root, digest_size=DIGEST_BYTES).digest()
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        page = array("q", token_ids[start : start + page_size]).tobytes()
-        prev = hashlib.blake2b(prev + page, digest_size=DIGEST_BYTES).digest()
+    data, step = array("q", token_ids).tobytes(), 8 * page_size  # 8 bytes a token
+    for start in range(0, len(data) - step + 1, step):
+        prev = hashlib.blake2b(prev + data[start : start + step], digest_size=DIGEST_BYTES).digest()
         out.append(prev)
     return out
