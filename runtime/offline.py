@@ -175,7 +175,7 @@ class LLM:
         planner = Planner(
             self.planner_cfg,
             adapter_rows=lambda name: self.adapters[name].rank,
-            adapter_generation=self._generations.__getitem__,
+            adapter_generation=lambda name: self._generations.get(name, 0),
             pages=self.kv_pages,
         )
         self.last_planner = planner
