@@ -26,9 +26,9 @@ nad=${NUM_ADAPTERS:-50} real=${REAL:-10} rank=${RANK:-16}
 num=${NUM_PROMPTS:-1000} prefix=${PREFIX:-1024} suffix=${SUFFIX:-64:256} out_len=${OUTPUT_LEN:-128}
 dist=${DIST:-zipf:1.0} distinct_num=${DISTINCT_PROMPTS:-500} distinct_len=${DISTINCT_LEN:-64:1024}
 pool_gb=${POOL_GB:-2}
-# 16,384 pages of 16 tokens (8 GiB on 1b) each: 256 running requests of up to 1,408 tokens and every
-# adapter's system prompt fit, and two servers share one 80 GB GPU
-server_flags=${SERVER_FLAGS:-"--max-model-len 2048 --max-running-requests 256 --max-tokens-per-step 8192 --num-pages 16384 --port 0"}
+# 24,576 pages of 16 tokens (12 GiB on 1b) each: 256 running requests of up to 1,408 tokens fit without
+# sharing a page (the plain server's case), and two servers share one 80 GB GPU
+server_flags=${SERVER_FLAGS:-"--max-model-len 2048 --max-running-requests 256 --max-tokens-per-step 8192 --num-pages 24576 --port 0"}
 pass_timeout=${PASS_TIMEOUT_S:-120} reply_timeout=${REPLY_TIMEOUT_S:-90} ready_timeout=${READY_TIMEOUT_S:-300}
 port=${PORT:-27600}
 mkdir -p "$out" "$scratch"
