@@ -33,6 +33,7 @@ class CachedRequestData(Record):
     num_scheduled_tokens: int = 1  # >1 while its prefill is still being chunked
     resumed: bool = False  # back after preemption: new_page_ids replace all its pages (KV recomputed)
     slot: int = -1  # its adapter id when resumed (the adapter may have another id by now)
+    num_computed_tokens: int = 0  # when resumed: tokens whose KV its new pages already hold (cached)
 
 
 class SlotLoad(Record):

@@ -62,6 +62,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     # sum small tensor-parallel messages through NCCL too, not through NVLink peer memory (allreduce.py)
     disable_custom_all_reduce: bool = False
+    # reuse the KV pages of prompt prefixes already computed for the same adapter (off: every prompt whole)
+    prefix_caching: bool = True
 
     def resolved_device(self) -> str:
         if self.device is not None:

@@ -23,6 +23,7 @@ from runtime.common.names import check_adapter_name
 from runtime.common.packed import PackedAdapter
 from runtime.engine_args import EngineArgs, context_length, planner_policy, runner_config
 from stages.loader.adapter_reader import read_adapter
+from stages.scheduler.page_allocator import PageAllocator
 from stages.scheduler.planner import Planner, PlannerConfig, PlannerStats
 from stages.worker.executor import StepExecutor
 from stages.worker.lora.pool import row_bytes, runs_of
@@ -108,6 +109,9 @@ class LLM:
         tok_file = Path(model) / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.exists() else None
         self.adapters: dict[str, PackedAdapter] = {}  # the host cache: every registered adapter, packed
+        self._generations: dict[str, int] = {}  # each name's load count: replaced weights, a new key
+        # KV pages and their cached prefixes outlive one generate() call (the KV cache does too)
+        self.kv_pages = PageAllocator(self.planner_cfg.num_pages, self.planner_cfg.page_size)
         for name, path in (adapters or {}).items():
             self.add_adapter(name, path)
         self._seed = self.engine_args.seed
@@ -125,6 +129,8 @@ class LLM:
         pin = self.runner.device.type == "cuda"
         r = self.runner
         self.adapters[name] = read_adapter(name, path, r.full_cfg, r.host_layout, r.dtype, pin_memory=pin)
+        self._generations[name] = self._generations.get(name, 0) + 1
+        self.kv_pages.drop_adapter(name)  # the KV of its earlier weights is never read again
         if self.ranks is not None:  # the file is good: every rank reads it for itself
             self._to_ranks(AddAdapter(name=name, path=str(Path(path).resolve())))
 
@@ -167,7 +173,12 @@ class LLM:
             p.validate()
         prompt_ids = [self._encode(p) for p in prompts]
 
-        planner = Planner(self.planner_cfg, adapter_rows=lambda name: self.adapters[name].rank)
+        planner = Planner(
+            self.planner_cfg,
+            adapter_rows=lambda name: self.adapters[name].rank,
+            adapter_generation=lambda name: self._generations.get(name, 0),
+            pages=self.kv_pages,
+        )
         self.last_planner = planner
         # The pool starts empty for each call (its rows are overwritten); a fresh executor gets a fresh
         # seed stream.
@@ -200,6 +211,8 @@ class LLM:
                     if item.finish_reason:
                         reasons[item.request_id] = item.finish_reason
         except BaseException:
+            # requests left holding pages, and pages whose KV a failed step may not have written
+            self.kv_pages = PageAllocator(self.planner_cfg.num_pages, self.planner_cfg.page_size)
             if self.ranks is not None:  # they may wait in a collective this rank left: stop them
                 ranks, self.ranks = self.ranks, None
                 ranks.abandon()

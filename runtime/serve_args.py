@@ -265,6 +265,14 @@ def _batching_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         "queued at the worker (off: the serial path, each step's tokens read before the next launch)",
     )
     g.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.prefix_caching,
+        help="reuse the KV pages of prompt prefixes already computed with the same adapter (its same "
+        "load) and the same tokens; cached pages are evicted, least recently used first, only when a "
+        "request needs the room (--no-prefix-caching: every prompt is computed whole)",
+    )
+    g.add_argument(
         "--max-plans-in-flight",
         type=int,
         metavar="N",

@@ -1,6 +1,7 @@
 """The `--workload` file: JSONL, one request per line (arrival, prompt or lengths, adapter, max tokens),
 with its reader, writer and a seeded generator (Poisson or closed-loop arrivals, length ranges, adapter
-popularity). Same spec and seed → byte-identical file. `python -m tools.workload --out FILE [flags]`."""
+popularity, shared prefixes: `shared_prefix.py`). Same spec and seed → byte-identical file.
+`python -m tools.workload --out FILE [flags]`."""
 
 from __future__ import annotations
 
@@ -115,6 +116,10 @@ class WorkloadSpec:
     base_share: float = 0.0  # share of requests that use no adapter
     seed: int = 0
     sampling: dict[str, Any] = field(default_factory=dict)
+    # > 0: each adapter (and the base model) has its own system prompt of this many tokens, which starts
+    # every prompt of it; input_len is then the user suffix (tools/shared_prefix.py)
+    shared_prefix: int = 0
+    turns: int = 1  # with shared_prefix: turns per chat session, each resending the session's history
 
 
 def generate_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
@@ -126,6 +131,12 @@ def generate_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
     base_rng = random.Random(sub_seed(seed, "base"))
     in_rng, out_rng = random.Random(sub_seed(seed, "input")), random.Random(sub_seed(seed, "output"))
     prompts = _read_prompt_file(spec.prompt_file) if spec.prompt_file else []
+    if spec.shared_prefix or spec.turns != 1:
+        from tools.shared_prefix import shared_prefix_requests
+
+        if prompts or spec.shared_prefix < 1 or spec.turns < 1:
+            raise ValueError("--turns needs --shared-prefix N >= 1 (and no --prompt-file)")
+        return shared_prefix_requests(spec, arrivals, adapters, base_rng)
     out = []
     for i in range(n):
         is_base = base_rng.random() < spec.base_share or not spec.adapters
@@ -228,6 +239,21 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--base-share", type=float, default=0.0, metavar="F", help="share of base-only requests")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="N",
+        help="each adapter (and the base model) has its own N-token system prompt, which starts each of "
+        "its prompts; --input-len is then the user suffix",
+    )
+    g.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        metavar="T",
+        help="with --shared-prefix: chat sessions of T turns, each prompt resending the session's history",
+    )
 
 
 def spec_from_args(ns: argparse.Namespace) -> WorkloadSpec:
@@ -244,6 +270,8 @@ def spec_from_args(ns: argparse.Namespace) -> WorkloadSpec:
         base_share=ns.base_share,
         seed=ns.seed,
         sampling={"temperature": ns.temperature} if ns.temperature else {},
+        shared_prefix=ns.shared_prefix,
+        turns=ns.turns,
     )
 
 

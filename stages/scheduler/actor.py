@@ -276,6 +276,7 @@ class SchedulerActor(Actor[SchedulerConfig]):
             adapter_rows=self.adapters.rows,
             adapter_ready=self.adapters.ready,
             load_bytes=self.lifecycle.load_bytes,
+            adapter_generation=self.adapters.generation,
         )
         early, self.early = self.early, []
         for req in early:

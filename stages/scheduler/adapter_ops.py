@@ -102,6 +102,7 @@ class AdapterOps:
                 lora_id = planner.evict_adapter(e.name)
                 if lora_id is not None:
                     clears.append(lora_id)
+                planner.pages.drop_adapter(e.name)  # a later load of the name has a new generation too
             self.lifecycle.remove(e)
             await self.to_tokenizer.put(AdapterUpdate(name=e.name, state="removed"))
         return clears

@@ -13,6 +13,7 @@ All of them are made by `AdapterLifecycle`; the GPU tier (pool rows) is the plan
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -45,6 +46,9 @@ class RegisteredAdapter:
     since: float = 0.0  # when its tier last changed (the adapter-wait timeout counts from here)
     error: str = ""
     pending_ops: list[int] = field(default_factory=list)  # LoadAdapterOp ids awaiting validation
+    # which registration of this name it is: cached KV prefixes are keyed by it, so an adapter unloaded
+    # and loaded again (perhaps with other weights) never reads the KV of the earlier one
+    generation: int = 0
 
     @property
     def ready(self) -> bool:
@@ -58,7 +62,10 @@ class RegisteredAdapter:
 
 class AdapterRegistry:
     def __init__(self, adapters: dict[str, str]):
-        self.entries: dict[str, RegisteredAdapter] = {n: RegisteredAdapter(n, p) for n, p in adapters.items()}
+        self._generations = itertools.count(1)
+        self.entries: dict[str, RegisteredAdapter] = {
+            n: RegisteredAdapter(n, p, generation=next(self._generations)) for n, p in adapters.items()
+        }
         self.validating: set[str] = set()  # names whose state is VALIDATING (a load op waits on them)
 
     def get(self, name: str) -> RegisteredAdapter | None:
@@ -66,7 +73,12 @@ class AdapterRegistry:
 
     def add_validating(self, name: str, path: str, op_id: int, now: float) -> None:
         self.entries[name] = RegisteredAdapter(
-            name, path, AdapterState.VALIDATING, since=now, pending_ops=[op_id]
+            name,
+            path,
+            AdapterState.VALIDATING,
+            since=now,
+            pending_ops=[op_id],
+            generation=next(self._generations),
         )
         self.validating.add(name)
 
@@ -77,6 +89,10 @@ class AdapterRegistry:
     def ready(self, name: str) -> bool:
         e = self.entries.get(name)
         return e is not None and e.ready
+
+    def generation(self, name: str) -> int:
+        e = self.entries.get(name)
+        return e.generation if e is not None else 0
 
     def rows(self, name: str) -> int:
         """Rank rows a pool load of `name` takes (its largest rank; 0 until staged)."""

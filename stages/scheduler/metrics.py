@@ -74,6 +74,7 @@ class SchedulerMetrics:
             ["result"],
         )
         self.failed = m.counter("lorapipe_requests_failed", "Requests failed by the scheduler", ["kind"])
+        self._init_prefix_series(m, planner)
         m.gauge_map(
             "lorapipe_adapters_by_tier", "Registered adapters by where they are", "tier", TIERS, tier_counts
         )
@@ -141,6 +142,22 @@ class SchedulerMetrics:
         self.plans.inc()
         self.step_adapters.observe(len({r.adapter for r in running if r.adapter is not None}))
 
+    def _init_prefix_series(self, m: StageMetrics, planner: Callable[[], Planner | None]) -> None:
+        """The prefix cache, under vLLM's names for its hit rate (queried and hit tokens)."""
+        m.gauge("lorapipe_prefix_cache_pages", "KV pages holding a cached prompt prefix").set_function(
+            lambda: planner().pages.num_cached if planner() else 0
+        )
+        self.prefix_queries = m.counter(
+            "lorapipe_prefix_cache_queries",
+            "Prompt tokens of admitted requests looked up in the prefix cache",
+        )
+        self.prefix_hits = m.counter(
+            "lorapipe_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache"
+        )
+        self.prefix_evictions = m.counter(
+            "lorapipe_prefix_cache_evictions", "Cached KV pages evicted (LRU) for a request's room"
+        )
+
     @staticmethod
     def _init_pool_gauges(m: StageMetrics, planner: Callable[[], Planner | None]) -> None:
         def rows(used: bool) -> int:
@@ -166,9 +183,13 @@ class SchedulerMetrics:
     def schedule(self, planner: Planner) -> BatchPlan:
         """`planner.schedule()`, counting the preemptions, pool lookups, adapter waits and queue waits it
         caused."""
-        st = planner.stats
+        st, ps = planner.stats, planner.pages.stats
         before = (st.preemptions, st.gpu_hits, st.gpu_misses)
+        cache_before = (ps.queries, ps.hits, ps.evictions)
         plan = planner.schedule()
+        self.prefix_queries.inc(ps.queries - cache_before[0])
+        self.prefix_hits.inc(ps.hits - cache_before[1])
+        self.prefix_evictions.inc(ps.evictions - cache_before[2])
         self.preemptions.inc(st.preemptions - before[0])
         self.lookups.labels(result="hit").inc(st.gpu_hits - before[1])
         self.lookups.labels(result="miss").inc(st.gpu_misses - before[2])

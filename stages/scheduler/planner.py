@@ -15,6 +15,7 @@ from stages.scheduler.admission import Admission, admission_order
 from stages.scheduler.page_allocator import PageAllocator
 from stages.scheduler.planner_config import PlannerConfig
 from stages.scheduler.pool_table import PoolTable
+from stages.scheduler.prefix_cache import adapter_key, page_hashes
 from stages.scheduler.residency import Place, Residency
 
 WAITS_KEPT = 65536  # wait samples kept until read (a plan admits at most --max-running-requests)
@@ -45,6 +46,9 @@ class PlannedRequest:
     waited_for_adapter: bool = False  # its adapter was not resident when it was first considered
     bypassed: int = 0  # steps in which a later request was admitted while its adapter was staged
     queued_step: int = 0  # the planner step at which it (re-)entered the waiting queue
+    hashes: list[bytes] | None = None  # chain hash of each full prompt page (prefix caching)
+    hit_pages: int = 0  # leading pages taken from the prefix cache at admission (it never writes them)
+    cached_pages: int = 0  # leading pages hit or cached by it (the next one to cache follows)
 
 
 class Planner:
@@ -59,12 +63,20 @@ class Planner:
         adapter_ready: Callable[[str], bool] = lambda name: True,
         clock: Callable[[], float] = time.monotonic,
         load_bytes: Callable[[str], int] = lambda name: 0,
+        adapter_generation: Callable[[str], int] = lambda name: 0,
+        pages: PageAllocator | None = None,
     ):
-        """`load_bytes(name)`: the size of the copy a pool load of `name` makes (0 if unknown)."""
+        """`load_bytes(name)`: the size of the copy a pool load of `name` makes (0 if unknown).
+        `adapter_generation(name)`: which load of `name` its weights are (a prefix cache key's part).
+        `pages`: KV pages whose cached prefixes outlive this planner (the offline engine's), else new."""
         self.cfg = cfg
         self.adapter_ready = adapter_ready
+        self.adapter_generation = adapter_generation
         self.clock = clock
-        self.pages = PageAllocator(cfg.num_pages, cfg.page_size)
+        self.pages = pages if pages is not None else PageAllocator(cfg.num_pages, cfg.page_size)
+        if (self.pages.num_pages, self.pages.page_size) != (cfg.num_pages, cfg.page_size):
+            raise ValueError("the KV pages given do not match the planner's config")
+        self._to_cache: list[PlannedRequest] = []  # requests that computed prompt pages in this plan
         self.pool = PoolTable(cfg.pool_rows, cfg.pool_ids, cfg.pinned_adapters, cfg.max_lora_rank)
         self.residency = Residency(
             self.pool,
@@ -178,6 +190,7 @@ class Planner:
             self._emit(req, 1 + extra, self.pages.allocate(max(need, 0)), new, cached)
 
         self._admit_waiting(budget, new, cached, loads)
+        self._cache_computed()
         self.stats.adapter_loads = self.residency.loads_issued
         finished, self._finished_ids = self._finished_ids, []
         return BatchPlan(
@@ -215,15 +228,18 @@ class Planner:
                 continue  # let others through (bounded by the bypass limit)
             # LOAD and LOADING run now: the worker gates each layer on that layer's copy, so the load
             # hides behind this very prefill instead of holding the request back a round trip.
-            n = min(req.num_tokens - req.num_computed, budget)
-            need = self.pages.pages_for(n)
-            if need > self.pages.num_free:
+            hits = self._cached_prefix(req)  # only the tokens after them count against the budget
+            done = len(hits) * self.cfg.page_size
+            n = min(req.num_tokens - done, budget)
+            need = self.pages.pages_for(done + n) - len(hits)
+            if need + self.pages.unreferenced(hits) > self.pages.num_free:
                 break  # first come, first served for memory
             if place is Place.LOAD:
                 lora_id = self.residency.issue(req.adapter, loads, () if due else nearer)
             self._admit(req, lora_id)
             if req.adapter is not None:
                 step_adapters.add(req.adapter)
+            self._take_hits(req, hits)
             self._emit(req, n, self.pages.allocate(need), new, cached)
             budget -= n
             admitted.append(pos)
@@ -235,6 +251,37 @@ class Planner:
             # with a reservation, nothing behind the due request takes rows ahead of it
             stop = len(order) if res is None else [r.request_id for r in order].index(res.request_id) + 1
             self.residency.prefetch((r.adapter for i, r in enumerate(order[:stop]) if i not in taken), loads)
+
+    def _cached_prefix(self, req: PlannedRequest) -> list[int]:
+        """The cached pages a waiting request would start from: its prompt's full pages found in the
+        cache, short of its last token (computed, so that the step has its logits and no shared page is
+        written)."""
+        if not self.cfg.prefix_caching:
+            return []
+        if req.hashes is None:  # the generation cannot change while a request of the adapter exists
+            gen = self.adapter_generation(req.adapter) if req.adapter is not None else 0
+            req.hashes = page_hashes(adapter_key(req.adapter, gen), req.prompt_ids, self.cfg.page_size)
+        return self.pages.lookup(req.hashes[: (req.num_tokens - 1) // self.cfg.page_size])
+
+    def _take_hits(self, req: PlannedRequest, hits: list[int]) -> None:
+        if not self.cfg.prefix_caching:
+            return
+        self.pages.acquire(hits)
+        req.pages = list(hits)
+        req.num_computed = len(hits) * self.cfg.page_size
+        req.hit_pages = req.cached_pages = len(hits)
+        self.pages.stats.queries += len(req.prompt_ids)
+        self.pages.stats.hits += req.num_computed
+
+    def _cache_computed(self) -> None:
+        """Cache the full prompt pages this plan computes. Only after the plan is made: a request of the
+        same plan must not read a page whose KV the same step writes."""
+        to_cache, self._to_cache = self._to_cache, []
+        for req in to_cache:
+            full = min(req.num_computed, len(req.prompt_ids)) // self.cfg.page_size
+            for i in range(req.cached_pages, min(full, len(req.pages))):
+                self.pages.insert(req.hashes[i], req.pages[i], req.adapter)
+            req.cached_pages = max(req.cached_pages, full)
 
     def _staged(self, adapter: str) -> bool:
         return self.pool.get(adapter) is not None or self.adapter_ready(adapter)
@@ -251,6 +298,8 @@ class Planner:
         for err in result.errors:
             req = self._by_id.get(err.request_id)
             if req is not None:
+                for page in req.pages[req.hit_pages :]:  # what it wrote may be wrong: no one reads it
+                    self.pages.uncache(page)
                 self._finish(req)
 
     def _admit(self, req: PlannedRequest, lora_id: int) -> None:
@@ -279,6 +328,7 @@ class Planner:
                     sampling=req.sampling,
                     slot=req.slot,
                     page_ids=list(req.pages),
+                    num_computed_tokens=req.num_computed,
                     num_scheduled_tokens=n,
                 )
             )
@@ -291,10 +341,13 @@ class Planner:
                     num_scheduled_tokens=n,
                     resumed=req.resumed,
                     slot=req.slot if req.resumed else -1,
+                    num_computed_tokens=req.num_computed if req.resumed else 0,
                 )
             )
             req.resumed = False
         req.num_computed += n
+        if self.cfg.prefix_caching and req.cached_pages * self.cfg.page_size < len(req.prompt_ids):
+            self._to_cache.append(req)
         if req.num_computed == req.num_tokens:
             req.num_tokens += 1  # this step samples the next token (counted now so planning can overlap)
 
@@ -303,7 +356,7 @@ class Planner:
         self.stats.preemptions += 1
         self.running.remove(req)
         self.pages.free(req.pages)
-        req.pages, req.num_computed = [], 0
+        req.pages, req.num_computed, req.hit_pages, req.cached_pages = [], 0, 0, 0
         if req.slot >= 0:
             self.pool.release(req.slot)
             req.slot = -1

@@ -24,6 +24,7 @@ class PlannerPolicy(msgspec.Struct, frozen=True, kw_only=True):
     overlap_min_mb: float = 128.0
     max_adapter_bypass: int = 16
     adapter_affinity_steps: int = 200
+    prefix_caching: bool = True
 
 
 _POLICY = PlannerPolicy()  # the engine's defaults, which PlannerConfig's own follow
@@ -62,6 +63,9 @@ class PlannerConfig:
     # others, each request at most this many steps after it was queued (then it goes back to queue
     # order). Fewer distinct adapters per running request; 0: plain queue order.
     adapter_affinity_steps: int = _POLICY.adapter_affinity_steps
+    # Reuse the KV of full prompt pages cached by earlier requests of the same adapter (and generation)
+    # and the same tokens (stages/scheduler/page_allocator.py); off: every prompt is computed whole.
+    prefix_caching: bool = _POLICY.prefix_caching
 
     @property
     def overlap_min_bytes(self) -> int:

@@ -296,8 +296,15 @@ class StepExecutor:
                 errors.append(RequestError(request_id=new.request_id, message="its adapter failed to load"))
                 continue
             prompt = new.prompt_ids.tolist()
+            # its first num_computed_tokens tokens' KV is in its first pages already (a cached prefix)
             self.requests[new.request_id] = WorkerRequest(
-                new.request_id, prompt, len(prompt), new.sampling, new.slot, list(new.page_ids)
+                new.request_id,
+                prompt,
+                len(prompt),
+                new.sampling,
+                new.slot,
+                list(new.page_ids),
+                num_computed=new.num_computed_tokens,
             )
             counts[new.request_id] = new.num_scheduled_tokens
         for c in plan.cached_requests:
@@ -306,6 +313,7 @@ class StepExecutor:
                 continue  # failed above, or ended by a result the planner had not heard of yet
             if c.resumed:
                 req.pages, req.slot, req.active = list(c.new_page_ids), c.slot, True
+                req.num_computed = c.num_computed_tokens
             else:
                 req.pages.extend(c.new_page_ids)
             counts[c.request_id] = c.num_scheduled_tokens

@@ -1,9 +1,12 @@
 """A simulated worker for planner tests with an independent model of the GPU adapter pool: which adapter
 owns each pool row and which adapter each id holds, built only from the plans' loads. It checks that a
 load never takes rows a running request's adapter still owns (nor a pinned adapter's), that every
-request runs on an id whose rows all still hold its adapter, that KV pages are never shared, and that a
-step never has more distinct adapters than `max_loras_per_batch`. Loads are reported ready one step
-later when overlapped, at once otherwise."""
+request runs on an id whose rows all still hold its adapter, and that a step never has more distinct
+adapters than `max_loras_per_batch`. It models the KV cache too, position by position (which adapter
+and which tokens up to it each slot was written for): every position a running request has computed
+holds its own adapter's KV of its own tokens (a prefix-cache hit included), and no step writes a page
+that another running request holds. Loads are reported ready one step later when overlapped, at once
+otherwise."""
 
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ class PoolWorker:
         self.state: dict[str, dict] = {}
         self.pending: list[int] = []  # overlapped loads of the previous step, reported in this one
         self.loads = 0
+        # (page, offset) -> what the KV there was computed from: (adapter, tokens up to it)
+        self.kv: dict[tuple[int, int], tuple] = {}
 
     def _load(self, load) -> None:
         rows = [s + k for s, n in zip(load.row_starts, load.row_counts, strict=True) for k in range(n)]
@@ -66,18 +71,21 @@ class PoolWorker:
         for n in plan.new_requests:
             prompt = n.prompt_ids.tolist()
             self.state[n.request_id] = dict(
-                tokens=len(prompt), prompt=len(prompt), computed=0, active=True, pages=list(n.page_ids),
-                max_tokens=n.sampling.max_tokens, slot=n.slot,
-                adapter=self.adapter_of(n.request_id),
+                tokens=len(prompt), prompt=len(prompt), computed=n.num_computed_tokens, active=True,
+                pages=list(n.page_ids), max_tokens=n.sampling.max_tokens, slot=n.slot,
+                adapter=self.adapter_of(n.request_id), ids=tuple(prompt), rid=n.request_id,
             )  # fmt: skip
             counts[n.request_id] = n.num_scheduled_tokens
         for c in plan.cached_requests:
             st = self.state[c.request_id]
             if c.resumed:
-                st.update(active=True, pages=list(c.new_page_ids), slot=c.slot)
+                st.update(
+                    active=True, pages=list(c.new_page_ids), slot=c.slot, computed=c.num_computed_tokens
+                )
             else:
                 st["pages"] += c.new_page_ids
             counts[c.request_id] = c.num_scheduled_tokens
+        self._check_kv(counts)
         finished, in_step = [], set()
         for rid, st in self.state.items():
             if not st["active"]:
@@ -98,9 +106,29 @@ class PoolWorker:
                     st["active"] = False
                     finished.append(FinishedRequest(request_id=rid, reason="length", num_output_tokens=0))
         assert len(in_step) <= cfg.max_loras_per_batch, f"{len(in_step)} adapters in one step"
-        pages = [p for st in self.state.values() if st["active"] for p in st["pages"]]
-        assert len(pages) == len(set(pages)), "a KV page is shared by two running requests"
         return StepResult(step=plan.step, finished=finished, slots_ready=sync_ready + report)
+
+    def _what(self, st: dict, pos: int) -> tuple:
+        """What position `pos` of a request's KV is computed from (outputs: its own, unknown here)."""
+        return (st["adapter"], st["ids"][: pos + 1] if pos < st["prompt"] else (st["rid"], pos))
+
+    def _check_kv(self, counts: dict[str, int]) -> None:
+        """Before the step: what each request reads is its own KV; then the step's writes, which must
+        land in pages no other running request holds."""
+        ps = self.planner.cfg.page_size
+        active = [st for st in self.state.values() if st["active"]]
+        holders: dict[int, int] = {}
+        for st in active:
+            for p in st["pages"]:
+                holders[p] = holders.get(p, 0) + 1
+            for pos in range(st["computed"]):
+                got = self.kv.get((st["pages"][pos // ps], pos % ps))
+                assert got == self._what(st, pos), f"{st['rid']} reads the wrong KV at position {pos}"
+        for st in active:
+            for pos in range(st["computed"], st["computed"] + counts.get(st["rid"], 1)):
+                page = st["pages"][pos // ps]
+                assert holders[page] == 1, f"{st['rid']} writes page {page}, which another request holds"
+                self.kv[(page, pos % ps)] = self._what(st, pos)
 
 
 def check_pool(planner: Planner) -> None:
