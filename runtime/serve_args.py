@@ -13,14 +13,13 @@ from runtime import http_args
 from runtime.base.endpoints import DEFAULT_CLIENT_PORT, DEFAULT_ENDPOINT
 from runtime.base.sockets import MAX_CLIENT_MSG_BYTES
 from runtime.common.names import adapter_name_problem
-from runtime.common.quant_config import QUANTIZATIONS
 from runtime.engine_args import EngineArgs
 from runtime.host_cache_size import DEFAULT_CPU_LORA_CACHE_GB
 from runtime.serve_loading_args import add_loading_arguments
+from runtime.serve_model_args import add_model_arguments
 from runtime.serve_security import add_security_arguments
 
 DEFAULT_METRICS_PORT = DEFAULT_CLIENT_PORT + 1
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -89,7 +88,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Every `lorapipe serve` flag, in help groups; each group's flags are added by one function."""
     d = ServeArgs(model="")
     for title, add in (
-        ("model", _model_arguments),
+        ("model", add_model_arguments),
         ("adapters", _adapter_arguments),
         ("memory", _memory_arguments),
         ("batching", _batching_arguments),
@@ -99,38 +98,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     ):
         add(p.add_argument_group(title), d)
     add_security_arguments(p, d)
-
-
-def _model_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
-    g.add_argument(
-        "--model", required=True, metavar="DIR", help="Hugging Face checkpoint directory of the base model"
-    )
-    g.add_argument(
-        "--device", choices=("cpu", "cuda"), default=None, help="where to run (default: cuda if available)"
-    )
-    g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="serving dtype (auto: the checkpoint's)")
-    g.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default=d.quantization,
-        help="fp8: the base model's linear layers in fp8 e4m3, one scale per output channel, a bf16 "
-        "checkpoint quantized at load (default: as the checkpoint stores them; fp8 ones run in fp8)",
-    )
-    g.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        metavar="N",
-        default=d.tensor_parallel_size,
-        help="shard the model and every adapter over N GPUs (cuda:0..N-1; N processes on cpu), one "
-        "worker process each",
-    )
-    g.add_argument(
-        "--disable-custom-all-reduce",
-        action="store_true",
-        default=d.disable_custom_all_reduce,
-        help="tensor parallel: sum every message through NCCL, not small ones through NVLink peer memory",
-    )
-    g.add_argument("--seed", type=int, metavar="N", default=d.seed, help="seed of requests that set none")
 
 
 def _adapter_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:

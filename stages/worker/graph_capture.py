@@ -33,3 +33,11 @@ def recording(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def graph_pool_bytes(pool: tuple[int, int]) -> int:
+    """Bytes of the allocator's segments that belong to the graph memory pool `pool`. (A difference of
+    memory_reserved around the capture undercounts it: each capture first empties the allocator's cache,
+    which gives back as much as small graphs take.)"""
+    want = tuple(pool)
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == want)

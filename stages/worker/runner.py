@@ -13,6 +13,7 @@ from runtime.common.model_config import ModelConfig, parse_dtype
 from runtime.common.packed import PackedAdapter
 from runtime.common.quant_config import check_quantization
 from stages.worker.decode_graphs import DecodeGraphs
+from stages.worker.graph_capture import graph_pool_bytes
 from stages.worker.lora.backend import slot_segments
 from stages.worker.lora.factory import make_backend
 from stages.worker.lora.pool import LoraPool, Runs, default_pool_bytes, pool_geometry
@@ -66,14 +67,6 @@ class RunnerConfig:
     # full step graphs get layer-gated twins so that such steps replay too (step_graphs.py).
     layered_min_bytes: int | None = None
     disable_custom_all_reduce: bool = False  # tensor parallel: every sum through NCCL (tp/allreduce.py)
-
-
-def graph_pool_bytes(pool: tuple[int, int]) -> int:
-    """Bytes of the allocator's segments that belong to the graph memory pool `pool`. (A difference of
-    memory_reserved around the capture undercounts it: each capture first empties the allocator's cache,
-    which gives back as much as small graphs take.)"""
-    want = tuple(pool)
-    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == want)
 
 
 def whole_copy_waits(layer_waits: list[list] | None) -> list | None:
