@@ -6,7 +6,10 @@ python -m benchmarks.bench_tp MODEL --tp 2 --adapters A_DIR [B_DIR ...] --batch 
 
 After one warm-up batch of each kind, the rounds run base-only and adapter batches A-B-B-A (the
 adapters assigned round-robin, every one in every step); each batch's output tokens per second and the
-medians go to --out (JSON) and stdout. The LoRA overhead is base tok/s over adapter tok/s, less one."""
+medians go to --out (JSON) and stdout. The LoRA overhead is base tok/s over adapter tok/s, less one.
+Beside it, the bytes each kind's batch reads (`tools/roofline.py`: weights and the adapters' pool rows
+every step, each sequence's KV), the device's copy bandwidth (probed once, before the engine starts),
+and the best adapter/base ratio those bytes allow with the fraction of it measured."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch
 
 from proto.sampling import SamplingParams
 from runtime.offline import LLM
+from tools import roofline
 
 
 def _batch(llm: LLM, prompts, adapters, output_len: int) -> tuple[float, list[list[int]]]:
@@ -50,6 +54,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1000, 30000, (a.prompt_len,), generator=g).tolist() for _ in range(a.batch)]
     mix = [list(names)[i % len(names)] for i in range(a.batch)] if names else None
+    bandwidth = roofline.probe_bandwidth("cuda")
     start = time.perf_counter()
     with LLM(
         a.model,
@@ -71,10 +76,31 @@ def main() -> None:
             if i >= (2 if mix else 1):  # the first of each kind is the warm-up
                 runs[kind].append(rate)
         replays = llm.runner.graphs.replays if llm.runner.graphs is not None else 0
-        _report(a, built, replays, runs, greedy, len(names))
+        pool = llm.runner.pool
+        step_adapter_bytes = sum(pool.row_nbytes * _rank(p) for p in names.values())
+        bytes_read = _bytes_read(a, roofline.ModelBytes.from_dir(a.model), step_adapter_bytes, bandwidth)
+        _report(a, built, replays, runs, greedy, len(names), bytes_read)
 
 
-def _report(a, built: float, replays: int, runs: dict, greedy: dict, adapters: int) -> None:
+def _rank(adapter_dir: str) -> int:
+    """The largest rank of a PEFT adapter (the rank rows it takes in the pool)."""
+    cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    return max([int(cfg["r"]), *(int(r) for r in (cfg.get("rank_pattern") or {}).values())])
+
+
+def _bytes_read(a, model: roofline.ModelBytes, step_adapter_bytes: int, bandwidth: float) -> dict:
+    """One batch's bytes for each kind, per GPU (a rank reads its 1/tp shard of everything): one step a
+    token (the prefill of the batch's prompts, then output_len - 1 decode steps)."""
+    kv = a.batch * roofline.kv_tokens_read(a.prompt_len, a.output_len)
+    out = {}
+    for kind, adapter_bytes in (("base", 0), ("lora", a.output_len * step_adapter_bytes)):
+        r = roofline.run_bytes(model, a.output_len, adapter_bytes, kv, bandwidth)
+        out[kind] = {k: v / a.tp if k.endswith("_bytes") else v for k, v in r.items()}
+        out[kind]["floor_s"] = out[kind]["total_bytes"] / bandwidth
+    return out
+
+
+def _report(a, built: float, replays: int, runs: dict, greedy: dict, adapters: int, bytes_read: dict) -> None:
     """Print the result and write it to --out (before the engine closes)."""
     result = {
         "tp": a.tp,
@@ -88,9 +114,22 @@ def _report(a, built: float, replays: int, runs: dict, greedy: dict, adapters: i
         "median_tok_s": {k: statistics.median(v) for k, v in runs.items() if v},
         "greedy_tokens": greedy,  # each kind's first batch, compared by benchmarks/compare_greedy
     }
+    result["roofline"] = bytes_read
+    m = result["median_tok_s"]
+    base_tok_s = m.get("base")
+    if base_tok_s:
+        result["base_fraction_of_floor"] = bytes_read["base"]["floor_s"] / (
+            a.batch * a.output_len / base_tok_s
+        )
     if runs["lora"]:
-        m = result["median_tok_s"]
         result["lora_overhead"] = m["base"] / m["lora"] - 1
+        tokens = a.batch * a.output_len
+        bound = roofline.bound_ratio(
+            bytes_read["lora"], tokens, bytes_read["base"], tokens, tokens / base_tok_s
+        )
+        result["lora_ratio"] = m["lora"] / m["base"]
+        result["bytes_bound_ratio"] = bound
+        result["fraction_of_bound"] = roofline.fraction_of_bound(result["lora_ratio"], bound)
     print(json.dumps({k: v for k, v in result.items() if k != "greedy_tokens"}))
     if a.out is not None:
         a.out.write_text(json.dumps(result, indent=1))

@@ -66,6 +66,7 @@ class LoraPool:
         self.num_ids = num_ids
         self.dtype = dtype
         self.device = device
+        self.row_nbytes = row_bytes(layout, dtype)  # one rank row over all layers
         L, R = layout.num_layers, layout.max_rank
         self.mem = torch.zeros((L, total_rows, layout.row_elems), dtype=dtype, device=device)
         self.ranks = torch.zeros((num_ids, L, NUM_SLICES), dtype=torch.int32, device=device)  # 0: unused
