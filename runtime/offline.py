@@ -25,7 +25,7 @@ from runtime.engine_args import EngineArgs, context_length, planner_policy, runn
 from stages.loader.adapter_reader import read_adapter
 from stages.scheduler.planner import Planner, PlannerConfig, PlannerStats
 from stages.worker.executor import StepExecutor
-from stages.worker.lora.pool import row_bytes, runs_of
+from stages.worker.lora.pool import runs_of
 from stages.worker.runner import ModelRunner
 from stages.worker.tp.group import rank_device
 from stages.worker.tp.ranks import RankProcesses
@@ -101,7 +101,7 @@ class LLM:
             page_size=self.engine_args.page_size,
             pool_rows=pool.total_rows,
             pool_ids=pool.num_ids,
-            pool_row_bytes=row_bytes(pool.layout, pool.dtype),
+            pool_row_bytes=pool.row_nbytes,
             max_lora_rank=pool.layout.max_rank,
             max_model_len=self.max_model_len,
         )
