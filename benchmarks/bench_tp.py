@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--adapters", nargs="*", default=[])
     ap.add_argument("--max-lora-rank", type=int, default=16)
+    ap.add_argument("--lora-dtype", default="auto", help="the adapter pool's rows: auto (the model's) or fp8")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
@@ -61,6 +62,7 @@ def main() -> None:
         adapters=names,
         device="cuda",
         max_lora_rank=a.max_lora_rank,
+        lora_dtype=a.lora_dtype,
         max_running_requests=max(a.batch, 16),
         tensor_parallel_size=a.tp,
     ) as llm:
@@ -108,6 +110,7 @@ def _report(a, built: float, replays: int, runs: dict, greedy: dict, adapters: i
         "prompt_len": a.prompt_len,
         "output_len": a.output_len,
         "adapters": adapters,
+        "lora_dtype": a.lora_dtype,
         "build_s": round(built, 1),
         "decode_graph_replays": replays,
         "tok_s": runs,

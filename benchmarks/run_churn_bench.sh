@@ -12,7 +12,8 @@
 #   S2_ADAPTERS, REAL, PRESET, DEVICE, DTYPE, POOL_GB, S1_CACHE_GB, S2_CACHE_GB, SERVER_FLAGS, PYTHON,
 #   S1_CAP_RUNNING (also run the 8-adapter requests with --max-running-requests this: the pool's ceiling),
 #   S2_PASSES (default "base mix mix base"), S2_RATE_RUN (1: the 60% run; 0: skip it), METRICS_INTERVAL
-#   (seconds between /metrics scrapes kept as each run's timeline; 0: none)
+#   (seconds between /metrics scrapes kept as each run's timeline; 0: none), BANDWIDTH_GBPS (the copy
+#   bandwidth for each run's bytes floor and bound; default: probed once on CUDA, none elsewhere)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-${TMPDIR:-/tmp}/lorapipe-bench/churn_bench}")
@@ -28,9 +29,9 @@ mkdir -p "$out" "$scratch"
 model=$scratch/llama-$preset
 [ -f "$model/config.json" ] || "$py" -m tools.make_tiny_model "$model" --preset "$preset" --dtype "$dtype" --seed 0
 # the device's copy bandwidth, once, before any server holds memory: each run's bytes floor and bound
-roofline=()
-if [ "$device" = cuda ]; then
-  bw=$("$py" -m tools.roofline probe)
+roofline=() bw=${BANDWIDTH_GBPS:-}
+[ -n "$bw" ] || [ "$device" != cuda ] || bw=$("$py" -m tools.roofline probe)
+if [ -n "$bw" ]; then
   echo "device copy bandwidth: $bw GB/s" | tee "$out/bandwidth.txt"
   roofline=(--model "$model" --device-bandwidth "$bw")
 fi
