@@ -1,18 +1,19 @@
-"""Accuracy of the fp8 adapter pool (`--lora-dtype fp8`) against the pool in the model's dtype, on one GPU.
+"""Accuracy of the 8-bit adapter pools (`--lora-dtype fp8`, e4m3; `int8`) against the pool in the model's
+dtype, on one GPU.
 
 python -m benchmarks.fp8_accuracy OUT_DIR [--preset 1b] [--prompts 32] [--prompt-len 128] \
-    [--output-len 1000] [--adapters 8] [--ranks 8,16,32,64] [--device cuda]
+    [--output-len 1000] [--adapters 8] [--ranks 8,16,32,64] [--lora-dtypes fp8,int8] [--device cuda]
 
 A random-weight model of the preset (bf16) and mixed-rank adapters on all seven projections
 (`runtime/synthetic`, whose deltas are a quarter of each projection's output), request i on adapter
-i mod n. Two offline engines, eager (every LoRA launch runs from Python, so it can be observed): the
-reference with a bf16 pool, and one with an fp8 pool. Measured:
+i mod n. Offline engines, eager (every LoRA launch runs from Python, so it can be observed): the
+reference with a bf16 pool, and one for each 8-bit format. Measured, per format:
 - each projection's LoRA delta: the reference engine's inputs of every LoRA launch go through both its
-  own pool and an fp8 pool loaded with the same adapters in the same rows; relative L2 error of the fp8
-  delta over all tokens and layers (target <= 3 %);
+  own pool and an 8-bit pool loaded with the same adapters in the same rows; relative L2 error of the
+  8-bit delta over all tokens and layers (target <= 3 %);
 - teacher forcing on the reference's greedy outputs (prompt + output_len tokens, one prefill each):
-  relative L2 error of the final logits at every output position, top-1 agreement of fp8 with the
-  reference (target >= 99 %), and how many positions the adapters change against base-only (the model
+  relative L2 error of the final logits at every output position, top-1 agreement with the reference
+  (target >= 99 %); and once, how many positions the adapters change against base-only (the model
   must let them change >= 20 %);
 - free-running greedy decoding: the share of requests identical over all output_len tokens, and the
   mean share of tokens before the first difference.
@@ -37,29 +38,38 @@ from stages.worker.lora.pool import LoraPool
 
 
 class DeltaProbe:
-    """Runs every LoRA launch of a reference engine also on an fp8 pool holding the same adapters in the
-    same rows, and sums each projection's squared delta error and squared reference delta."""
+    """Runs every LoRA launch of a reference engine also on 8-bit pools (one per `lora_dtypes`) holding
+    the same adapters in the same rows, and sums each projection's squared delta error per format and its
+    squared reference delta."""
 
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: LLM, lora_dtypes: list[str]):
         runner = llm.runner
         ref = runner.pool
-        self.shadow = LoraPool(ref.layout, ref.total_rows, ref.num_ids, ref.dtype, ref.device, fp8=True)
-        self.backend = make_backend("triton", self.shadow, runner.cfg.max_tokens_per_step, runner.max_seqs)
-        self.err2 = dict.fromkeys(TARGET_MODULES, 0.0)
+        self.shadows = {
+            d: LoraPool(ref.layout, ref.total_rows, ref.num_ids, ref.dtype, ref.device, d)
+            for d in lora_dtypes
+        }
+        self.backends = {
+            d: make_backend("triton", p, runner.cfg.max_tokens_per_step, runner.max_seqs)
+            for d, p in self.shadows.items()
+        }
+        self.err2 = {d: dict.fromkeys(TARGET_MODULES, 0.0) for d in lora_dtypes}
         self.ref2 = dict.fromkeys(TARGET_MODULES, 0.0)
         self.active = False
         self._nested = False
         lora, load = runner.lora, ref.load
         prepare, apply, apply_act = lora.prepare, lora.apply, lora.apply_act
 
-        def load_both(lora_id, adapter, runs, stream=None, layer_events=False):
+        def load_all(lora_id, adapter, runs, stream=None, layer_events=False):
             events = load(lora_id, adapter, runs, stream, layer_events)
-            self.shadow.load(lora_id, adapter, runs)
+            for shadow in self.shadows.values():
+                shadow.load(lora_id, adapter, runs)
             return events
 
-        def prepare_both(*args, **kw):
+        def prepare_all(*args, **kw):
             prepare(*args, **kw)
-            self.backend.prepare(*args, **kw)
+            for backend in self.backends.values():
+                backend.prepare(*args, **kw)
 
         def apply_measured(x, out, layer, group):
             if self.active and not self._nested:
@@ -76,23 +86,28 @@ class DeltaProbe:
                 self._nested = False
 
         ref.load, lora.prepare, lora.apply, lora.apply_act = (
-            load_both,
-            prepare_both,
+            load_all,
+            prepare_all,
             apply_measured,
             apply_act_measured,
         )
 
     def _measure(self, apply, x, out, layer, group) -> None:
-        want, got = torch.zeros_like(out), torch.zeros_like(out)
+        want = torch.zeros_like(out)
         apply(x, want, layer, group)
-        self.backend.apply(x, got, layer, group)
-        for module, off, width in zip(group.modules, group.out_offsets, group.out_dims, strict=True):
-            w, g = want[:, off : off + width].double(), got[:, off : off + width].double()
-            self.err2[module] += float((g - w).square().sum())
-            self.ref2[module] += float(w.square().sum())
+        cols = list(zip(group.modules, group.out_offsets, group.out_dims, strict=True))
+        for module, off, width in cols:
+            self.ref2[module] += float(want[:, off : off + width].double().square().sum())
+        for d, backend in self.backends.items():
+            got = torch.zeros_like(out)
+            backend.apply(x, got, layer, group)
+            for module, off, width in cols:
+                diff = got[:, off : off + width].double() - want[:, off : off + width].double()
+                self.err2[d][module] += float(diff.square().sum())
 
-    def errors(self) -> dict[str, float | None]:
-        return {m: (self.err2[m] / self.ref2[m]) ** 0.5 if self.ref2[m] else None for m in TARGET_MODULES}
+    def errors(self, lora_dtype: str) -> dict[str, float | None]:
+        e = self.err2[lora_dtype]
+        return {m: (e[m] / self.ref2[m]) ** 0.5 if self.ref2[m] else None for m in TARGET_MODULES}
 
 
 def capture_logits(llm: LLM, ids: list[int], adapter: str | None) -> torch.Tensor:
@@ -124,8 +139,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=1000)
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--ranks", default="8,16,32,64")
+    ap.add_argument("--lora-dtypes", default="fp8,int8", help="the 8-bit pool formats measured")
     ap.add_argument(
-        "--device", default="cuda", help="cpu: a smoke run (the fp8 kernels under TRITON_INTERPRET=1)"
+        "--device", default="cuda", help="cpu: a smoke run (the 8-bit kernels under TRITON_INTERPRET=1)"
     )
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -153,8 +169,10 @@ def main() -> None:
         cuda_graph_max_tokens=0,
         warmup=False,
     )
-    ref, fp8 = LLM(str(model), **kw), LLM(str(model), lora_dtype="fp8", **kw)
-    probe = DeltaProbe(ref)
+    dtypes = a.lora_dtypes.split(",")
+    ref = LLM(str(model), **kw)
+    engines = {d: LLM(str(model), lora_dtype=d, **kw) for d in dtypes}
+    probe = DeltaProbe(ref, dtypes)
     g = torch.Generator().manual_seed(0)
     vocab = ref.runner.model_cfg.vocab_size
     prompts = [
@@ -163,29 +181,34 @@ def main() -> None:
     mix = [list(names)[i % len(names)] for i in range(a.prompts)]
     greedy = SamplingParams(max_tokens=a.output_len, ignore_eos=True)
     ref_out = [o.token_ids for o in ref.generate(prompts, adapters=mix, sampling=greedy)]
-    fp8_out = [o.token_ids for o in fp8.generate(prompts, adapters=mix, sampling=greedy)]
-    first_diff = [
-        next((i for i, (x, y) in enumerate(zip(r, f, strict=True)) if x != y), len(r))
-        for r, f in zip(ref_out, fp8_out, strict=True)
-    ]
+    first_diff = {}
+    for d, llm in engines.items():
+        outs = [o.token_ids for o in llm.generate(prompts, adapters=mix, sampling=greedy)]
+        first_diff[d] = [
+            next((i for i, (x, y) in enumerate(zip(r, f, strict=True)) if x != y), len(r))
+            for r, f in zip(ref_out, outs, strict=True)
+        ]
 
-    agree = changed = positions = 0
-    err2 = ref2 = 0.0
+    agree, err2 = dict.fromkeys(dtypes, 0), dict.fromkeys(dtypes, 0.0)
+    changed = positions = 0
+    ref2 = 0.0
     for prompt, out, name in zip(prompts, ref_out, mix, strict=True):
         ids = prompt + out[:-1]
         lo = len(prompt) - 1  # the row predicting output token 0
         probe.active = True
         want = capture_logits(ref, ids, name)[lo:]
         probe.active = False
-        got = capture_logits(fp8, ids, name)[lo:]
-        base = capture_logits(ref, ids, None)[lo:].argmax(-1)
         top = want.argmax(-1)
-        agree += int((got.argmax(-1) == top).sum())
+        base = capture_logits(ref, ids, None)[lo:].argmax(-1)
         changed += int((base != top).sum())
         positions += top.numel()
-        err2 += float((got.double() - want.double()).square().sum())
         ref2 += float(want.double().square().sum())
-        del want, got
+        for d, llm in engines.items():
+            got = capture_logits(llm, ids, name)[lo:]
+            agree[d] += int((got.argmax(-1) == top).sum())
+            err2[d] += float((got.double() - want.double()).square().sum())
+            del got
+        del want
     result = {
         "preset": a.preset,
         "prompts": a.prompts,
@@ -193,27 +216,46 @@ def main() -> None:
         "output_len": a.output_len,
         "adapters": a.adapters,
         "ranks": ranks,
-        "delta_rel_l2": probe.errors(),
-        "logits_rel_l2": (err2 / ref2) ** 0.5,
-        "top1_agreement_teacher_forced": agree / positions,
         "adapter_changed_top1_vs_base": changed / positions,
-        "free_running_identical_requests": sum(d == a.output_len for d in first_diff) / a.prompts,
-        "free_running_tokens_before_first_difference": sum(first_diff) / (a.prompts * a.output_len),
-        "pool_row_bytes": {"bf16": ref.runner.pool.row_nbytes, "fp8": fp8.runner.pool.row_nbytes},
-        "seconds": round(time.perf_counter() - t0, 1),
+        "pool_row_bytes": {"auto": ref.runner.pool.row_nbytes},
+        "formats": {},
     }
+    for d, llm in engines.items():
+        result["pool_row_bytes"][d] = llm.runner.pool.row_nbytes
+        result["formats"][d] = {
+            "delta_rel_l2": probe.errors(d),
+            "logits_rel_l2": (err2[d] / ref2) ** 0.5,
+            "top1_agreement_teacher_forced": agree[d] / positions,
+            "free_running_identical_requests": sum(x == a.output_len for x in first_diff[d]) / a.prompts,
+            "free_running_tokens_before_first_difference": sum(first_diff[d]) / (a.prompts * a.output_len),
+        }
+    result["seconds"] = round(time.perf_counter() - t0, 1)
     (a.out / "fp8_accuracy.json").write_text(json.dumps(result, indent=1))
-    print("| measure | value | target |")
-    print("| --- | --- | --- |")
-    for m, e in result["delta_rel_l2"].items():
-        print(f"| LoRA delta relative L2, {m} | {e:.4f} | <= 0.03 |" if e is not None else f"| {m} | - | |")
-    print(f"| final logits relative L2 | {result['logits_rel_l2']:.4f} | |")
-    print(f"| top-1 agreement, teacher forced | {result['top1_agreement_teacher_forced']:.4f} | >= 0.99 |")
-    print(f"| adapters change base-only top-1 | {result['adapter_changed_top1_vs_base']:.3f} | >= 0.20 |")
-    print(f"| free-running: identical requests | {result['free_running_identical_requests']:.3f} | |")
+    _print_table(result, dtypes)
+
+
+def _print_table(result: dict, dtypes: list[str]) -> None:
+    f = result["formats"]
+    print("| measure | " + " | ".join(dtypes) + " | target |")
+    print("|---" * (len(dtypes) + 2) + "|")
+
+    def row(name: str, values, target: str = "") -> None:
+        print(
+            f"| {name} | " + " | ".join("-" if v is None else f"{v:.4f}" for v in values) + f" | {target} |"
+        )
+
+    for m in TARGET_MODULES:
+        row(f"LoRA delta relative L2, {m}", [f[d]["delta_rel_l2"][m] for d in dtypes], "<= 0.03")
+    row("final logits relative L2", [f[d]["logits_rel_l2"] for d in dtypes])
+    row("top-1 agreement, teacher forced", [f[d]["top1_agreement_teacher_forced"] for d in dtypes], ">= 0.99")
+    row("free-running: identical requests", [f[d]["free_running_identical_requests"] for d in dtypes])
+    row(
+        "free-running: tokens before the first difference",
+        [f[d]["free_running_tokens_before_first_difference"] for d in dtypes],
+    )
     print(
-        f"| free-running: tokens before first difference | "
-        f"{result['free_running_tokens_before_first_difference']:.3f} | |"
+        f"adapters change base-only top-1 at {result['adapter_changed_top1_vs_base']:.3f} of positions "
+        "(the model must let them change >= 0.20)"
     )
 
 

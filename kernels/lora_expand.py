@@ -1,8 +1,8 @@
 """Multi-LoRA expand (SGMV): out[t, off_s:off_s+d_s] += scaling_s * v[t, s, :r] @ B_s[:r] for every token
 tile of one adapter, all slices of a fused group (unequal widths) in one launch, rank-bounded K loop. The
-adapter's B^T rows are found anywhere in a rank-row pool through its row of the row table. An fp8 (e4m3)
-pool's B^T rows are converted to out's dtype and each rank column of v is scaled by its row's scale
-before the dot (SCALED, a constexpr: `kernels/lora_quant.py`)."""
+adapter's B^T rows are found anywhere in a rank-row pool through its row of the row table. An 8-bit
+(e4m3 or int8) pool's B^T rows are converted to out's dtype and each rank column of v is scaled by its
+row's scale before the dot (SCALED, a constexpr: `kernels/lora_quant.py`)."""
 
 from __future__ import annotations
 
@@ -69,9 +69,9 @@ def _v_dot(
     with `bs` scales of e4m3 rows (CDT: the output's dtype), v's column j times bs[j] and bt in CDT."""
     v_ok = m_ok[:, None] & ((k + offs_r) < r16)[None, :]
     vt = split_sum(v_ptrs, v_ok, stride_vp, NUM_SPLITS)  # [BLOCK_M, BLOCK_K] fp32
-    if bt.dtype != CDT:  # e4m3 rows: exact in CDT
+    if bt.dtype != CDT:  # 8-bit rows: exact in fp32 and in CDT
         vt = vt * bs[None, :]
-        bt = bt.to(CDT)
+        bt = bt.to(tl.float32).to(CDT)
     vt = vt.to(bt.dtype)  # same rounding of v as a plain dtype matmul chain
     if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
         vt = vt.to(tl.float32)

@@ -120,7 +120,7 @@ def _lora_expand_act_kernel(
             if SCALED:  # e4m3 rows, as lora_expand: v's columns times the rows' scales, B in gate's dtype
                 vg = vg * b_scale_chunk(bs_ptr, prow, k, rg, offs_k, stride_bsr, SCALED)[None, :]
                 vu = vu * b_scale_chunk(bs_ptr + 1, prow, k, ru, offs_k, stride_bsr, SCALED)[None, :]
-                bg, bu = bg.to(gate.dtype), bu.to(gate.dtype)
+                bg, bu = bg.to(tl.float32).to(gate.dtype), bu.to(tl.float32).to(gate.dtype)
             vg = vg.to(bg.dtype)  # v rounded to the weight dtype, as the unfused expand feeds its dot
             vu = vu.to(bu.dtype)
             if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers

@@ -1,7 +1,8 @@
-"""fp8 (e4m3) adapter rows for the GPU pool: each rank row of a packed adapter block is quantized segment
-by segment (each slice's A row and each slice's B^T row has its own fp32 scale, amax / 448) and written
-into its pool row, with its scales beside it; the shrink and expand kernels multiply by these scales.
-One program a (layer, rank row, segment); the block is read from a device staging copy."""
+"""8-bit adapter rows for the GPU pool (`--lora-dtype fp8`: e4m3; `int8`: symmetric integers): each rank
+row of a packed adapter block is quantized segment by segment (each slice's A row and each slice's B^T
+row has its own fp32 scale, amax / qmax, qmax 448 for e4m3 and 127 for int8) and written into its pool
+row, with its scales beside it; the shrink and expand kernels multiply by these scales. One program a
+(layer, rank row, segment); the block is read from a device staging copy."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ import triton.language as tl
 from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
 
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0  # largest finite e4m3 value: a segment's largest magnitude maps onto it
+# --lora-dtype name -> the pool's row dtype, and the largest magnitude a segment's amax maps onto (e4m3's
+# largest finite value; int8's symmetric range, rounded to nearest)
+QUANT_DTYPES = {"fp8": E4M3, "int8": torch.int8}
+QMAX = {E4M3: 448.0, torch.int8: 127.0}
+E4M3_MAX = QMAX[E4M3]
 NUM_SCALES = 2 * NUM_SLICES  # per rank row and layer: each slice's A row, then each slice's B^T row
 
 
@@ -38,10 +43,10 @@ def b_scales(scales: torch.Tensor, first_slice: int, num_slices: int) -> torch.T
 
 
 def check_scales(name: str, w: torch.Tensor, scales: torch.Tensor | None, num_slices: int) -> None:
-    """An e4m3 pool's rows come with fp32 scales [pool_rows, num_slices] (last dim contiguous); rows in
+    """An 8-bit pool's rows come with fp32 scales [pool_rows, num_slices] (last dim contiguous); rows in
     a float dtype come without."""
-    if (w.dtype == torch.float8_e4m3fn) != (scales is not None):
-        raise ValueError(f"{name} scales are required exactly for e4m3 rows, got rows of {w.dtype}")
+    if (w.dtype in QMAX) != (scales is not None):
+        raise ValueError(f"{name} scales are required exactly for e4m3 or int8 rows, got rows of {w.dtype}")
     if scales is not None and (
         scales.dtype != torch.float32
         or tuple(scales.shape) != (w.shape[0], num_slices)
@@ -69,6 +74,8 @@ def _quantize_rows_kernel(
     stride_cl,
     stride_cr,
     BLOCK: tl.constexpr,
+    QMAX_: tl.constexpr,
+    INT: tl.constexpr,
 ):
     # Grid: (layers x rank rows, segments).
     pid = tl.program_id(0)
@@ -85,11 +92,13 @@ def _quantize_rows_kernel(
         o = start + tl.arange(0, BLOCK)
         amax = tl.maximum(amax, tl.abs(tl.load(src + o, mask=o < n, other=0.0).to(tl.float32)))
     top = tl.max(amax, axis=0)
-    scale = tl.where(top > 0, top / E4M3_MAX, 1.0)
+    scale = tl.where(top > 0, top / QMAX_, 1.0)
     for start in range(0, n, BLOCK):
         o = start + tl.arange(0, BLOCK)
-        x = tl.load(src + o, mask=o < n, other=0.0).to(tl.float32)
-        tl.store(dst + o, tl.div_rn(x, scale).to(dst_ptr.dtype.element_ty), mask=o < n)
+        y = tl.div_rn(tl.load(src + o, mask=o < n, other=0.0).to(tl.float32), scale)
+        if INT:  # to nearest (halves away from -inf), inside the symmetric range
+            y = tl.minimum(tl.maximum(tl.floor(y + 0.5), -QMAX_), QMAX_)
+        tl.store(dst + o, y.to(dst_ptr.dtype.element_ty), mask=o < n)
     tl.store(scale_ptr + layer * stride_cl + row * stride_cr + seg, scale)
 
 
@@ -100,9 +109,9 @@ def _check(src, dst, scales, rows, segs) -> None:
             f"{dst.shape}, {scales.shape}"
         )
     L, r, E = src.shape
-    if dst.dtype != E4M3 or scales.dtype != torch.float32 or scales.shape[2] != NUM_SCALES:
+    if dst.dtype not in QMAX or scales.dtype != torch.float32 or scales.shape[2] != NUM_SCALES:
         raise ValueError(
-            f"dst must be {E4M3} and scales float32 [.., {NUM_SCALES}], got {dst.dtype}, "
+            f"dst must be e4m3 or int8 and scales float32 [.., {NUM_SCALES}], got {dst.dtype}, "
             f"{scales.dtype} {tuple(scales.shape)}"
         )
     if dst.shape[0] != L or scales.shape[0] != L or dst.shape[2] != E or scales.shape[1] != dst.shape[1]:
@@ -129,10 +138,11 @@ def quantize_rows(
     block: int = 1024,
     check: bool = True,
 ) -> None:
-    """src [L, r, E] rank rows of a packed block (any float dtype); dst [L, P, E] e4m3 pool rows and
-    scales [L, P, NUM_SCALES] fp32; rows [>= r] int32, rank row k goes to pool row rows[k]; segs
-    [NUM_SCALES, 2] int32 (`segments`). Writes, for each segment of each rank row, q = x / s in e4m3 and
-    s = amax / 448 (1 where the segment is all zero); elements outside the segments are left as they are."""
+    """src [L, r, E] rank rows of a packed block (any float dtype); dst [L, P, E] e4m3 or int8 pool rows
+    and scales [L, P, NUM_SCALES] fp32; rows [>= r] int32, rank row k goes to pool row rows[k]; segs
+    [NUM_SCALES, 2] int32 (`segments`). Writes, for each segment of each rank row, q = x / s in dst's
+    dtype (int8: rounded to nearest) and s = amax / QMAX (1 where the segment is all zero); elements
+    outside the segments are left as they are."""
     if check:
         _check(src, dst, scales, rows, segs)
     L, r, _ = src.shape
@@ -152,25 +162,32 @@ def quantize_rows(
         scales.stride(0),
         scales.stride(1),
         BLOCK=block,
+        QMAX_=QMAX[dst.dtype],
+        INT=dst.dtype == torch.int8,
     )
 
 
-def quantize_rows_ref(src: torch.Tensor, segs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch: (q [L, r, E] e4m3, zero outside the segments; scales [L, r, NUM_SCALES] fp32)."""
-    x = src.float()
-    q = torch.zeros(x.shape, dtype=E4M3, device=x.device)
+def quantize_rows_ref(
+    src: torch.Tensor, segs: list[tuple[int, int]], dtype: torch.dtype = E4M3
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch: (q [L, r, E] in `dtype`, zero outside the segments; scales [L, r, NUM_SCALES] fp32)."""
+    x, qmax = src.float(), QMAX[dtype]
+    q = torch.zeros(x.shape, dtype=dtype, device=x.device)
     scales = torch.empty((*x.shape[:2], len(segs)), dtype=torch.float32, device=x.device)
     for j, (off, n) in enumerate(segs):
         part = x[..., off : off + n]
         top = part.abs().amax(-1)
-        s = torch.where(top > 0, top / E4M3_MAX, torch.ones_like(top))
-        q[..., off : off + n] = (part / s[..., None]).to(E4M3)
+        s = torch.where(top > 0, top / qmax, torch.ones_like(top))
+        y = part / s[..., None]
+        if dtype == torch.int8:
+            y = torch.floor(y + 0.5).clamp(-qmax, qmax)
+        q[..., off : off + n] = y.to(dtype)
         scales[..., j] = s
     return q, scales
 
 
 def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, segs: list[tuple[int, int]]) -> torch.Tensor:
-    """float32 rank rows from e4m3 rows and their scales (zero outside the segments)."""
+    """float32 rank rows from 8-bit rows and their scales (zero outside the segments)."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for j, (off, n) in enumerate(segs):
         out[..., off : off + n] = q[..., off : off + n].float() * scales[..., j, None]

@@ -2,10 +2,10 @@
 slices of a fused group in one launch, the K loop optionally split across programs. Split programs
 write fp32 partials, which the expand sums, or (`ShrinkConfig.reduce`) the last of a tile's column block
 to finish sums them, in split order, into one v (serial split-K, as CUTLASS's semaphore fix-up). The
-adapter's A rows are found anywhere in a rank-row pool through its row of the row table. An fp8 (e4m3)
-pool's A rows are converted to x's dtype for the dot and each column of v scaled by its row's scale
-(`kernels/lora_quant.py`); SCALED is a constexpr, so a pool in the model's dtype runs the same code as
-without it."""
+adapter's A rows are found anywhere in a rank-row pool through its row of the row table. An 8-bit
+(e4m3 or int8) pool's A rows are converted to x's dtype for the dot and each column of v scaled by its
+row's scale (`kernels/lora_quant.py`); SCALED is a constexpr, so a pool in the model's dtype runs the
+same code as without it."""
 
 from __future__ import annotations
 
@@ -103,8 +103,8 @@ def _lora_shrink_kernel(
         k_ok = offs_k < K
         xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         at = tl.load(a_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        if SCALED:  # e4m3 values are exact in x's dtype
-            at = at.to(xt.dtype)
+        if SCALED:  # e4m3 and int8 values are exact in fp32 and in x's dtype
+            at = at.to(tl.float32).to(xt.dtype)
         if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
             xt = xt.to(tl.float32)
             at = at.to(tl.float32)

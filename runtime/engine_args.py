@@ -24,8 +24,8 @@ class EngineArgs:
     dtype: str = "auto"
     max_loras_per_batch: int | None = None  # distinct adapters in one step; None: as many as the pool holds
     lora_gpu_memory_gb: float | None = None  # the GPU adapter pool; None: see RunnerConfig
-    # the GPU adapter pool's rows: "auto" in the model's dtype (exact PEFT parity), "fp8" in e4m3 with a
-    # scale per slice of each rank row (half the bytes a step reads; host cache and disk unchanged)
+    # the GPU adapter pool's rows: "auto" in the model's dtype (exact PEFT parity), "fp8" (e4m3) or "int8"
+    # with a scale per slice of each rank row (half the bytes a step reads; host cache and disk unchanged)
     lora_dtype: str = "auto"
     max_adapter_bypass: int = 16  # steps a request whose adapter is staged may be passed
     # Steps a waiting request may be passed by requests of adapters already in the step (0: queue

@@ -181,11 +181,11 @@ def _memory_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
     )
     g.add_argument(
         "--lora-dtype",
-        choices=("auto", "fp8"),  # stages/worker/lora/pool.py LORA_DTYPES (not imported: no torch here)
+        choices=("auto", "fp8", "int8"),  # stages/worker/lora/pool.py LORA_DTYPES (no torch import here)
         default=d.lora_dtype,
-        help="the GPU adapter pool's rows: auto, the model's dtype (exact); fp8, e4m3 with a scale per "
-        "slice of each rank row, quantized on the GPU after each copy (half the pool bytes a step reads, "
-        "twice the adapters a pool holds; host cache and disk unchanged)",
+        help="the GPU adapter pool's rows: auto, the model's dtype (exact); fp8 (e4m3) or int8, with a "
+        "scale per slice of each rank row, quantized on the GPU after each copy (half the pool bytes a "
+        "step reads, twice the adapters a pool holds; host cache and disk unchanged)",
     )
     g.add_argument(
         "--cpu-lora-cache-gb",

@@ -1,7 +1,7 @@
-"""The fp8 adapter pool (`--lora-dtype fp8`): e4m3 rank rows with a scale per slice of each row, and the
-shrink, expand and fused expand + activation kernels reading them, against a float64 computation of the
-dequantized rows (ranks 1, odd, 16, above 64; rows of several adapters interleaved out of order; NaN in
-every stale row and every free row, scales included), and the quantization against its definition."""
+"""The 8-bit adapter pools (`--lora-dtype fp8`: e4m3, `int8`) with a scale per slice of each rank row, and
+the shrink, expand and fused expand + activation kernels reading them, against a float64 computation of
+the dequantized rows (ranks 1, odd, 16, above 64; rows of several adapters interleaved out of order; NaN
+in every stale row and every free row, scales included), and the quantization against its definition."""
 
 from __future__ import annotations
 
@@ -35,13 +35,16 @@ def _runs(gen: torch.Generator, total: int, ranks: list[int]) -> list[list[tuple
     return out
 
 
-def fp8_pool(layout: LoraLayout, ranks_of: list[int], device, seed: int) -> LoraPool:
-    """An fp8 pool of bf16 adapters of `ranks_of` (id i: rank ranks_of[i]; one more id stays empty),
+def fp8_pool(layout: LoraLayout, ranks_of: list[int], device, seed: int, lora_dtype: str = "fp8") -> LoraPool:
+    """An 8-bit pool of bf16 adapters of `ranks_of` (id i: rank ranks_of[i]; one more id stays empty),
     module ranks below the adapter's in some layers, rows past a module's rank NaN, 5 rows never
     written (NaN, their scales too)."""
     gen = torch.Generator().manual_seed(seed)
-    pool = LoraPool(layout, sum(ranks_of) + 5, len(ranks_of) + 1, torch.bfloat16, device, fp8=True)
-    pool.mem.fill_(float("nan"))
+    pool = LoraPool(layout, sum(ranks_of) + 5, len(ranks_of) + 1, torch.bfloat16, device, lora_dtype)
+    if pool.mem.dtype == E4M3:
+        pool.mem.fill_(float("nan"))
+    else:  # int8 has no NaN: stale rows are large values instead (their scales are NaN)
+        pool.mem.fill_(-128)
     pool.scales.fill_(float("nan"))
     for i, (rank, runs) in enumerate(zip(ranks_of, _runs(gen, pool.total_rows, ranks_of), strict=True)):
         L = layout.num_layers
@@ -123,15 +126,19 @@ LENGTHS = [3, 17, 1, 40, 1, 1, 2, 9, 1]  # rows 32-47 one adapter: a fused block
 SLOTS = [0, -1, 2, 1, 3, 0, -1, 2, 4]
 
 
-def test_fp8_kernels_mixed_ranks(device):
+@pytest.mark.parametrize("lora_dtype", ["fp8", "int8"])
+def test_fp8_kernels_mixed_ranks(device, lora_dtype):
     """Ranks 1, 7 (odd), 16 and 24 in one batch, prefill-sized (fused activation) and decode-sized."""
-    pool = fp8_pool(small_layout(max_rank=24), [1, 7, 24, 16], device, seed=3)
+    pool = fp8_pool(small_layout(max_rank=24), [1, 7, 24, 16], device, seed=3, lora_dtype=lora_dtype)
     check_backend(pool, indptr_of(LENGTHS), SLOTS, seed=1, max_seqs=4)
     check_backend(pool, indptr_of([1] * 6), [3, 0, -1, 1, 2, 4], seed=2, max_seqs=8)
 
 
-def test_fp8_kernels_ranks_above_64(device):
-    pool = fp8_pool(small_layout(max_rank=80, num_layers=1), [65, 3, 80], device, seed=4)
+@pytest.mark.parametrize("lora_dtype", ["fp8", "int8"])
+def test_fp8_kernels_ranks_above_64(device, lora_dtype):
+    pool = fp8_pool(
+        small_layout(max_rank=80, num_layers=1), [65, 3, 80], device, seed=4, lora_dtype=lora_dtype
+    )
     check_backend(pool, indptr_of([4, 2, 1, 36]), [2, 0, -1, 1], seed=5, max_seqs=2)
 
 
@@ -143,7 +150,7 @@ def test_quantized_rows_follow_their_definition():
     block = (torch.randn((2, 5, layout.row_elems), generator=gen) * 3).to(torch.bfloat16)
     block[1, 2] = 0.0  # an all-zero rank row: scale 1, zeros
     q, scales = quantize_rows_ref(block, segments(layout))
-    pool = LoraPool(layout, 12, 2, torch.bfloat16, torch.device("cpu"), fp8=True)
+    pool = LoraPool(layout, 12, 2, torch.bfloat16, torch.device("cpu"), "fp8")
     ranks = torch.full((2, NUM_SLICES), 5, dtype=torch.int32)
     pool.load(1, PackedAdapter("a", block, ranks, torch.ones(2, NUM_SLICES)), [(9, 2), (0, 3)])
     rows = [9, 10, 0, 1, 2]
@@ -161,16 +168,36 @@ def test_quantized_rows_follow_their_definition():
     assert (pool.scales[1, 0, :] == 1.0).all() and (pool.mem[1, 0].float() == 0).all()
 
 
+def test_int8_rows_follow_their_definition():
+    """int8: scale amax / 127, q = x / scale rounded to nearest (the largest magnitude 127), dequantized
+    within half a step; the Triton kernel (on the GPU, tests/kernels/test_lora_fp8_gpu.py) agrees."""
+    layout = small_layout(max_rank=8)
+    gen = torch.Generator().manual_seed(10)
+    block = (torch.randn((2, 4, layout.row_elems), generator=gen) * 5).to(torch.bfloat16)
+    pool = LoraPool(layout, 6, 2, torch.bfloat16, torch.device("cpu"), "int8")
+    ranks = torch.full((2, NUM_SLICES), 4, dtype=torch.int32)
+    pool.load(0, PackedAdapter("a", block, ranks, torch.ones(2, NUM_SLICES)), [(2, 4)])
+    assert pool.mem.dtype == torch.int8
+    for j, (off, n) in enumerate(segments(layout)):
+        x = block[..., off : off + n].float()
+        s = pool.scales[:, 2:6, j, None]
+        assert torch.equal(s[..., 0], x.abs().amax(-1) / 127)
+        q = pool.mem[:, 2:6, off : off + n].float()
+        assert torch.equal(q.abs().amax(-1), torch.full_like(q[..., 0], 127.0))
+        assert ((q * s - x).abs() <= s / 2 * (1 + 1e-5)).all()
+
+
 def test_fp8_pool_geometry():
     """An e4m3 row costs one byte an element plus its fp32 scales: about twice the rows of bf16."""
     layout = LoraLayout.build(
         num_layers=16, hidden=2048, q_out=2048, kv_out=512, intermediate=8192, max_rank=64
     )
-    bf16, fp8 = row_bytes(layout, torch.bfloat16), row_bytes(layout, torch.bfloat16, fp8=True)
+    bf16, fp8 = row_bytes(layout, torch.bfloat16), row_bytes(layout, torch.bfloat16, "fp8")
+    assert row_bytes(layout, torch.bfloat16, "int8") == fp8
     assert fp8 == 16 * (layout.row_elems + 4 * NUM_SCALES) and 1.9 < bf16 / fp8 < 2.0
     nbytes = 1 << 30
-    assert pool_geometry(layout, torch.bfloat16, nbytes, fp8=True)[0] == nbytes // fp8
-    pool = LoraPool(layout, 70, 4, torch.bfloat16, torch.device("cpu"), fp8=True)
+    assert pool_geometry(layout, torch.bfloat16, nbytes, "fp8")[0] == nbytes // fp8
+    pool = LoraPool(layout, 70, 4, torch.bfloat16, torch.device("cpu"), "fp8")
     assert pool.row_nbytes == fp8
 
 

@@ -1,6 +1,6 @@
-"""The offline engine with an fp8 adapter pool (`lora_dtype="fp8"`) against the same engine with a pool in
-the model's dtype: each adapter's effect on the last token's logits within e4m3's rounding, base-only
-rows identical, and the pool holding e4m3 rows at about half the bytes a rank row."""
+"""The offline engine with an 8-bit adapter pool (`lora_dtype="fp8"` or "int8") against the same engine
+with a pool in the model's dtype: each adapter's effect on the last token's logits within 8-bit rounding,
+base-only rows identical, and the pool holding 8-bit rows at about half the bytes a rank row."""
 
 from __future__ import annotations
 
@@ -21,14 +21,16 @@ def _logits(llm: LLM, name: str | None) -> torch.Tensor:
     return llm.runner.execute(seq)[0].float().cpu()
 
 
+@pytest.mark.parametrize("lora_dtype", ["fp8", "int8"])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_fp8_pool_engine_close_to_the_model_dtype_pool(tiny_llama, llama_adapters, device):
+def test_fp8_pool_engine_close_to_the_model_dtype_pool(tiny_llama, llama_adapters, device, lora_dtype):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     kw = dict(device=device, adapters=llama_adapters, max_lora_rank=16, dtype="bfloat16")
     ref = LLM(tiny_llama, **kw)
-    fp8 = LLM(tiny_llama, lora_dtype="fp8", **kw)
-    assert fp8.runner.pool.mem.dtype == torch.float8_e4m3fn and ref.runner.pool.mem.dtype == torch.bfloat16
+    fp8 = LLM(tiny_llama, lora_dtype=lora_dtype, **kw)
+    want_dtype = torch.float8_e4m3fn if lora_dtype == "fp8" else torch.int8
+    assert fp8.runner.pool.mem.dtype == want_dtype and ref.runner.pool.mem.dtype == torch.bfloat16
     assert 1.9 < ref.runner.pool.row_nbytes / fp8.runner.pool.row_nbytes < 2.0
     base = _logits(ref, None)
     assert torch.equal(_logits(fp8, None), base)  # no adapter: the pool is never read

@@ -1,8 +1,8 @@
 """The GPU adapter pool, paged by rank: one memory block of rank rows per layer, an adapter of rank r in r
 of them (anywhere, chosen by the scheduler), and per-id rank, scaling and row tables with host mirrors,
 so the host plans without reading the device. Every buffer is allocated once (CUDA-graph safe).
-The rows are in the model's dtype, or (`fp8`, `--lora-dtype fp8`) in e4m3 with a scale per slice of
-each rank row (`kernels/lora_quant.py`), quantized on the device after the host-to-device copy."""
+The rows are in the model's dtype, or (`--lora-dtype fp8` / `int8`) in e4m3 / int8 with a scale per slice
+of each rank row (`kernels/lora_quant.py`), quantized on the device after the host-to-device copy."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kernels.lora_quant import E4M3, NUM_SCALES, quantize_rows, quantize_rows_ref, segments
+from kernels.lora_quant import NUM_SCALES, QUANT_DTYPES, quantize_rows, quantize_rows_ref, segments
 from runtime.common.lora_layout import NUM_SLICES, LoraLayout
 from runtime.common.packed import PackedAdapter
 from stages.worker.lora.pitched_copy import copy_rows
@@ -25,22 +25,25 @@ GPU_POOL_FRACTION = 0.10  # the default pool on CUDA: this share of free memory,
 Runs = Sequence[tuple[int, int]]  # (first pool row, rows) per run, in rank-row order
 
 
-LORA_DTYPES = ("auto", "fp8")  # --lora-dtype: the pool's rows in the model's dtype, or e4m3 with scales
+# --lora-dtype: the pool's rows in the model's dtype ("auto"), or 8-bit with scales (`QUANT_DTYPES`)
+LORA_DTYPES = ("auto", *QUANT_DTYPES)
 
 
-def row_bytes(layout: LoraLayout, dtype: torch.dtype, fp8: bool = False) -> int:
-    """Bytes of one rank row over all layers (what one unit of rank costs in the pool); `fp8`: e4m3
-    elements and their fp32 scales."""
-    if fp8:
+def row_bytes(layout: LoraLayout, dtype: torch.dtype, lora_dtype: str = "auto") -> int:
+    """Bytes of one rank row over all layers (what one unit of rank costs in the pool); an 8-bit
+    `lora_dtype`: one byte an element and the row's fp32 scales."""
+    if lora_dtype in QUANT_DTYPES:
         return layout.num_layers * (layout.row_elems + 4 * NUM_SCALES)
     return layout.num_layers * layout.row_elems * torch.empty((), dtype=dtype).element_size()
 
 
-def pool_geometry(layout: LoraLayout, dtype: torch.dtype, nbytes: int, fp8: bool = False) -> tuple[int, int]:
+def pool_geometry(
+    layout: LoraLayout, dtype: torch.dtype, nbytes: int, lora_dtype: str = "auto"
+) -> tuple[int, int]:
     """(rank rows, adapter ids) of a pool of `nbytes`; it must hold one adapter of the largest rank."""
-    rows = nbytes // row_bytes(layout, dtype, fp8)
+    rows = nbytes // row_bytes(layout, dtype, lora_dtype)
     if rows < layout.max_rank:
-        need = layout.max_rank * row_bytes(layout, dtype, fp8)
+        need = layout.max_rank * row_bytes(layout, dtype, lora_dtype)
         raise ValueError(
             f"the GPU adapter pool of {nbytes} bytes holds {rows} rank rows, fewer than one adapter of "
             f"rank {layout.max_rank} ({need} bytes); raise --lora-gpu-memory-gb or lower --max-lora-rank"
@@ -49,11 +52,11 @@ def pool_geometry(layout: LoraLayout, dtype: torch.dtype, nbytes: int, fp8: bool
 
 
 def default_pool_bytes(
-    layout: LoraLayout, dtype: torch.dtype, device: torch.device, fp8: bool = False
+    layout: LoraLayout, dtype: torch.dtype, device: torch.device, lora_dtype: str = "auto"
 ) -> int:
     """`GPU_POOL_FRACTION` of the device's free memory (CUDA), else `CPU_POOL_BYTES`; at least one
     adapter of the largest rank."""
-    floor = layout.max_rank * row_bytes(layout, dtype, fp8)
+    floor = layout.max_rank * row_bytes(layout, dtype, lora_dtype)
     if device.type != "cuda":
         return max(CPU_POOL_BYTES, floor)
     free, _ = torch.cuda.mem_get_info(device)
@@ -69,9 +72,10 @@ class LoraPool:
     load retire the ids that held them (the scheduler evicted those adapters), so `names` says what is
     resident without a message per eviction.
 
-    `fp8`: `mem` is e4m3 and `scales[l, row, j]` (fp32) scales segment j of pool row `row` in layer l
-    (`kernels.lora_quant.segments`); an adapter block (in `dtype`, as the host cache holds it) goes whole
-    into a device staging buffer of one largest-rank adapter, then is quantized into its rows."""
+    An 8-bit `lora_dtype` ("fp8": e4m3, "int8"): `mem` holds that and `scales[l, row, j]` (fp32) scales
+    segment j of pool row `row` in layer l (`kernels.lora_quant.segments`); an adapter block (in `dtype`,
+    as the host cache holds it) goes whole into a device staging buffer of one largest-rank adapter, then
+    is quantized into its rows."""
 
     def __init__(
         self,
@@ -80,19 +84,22 @@ class LoraPool:
         num_ids: int,
         dtype: torch.dtype,
         device: torch.device,
-        fp8: bool = False,
+        lora_dtype: str = "auto",
     ):
         self.layout = layout
         self.total_rows = total_rows
         self.num_ids = num_ids
         self.dtype = dtype  # of the adapter blocks it loads (the model's)
         self.device = device
-        self.fp8 = fp8
-        self.row_nbytes = row_bytes(layout, dtype, fp8)  # one rank row over all layers
+        if lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {lora_dtype!r}")
+        self.quantized = lora_dtype in QUANT_DTYPES
+        self.row_nbytes = row_bytes(layout, dtype, lora_dtype)  # one rank row over all layers
         L, R = layout.num_layers, layout.max_rank
-        self.mem = torch.zeros((L, total_rows, layout.row_elems), dtype=E4M3 if fp8 else dtype, device=device)
+        row_dtype = QUANT_DTYPES.get(lora_dtype, dtype)
+        self.mem = torch.zeros((L, total_rows, layout.row_elems), dtype=row_dtype, device=device)
         self.scales = None
-        if fp8:
+        if self.quantized:
             self.scales = torch.zeros((L, total_rows, NUM_SCALES), dtype=torch.float32, device=device)
             self._segments = segments(layout)
             self._segs = torch.tensor(self._segments, dtype=torch.int32, device=device)  # [NUM_SCALES, 2]
@@ -141,8 +148,8 @@ class LoraPool:
         pinned = adapter.block.is_pinned()
         events = [] if layer_events and cuda else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if self.fp8:
-                self._load_fp8(lora_id, adapter, rank_rows, events)
+            if self.quantized:
+                self._load_quantized(lora_id, adapter, rank_rows, events)
             elif events is None:  # the block first, so its DMA starts while the tables are issued
                 k = 0
                 for start, n in runs:
@@ -170,7 +177,7 @@ class LoraPool:
         self.names[lora_id] = adapter.name
         return events
 
-    def _load_fp8(
+    def _load_quantized(
         self, lora_id: int, adapter: PackedAdapter, rank_rows: torch.Tensor, events: list | None
     ) -> None:
         """The block into the staging buffer (one copy, or one a layer with `events`), the tables, then
@@ -206,7 +213,7 @@ class LoraPool:
             rows = self.rows[lora_id, :r]
             quantize_rows(src, self.mem[layers], self.scales[layers], rows, self._segs, check=False)
         else:  # the CPU pool: the same function in torch (the interpreter's e4m3 rounding is not RNE)
-            q, scales = quantize_rows_ref(src, self._segments)
+            q, scales = quantize_rows_ref(src, self._segments, self.mem.dtype)
             index = rank_rows.long()
             mem, bits, sc = self.mem[layers].view(torch.uint8), q.view(torch.uint8), self.scales[layers]
             for j, (off, n) in enumerate(self._segments):
