@@ -92,7 +92,8 @@ def _quantize_rows_kernel(
         o = start + tl.arange(0, BLOCK)
         amax = tl.maximum(amax, tl.abs(tl.load(src + o, mask=o < n, other=0.0).to(tl.float32)))
     top = tl.max(amax, axis=0)
-    scale = tl.where(top > 0, top / QMAX_, 1.0)
+    # IEEE divisions (div_rn), as torch's: the scales and rows match `quantize_rows_ref` bit for bit
+    scale = tl.where(top > 0, tl.div_rn(top, tl.full([], QMAX_, tl.float32)), 1.0)
     for start in range(0, n, BLOCK):
         o = start + tl.arange(0, BLOCK)
         y = tl.div_rn(tl.load(src + o, mask=o < n, other=0.0).to(tl.float32), scale)

@@ -121,6 +121,9 @@ class LoraPool:
             self._stage_scalings = torch.empty_like(self.host_scalings).pin_memory()
             self._stage_rows = torch.empty_like(self.host_rows).pin_memory()
             self._staged: list[torch.cuda.Event | None] = [None] * num_ids
+        if self.quantized and device.type == "cuda":  # compile the quantization now, not at a first load
+            zeros = self._staging[: L * layout.row_elems].view(L, 1, layout.row_elems).zero_()
+            self._quantize(zeros, slice(0, L), 0, self.host_rows[0, :1])  # into row 0, free until a load
 
     @property
     def num_slots(self) -> int:
