@@ -45,10 +45,13 @@ def _b_chunk(b_cols, prow, k, r, n_ok, offs_r, stride_br):
 
 @triton.jit
 def b_scale_chunk(bs_ptr, prow, k, r, offs_r, stride_bsr, SCALED: tl.constexpr):
-    """The scales of the chunk's B^T rows ([BLOCK_K] fp32, zero past the rank) of an e4m3 pool; 0 else."""
+    """The scales of the chunk's B^T rows ([BLOCK_K] fp32, zero past the rank) of an 8-bit pool; zeros
+    else (never read: one return of one type either way, as compiled code needs)."""
     if SCALED:
-        return tl.load(bs_ptr + prow * stride_bsr, mask=(k + offs_r) < r, other=0.0)
-    return 0.0
+        scales = tl.load(bs_ptr + prow * stride_bsr, mask=(k + offs_r) < r, other=0.0)
+    else:
+        scales = (offs_r * 0).to(tl.float32)
+    return scales
 
 
 @triton.jit

@@ -93,3 +93,16 @@ def test_markdown_table_prints_the_bound_beside_the_ratio():
     table = markdown_table([base, run], baseline=base)
     row = table.splitlines()[-1].split(" | ")
     assert row[5:8] == ["0.80×", f"{1.5 / 1.615:.2f}×", f"{0.8 * 1.615 / 1.5:.2f}"]
+
+
+def test_bench_tp_bytes_by_hand():
+    """bench_tp: a batch of 2 prompts of 3 tokens, 4 tokens out, one step a token; adapters of 50 bytes of
+    rows a step; per GPU over tp=2. KV tokens a sequence: 3 + 3 * 3 + 3 = 15."""
+    from benchmarks import bench_tp
+
+    a = SimpleNamespace(batch=2, prompt_len=3, output_len=4, tp=2)
+    model = roofline.ModelBytes(weight_bytes=1000, kv_token_bytes=10)
+    got = bench_tp._bytes_read(a, model, step_adapter_bytes=50, bandwidth=100.0)
+    base = (4 * 1000 + 2 * 15 * 10) / 2
+    assert got["base"]["total_bytes"] == base and got["base"]["floor_s"] == base / 100.0
+    assert got["lora"]["adapter_bytes"] == 4 * 50 / 2 and got["lora"]["total_bytes"] == base + 100
