@@ -6,10 +6,11 @@ memory floor is the bytes that must move (activations in and out once, each dist
 once) at the measured copy bandwidth.
     python -m benchmarks.bench_lora_step [--preset 1b] [--pool-gb 4] [--adapters 80] [--decodes 190]
         [--prefill 512,256] [--max-seqs 256] [--ranks 8,16,32,64] [--sweep] [--only TEXT] [--out FILE]
-        [--act none|unfused|fused|both] [--smoke]
+        [--act none|unfused|fused|both] [--lora-dtype auto|fp8|int8] [--smoke]
 With --act the gate_up group's activation is part of the step: its expand and then `silu_mul`
 (unfused), or the two as one kernel (fused, `kernels/lora_expand_act.py`); the graphed check is then the
-layer-0 activation's, against float64."""
+layer-0 activation's, against float64. With --lora-dtype fp8 or int8 the pool's rows are 8-bit with their
+scales (`kernels/lora_quant.py`), the floor counts one byte an element and the check dequantizes."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import triton  # noqa: E402
 
 from kernels.batch_info import plan_runs, plan_tiles  # noqa: E402
 from kernels.lora_expand import ExpandConfig  # noqa: E402
+from kernels.lora_quant import QUANT_DTYPES, a_scales, b_scales  # noqa: E402
 from kernels.lora_shrink import ShrinkConfig  # noqa: E402
 from kernels.silu_mul import silu_mul  # noqa: E402
 from runtime.common.lora_layout import LoraLayout  # noqa: E402
@@ -51,15 +53,27 @@ def layout_for(preset: str, max_rank: int) -> LoraLayout:
 
 
 def make_pool(
-    layout: LoraLayout, nbytes: int, n_ad: int, rank_cycle: list[int], device, seed: int
+    layout: LoraLayout,
+    nbytes: int,
+    n_ad: int,
+    rank_cycle: list[int],
+    device,
+    seed: int,
+    lora_dtype: str = "auto",
 ) -> tuple[LoraPool, list[int]]:
     """A pool of `nbytes` whose ids 0..n_ad-1 hold adapters of ranks cycling over `rank_cycle`, every
-    rank row at a random free pool row (as after churn), random weights."""
-    rows, ids = pool_geometry(layout, torch.bfloat16, nbytes)
-    pool = LoraPool(layout, rows, ids, torch.bfloat16, device)
+    rank row at a random free pool row (as after churn), random weights (8-bit: random codes and
+    scales of the same magnitude)."""
+    rows, ids = pool_geometry(layout, torch.bfloat16, nbytes, lora_dtype)
+    pool = LoraPool(layout, rows, ids, torch.bfloat16, device, lora_dtype)
     g = torch.Generator(device="cpu").manual_seed(seed)
     for layer in range(layout.num_layers):
-        pool.mem[layer].normal_(0.0, 0.02)
+        if pool.scales is None:
+            pool.mem[layer].normal_(0.0, 0.02)
+            continue
+        codes = torch.empty(pool.mem[layer].shape, device=device).normal_(0.0, 40.0).clamp_(-127, 127)
+        pool.mem[layer].copy_(codes.round() if pool.mem.dtype == torch.int8 else codes)
+        pool.scales[layer].uniform_(0.0004, 0.0006)
     ranks = [rank_cycle[i % len(rank_cycle)] for i in range(n_ad)]
     if sum(ranks) > rows:
         raise SystemExit(f"{n_ad} adapters need {sum(ranks)} rank rows; the pool has {rows}")
@@ -94,15 +108,16 @@ def make_step(n_ad: int, decodes: int, prefill: list[int], seed: int) -> tuple[l
     return indptr, slots
 
 
-def floor_bytes(layout: LoraLayout, tokens: int, ranks: list[int]) -> int:
+def floor_bytes(layout: LoraLayout, tokens: int, ranks: list[int], row_elt: int = 2) -> int:
     """Bytes a step's LoRA must move: per layer and group x read, out read and written, v written and
-    read (fp32, as wide as the largest rank), every distinct adapter's A and B rows once (real ranks)."""
+    read (fp32, as wide as the largest rank), every distinct adapter's A and B rows once (real ranks;
+    `row_elt` bytes an element, 1 for 8-bit rows, whose scales add 4 bytes a slice's row)."""
     total = 0
     rsum = sum(ranks)
     for g in layout.groups:
         n = g.num_slices
         total += 2 * tokens * g.in_dim + 4 * tokens * g.out_total
-        total += 2 * rsum * (n * g.in_dim + g.out_total)
+        total += rsum * (row_elt * (n * g.in_dim + g.out_total) + (8 * n if row_elt == 1 else 0))
         total += 2 * 4 * tokens * n * max(ranks)
     return total * layout.num_layers
 
@@ -194,14 +209,19 @@ def check(backend, info, configs, xs, outs, layout, pool, indptr, slots) -> tupl
     backend.apply_as(info, configs, x, out, 0, g)
     base = pool.mem[0]
     a, b = LoraLayout.a_rows(base, g), LoraLayout.b_rows(base, g)
+    scales = pool.scales[0] if pool.scales is not None else None
     delta = torch.zeros_like(before)
     for i, slot in enumerate(slots):
         lo, hi = indptr[i], indptr[i + 1]
         r = int(pool.host_ranks[slot, 0, g.first_slice])
         rows = pool.host_rows[slot, :r].long().to(x.device)
         for s, (off, w) in enumerate(zip(g.out_offsets, g.out_dims, strict=True)):
-            v = x[lo:hi].double() @ a[rows, s].double().t()
-            delta[lo:hi, off : off + w] = 2.0 * v @ b[rows, off : off + w].double()
+            a_s, b_s = a[rows, s].double(), b[rows, off : off + w].double()
+            if scales is not None:  # 8-bit rows times their scales
+                a_s = a_s * a_scales(scales, g.first_slice, g.num_slices)[rows, s, None].double()
+                b_s = b_s * b_scales(scales, g.first_slice, g.num_slices)[rows, s, None].double()
+            v = x[lo:hi].double() @ a_s.t()
+            delta[lo:hi, off : off + w] = 2.0 * v @ b_s
     return float((out.double() - before - delta).norm() / delta.norm()), delta
 
 
@@ -233,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         default="none",
         help="include the gate_up activation: after the expand, fused into it, or each variant both ways",
     )
+    p.add_argument("--lora-dtype", choices=("auto", *QUANT_DTYPES), default="auto", help="the pool's rows")
     p.add_argument("--out")
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes and pool, to check the script on the CPU"
@@ -244,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     cycle = [int(r) for r in a.ranks.split(",")]
     layout = layout_for(a.preset, max(cycle))
     layers = layout.num_layers
-    pool, ranks = make_pool(layout, int(a.pool_gb * 2**30), a.adapters, cycle, device, a.seed)
+    pool, ranks = make_pool(layout, int(a.pool_gb * 2**30), a.adapters, cycle, device, a.seed, a.lora_dtype)
     prefill = [int(n) for n in a.prefill.split(",") if n]
     indptr, slots = make_step(a.adapters, a.decodes, prefill, a.seed)
     tokens = indptr[-1]
@@ -270,7 +291,8 @@ def main(argv: list[str] | None = None) -> None:
         ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
         copy_tbps = 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
         del src, dst
-    floor = floor_bytes(layout, tokens, [ranks[s] for s in sorted(set(slots))])
+    row_elt = 1 if pool.scales is not None else 2
+    floor = floor_bytes(layout, tokens, [ranks[s] for s in sorted(set(slots))], row_elt)
     floor_us = floor / ((copy_tbps or 3.0) * 1e12) * 1e6
 
     # Variants: the backend's eager preparation (grids of the real tiles), and the graphed one at each

@@ -7,7 +7,10 @@ python -m benchmarks.bench_tp MODEL --tp 2 --adapters A_DIR [B_DIR ...] --batch 
 For each batch size, after one warm-up batch of each kind, the rounds run base-only and adapter batches
 A-B-B-A (the adapters assigned round-robin, every one in every step); each batch's output tokens per
 second and the medians go to --out (JSON) and stdout. The LoRA overhead is base tok/s over adapter tok/s,
-less one. `close_s` is how long `LLM.close()` took, and `rank_exit_codes` how the other ranks ended."""
+less one. `close_s` is how long `LLM.close()` took, and `rank_exit_codes` how the other ranks ended.
+Beside each batch size's numbers, the bytes each kind's batch reads (`tools/roofline.py`: weights and the
+adapters' pool rows every step, each sequence's KV), the device's copy bandwidth (probed once, before the
+engine starts), and the best adapter/base ratio those bytes allow with the fraction of it measured."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 
 from proto.sampling import SamplingParams
 from runtime.offline import LLM
+from tools import roofline
 
 
 def _batch(llm: LLM, prompts, adapters, output_len: int) -> tuple[float, list[list[int]]]:
@@ -41,6 +45,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--adapters", nargs="*", default=[])
     ap.add_argument("--max-lora-rank", type=int, default=16)
+    ap.add_argument("--lora-dtype", default="auto", help="the adapter pool's rows: auto (the model's) or fp8")
     ap.add_argument("--batch", type=int, nargs="+", default=[16])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
@@ -49,20 +54,25 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     names = {Path(p).name: p for p in a.adapters}
+    bandwidth = roofline.probe_bandwidth("cuda")
     start = time.perf_counter()
     llm = LLM(
         a.model,
         adapters=names,
         device="cuda",
         max_lora_rank=a.max_lora_rank,
+        lora_dtype=a.lora_dtype,
         max_running_requests=max(*a.batch, 16),
         tensor_parallel_size=a.tp,
         disable_custom_all_reduce=a.disable_custom_all_reduce,
     )
     built = time.perf_counter() - start
+    model = roofline.ModelBytes.from_dir(a.model)
+    step_adapter_bytes = sum(llm.runner.pool.row_nbytes * _rank(p) for p in names.values())
     batches, greedy = {}, {}
     for batch in a.batch:
         runs, tokens = _rounds(llm, a, names, batch)
+        _bound(runs, _bytes_read(a, batch, model, step_adapter_bytes, bandwidth), batch * a.output_len)
         batches[str(batch)] = runs
         greedy = greedy or tokens
     replays = llm.runner.graphs.replays if llm.runner.graphs is not None else 0
@@ -73,6 +83,8 @@ def main() -> None:
     result = {
         "tp": a.tp,
         "custom_all_reduce": not a.disable_custom_all_reduce,
+        "lora_dtype": a.lora_dtype,
+        "bandwidth_Bps": bandwidth,
         "prompt_len": a.prompt_len,
         "output_len": a.output_len,
         "adapters": len(names),
@@ -107,6 +119,39 @@ def _rounds(llm: LLM, a, names: dict, batch: int) -> tuple[dict, dict]:
         m = out["median_tok_s"]
         out["lora_overhead"] = m["base"] / m["lora"] - 1
     return out, greedy
+
+
+def _rank(adapter_dir: str) -> int:
+    """The largest rank of a PEFT adapter (the rank rows it takes in the pool)."""
+    cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    return max([int(cfg["r"]), *(int(r) for r in (cfg.get("rank_pattern") or {}).values())])
+
+
+def _bytes_read(a, batch: int, model: roofline.ModelBytes, step_adapter_bytes: int, bandwidth: float) -> dict:
+    """One batch's bytes for each kind, per GPU (a rank reads its 1/tp shard of everything): one step a
+    token (the prefill of the batch's prompts, then output_len - 1 decode steps)."""
+    kv = batch * roofline.kv_tokens_read(a.prompt_len, a.output_len)
+    out = {}
+    for kind, adapter_bytes in (("base", 0), ("lora", a.output_len * step_adapter_bytes)):
+        r = roofline.run_bytes(model, a.output_len, adapter_bytes, kv, bandwidth)
+        out[kind] = {k: v / a.tp if k.endswith("_bytes") else v for k, v in r.items()}
+        out[kind]["floor_s"] = out[kind]["total_bytes"] / bandwidth
+    return out
+
+
+def _bound(runs: dict, bytes_read: dict, tokens: int) -> None:
+    """Add the roofline to one batch size's `runs`: the base's fraction of its bytes floor, and the
+    adapter/base ratio the bytes allow with the fraction of it measured."""
+    runs["roofline"] = bytes_read
+    m = runs["median_tok_s"]
+    if m.get("base"):
+        runs["base_fraction_of_floor"] = bytes_read["base"]["floor_s"] / (tokens / m["base"])
+    if m.get("base") and m.get("lora"):
+        base_s = tokens / m["base"]
+        bound = roofline.bound_ratio(bytes_read["lora"], tokens, bytes_read["base"], tokens, base_s)
+        runs["lora_ratio"] = m["lora"] / m["base"]
+        runs["bytes_bound_ratio"] = bound
+        runs["fraction_of_bound"] = roofline.fraction_of_bound(runs["lora_ratio"], bound)
 
 
 if __name__ == "__main__":

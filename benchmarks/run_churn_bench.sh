@@ -12,7 +12,8 @@
 #   S2_ADAPTERS, REAL, PRESET, DEVICE, DTYPE, POOL_GB, S1_CACHE_GB, S2_CACHE_GB, SERVER_FLAGS, PYTHON,
 #   S1_CAP_RUNNING (also run the 8-adapter requests with --max-running-requests this: the pool's ceiling),
 #   S2_PASSES (default "base mix mix base"), S2_RATE_RUN (1: the 60% run; 0: skip it), METRICS_INTERVAL
-#   (seconds between /metrics scrapes kept as each run's timeline; 0: none)
+#   (seconds between /metrics scrapes kept as each run's timeline; 0: none), BANDWIDTH_GBPS (the copy
+#   bandwidth for each run's bytes floor and bound; default: probed once on CUDA, none elsewhere)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-${TMPDIR:-/tmp}/lorapipe-bench/churn_bench}")
@@ -27,6 +28,13 @@ scratch=${SCRATCH:-$out/scratch}
 mkdir -p "$out" "$scratch"
 model=$scratch/llama-$preset
 [ -f "$model/config.json" ] || "$py" -m tools.make_tiny_model "$model" --preset "$preset" --dtype "$dtype" --seed 0
+# the device's copy bandwidth, once, before any server holds memory: each run's bytes floor and bound
+roofline=() bw=${BANDWIDTH_GBPS:-}
+[ -n "$bw" ] || [ "$device" != cuda ] || bw=$("$py" -m tools.roofline probe)
+if [ -n "$bw" ]; then
+  echo "device copy bandwidth: $bw GB/s" | tee "$out/bandwidth.txt"
+  roofline=(--model "$model" --device-bandwidth "$bw")
+fi
 
 # real adapters (make_adapters cycles --ranks over them) and N names linked onto them
 link_adapters() {  # $1 dir of links, $2 count, $3 real dir, $4 real count
@@ -59,7 +67,8 @@ bench() {  # $1 workload, $2 label, rest: extra args
   local w=$1 label=$2
   shift 2
   "$py" -m tools.bench_serving --endpoint "tcp://127.0.0.1:$port" --metrics-url "http://127.0.0.1:$((port + 1))/metrics" \
-    --metrics-interval "${METRICS_INTERVAL:-0}" --workload "$w" --label "$label" --out "$out/$label.json" "$@" | tail -24
+    --metrics-interval "${METRICS_INTERVAL:-0}" --workload "$w" --label "$label" --out "$out/$label.json" \
+    "${roofline[@]}" "$@" | tail -26
 }
 
 case " $parts " in *" s1 "*)
@@ -121,6 +130,7 @@ esac
 "$py" - "$out" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
+from tools import roofline
 out = Path(sys.argv[1])
 runs = {f.stem: json.loads(f.read_text())["summary"] for f in sorted(out.glob("s[12]_*.json"))}
 def med(names, key):
@@ -141,6 +151,19 @@ if med(many, "output_throughput") and med(few, "output_throughput"):
 if med(mix, "output_throughput") and med(base, "output_throughput"):
     res["s2_throughput_ratio"] = med(mix, "output_throughput") / med(base, "output_throughput")
     res["s2_ttft_ratio"] = med(mix, "ttft") / med(base, "ttft")
+def bound(names, bases):
+    """Median over run/baseline pairs of the best ratio the runs' bytes allow (tools/roofline.py)."""
+    xs = [roofline.bound_ratio(runs[n]["roofline"], runs[n]["output_tokens"], runs[b]["roofline"],
+                               runs[b]["output_tokens"], runs[b]["duration_s"])
+          for n in names for b in bases if runs.get(n, {}).get("roofline") and runs.get(b, {}).get("roofline")]
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+for key, names, bases in (("s1", many, few), ("s2", mix, base)):
+    ratio = res.get(f"{key}_ratio" if key == "s1" else "s2_throughput_ratio")
+    b = bound(names, bases)
+    if b is not None:
+        res[f"{key}_bytes_bound"] = b
+        res[f"{key}_fraction_of_bound"] = roofline.fraction_of_bound(ratio, b)
 if "s2_mix_at_60pct" in runs:
     res["s2_adapter_wait_p99_s"] = runs["s2_mix_at_60pct"].get("adapter_wait_p99_s")
 print(json.dumps(res, indent=1))

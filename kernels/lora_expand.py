@@ -1,6 +1,8 @@
 """Multi-LoRA expand (SGMV): out[t, off_s:off_s+d_s] += scaling_s * v[t, s, :r] @ B_s[:r] for every token
 tile of one adapter, all slices of a fused group (unequal widths) in one launch, rank-bounded K loop. The
-adapter's B^T rows are found anywhere in a rank-row pool through its row of the row table."""
+adapter's B^T rows are found anywhere in a rank-row pool through its row of the row table. An 8-bit
+(e4m3 or int8) pool's B^T rows are converted to out's dtype and each rank column of v is scaled by its
+row's scale before the dot (SCALED, a constexpr: `kernels/lora_quant.py`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from kernels import device_info
 from kernels.batch_info import ACT_BLOCK_M, META_COLS, BatchInfo, interpreting, read_tiles
+from kernels.lora_quant import check_scales
 from kernels.lora_shrink import check_row_table
 
 
@@ -41,10 +44,37 @@ def _b_chunk(b_cols, prow, k, r, n_ok, offs_r, stride_br):
 
 
 @triton.jit
-def _v_dot(v_ptrs, bt, k, r16, m_ok, offs_r, stride_vp, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
-    """v[:, k:k+BLOCK_K] (summed over the split-K partials) @ bt, the chunk's [BLOCK_K, BLOCK_N] B rows."""
+def b_scale_chunk(bs_ptr, prow, k, r, offs_r, stride_bsr, SCALED: tl.constexpr):
+    """The scales of the chunk's B^T rows ([BLOCK_K] fp32, zero past the rank) of an 8-bit pool; zeros
+    else (never read: one return of one type either way, as compiled code needs)."""
+    if SCALED:
+        scales = tl.load(bs_ptr + prow * stride_bsr, mask=(k + offs_r) < r, other=0.0)
+    else:
+        scales = (offs_r * 0).to(tl.float32)
+    return scales
+
+
+@triton.jit
+def _v_dot(
+    v_ptrs,
+    bt,
+    bs,
+    k,
+    r16,
+    m_ok,
+    offs_r,
+    stride_vp,
+    NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    CDT: tl.constexpr,
+):
+    """v[:, k:k+BLOCK_K] (summed over the split-K partials) @ bt, the chunk's [BLOCK_K, BLOCK_N] B rows;
+    with `bs` scales of e4m3 rows (CDT: the output's dtype), v's column j times bs[j] and bt in CDT."""
     v_ok = m_ok[:, None] & ((k + offs_r) < r16)[None, :]
     vt = split_sum(v_ptrs, v_ok, stride_vp, NUM_SPLITS)  # [BLOCK_M, BLOCK_K] fp32
+    if bt.dtype != CDT:  # 8-bit rows: exact in fp32 and in CDT
+        vt = vt * bs[None, :]
+        bt = bt.to(tl.float32).to(CDT)
     vt = vt.to(bt.dtype)  # same rounding of v as a plain dtype matmul chain
     if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
         vt = vt.to(tl.float32)
@@ -56,6 +86,7 @@ def _v_dot(v_ptrs, bt, k, r16, m_ok, offs_r, stride_vp, NUM_SPLITS: tl.constexpr
 def _lora_expand_kernel(
     v_ptr,
     b_ptr,
+    bs_ptr,
     out_ptr,
     ranks_ptr,
     scal_ptr,
@@ -72,6 +103,7 @@ def _lora_expand_kernel(
     stride_vt,
     stride_vi,
     stride_br,
+    stride_bsr,
     stride_rs,
     stride_ri,
     stride_ss,
@@ -89,6 +121,7 @@ def _lora_expand_kernel(
     SKIP_UNIFORM: tl.constexpr,
     ACT_BM: tl.constexpr,
     PDL: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     # Grid: (tiles, column blocks of all slices; a block never straddles two slices).
     # PDL: this kernel may start while the shrink before it runs (the shrink lets it). Before its wait it
@@ -144,13 +177,16 @@ def _lora_expand_kernel(
     # below r16; B rows past the real rank are stale and are never read.
     r16 = tl.cdiv(r, 16) * 16
     b_cols = b_ptr + (off + offs_n)[None, :]  # [1, BLOCK_N]; each chunk adds its gathered row offsets
+    bs_col = bs_ptr + s  # this slice's column of the B^T scales (e4m3 pools)
+    cdt = out_ptr.dtype.element_ty
     v_ptrs = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + s * stride_vi + offs_r[None, :]
     if BLOCK_K == BLOCK_R and NUM_SPLITS == 1:  # one step, loads straight to registers (no pipeline)
         bt = _b_chunk(b_cols, prow0, 0, r, n_ok, offs_r, stride_br)  # before the wait: adapter rows
+        bs = b_scale_chunk(bs_col, prow0, 0, r, offs_r, stride_bsr, SCALED)
         if PDL:
             gdc_wait()
         o = tl.load(o_ptrs, mask=o_mask, other=0.0)
-        acc = _v_dot(v_ptrs, bt, 0, r16, m_ok, offs_r, stride_vp, NUM_SPLITS, UPCAST)
+        acc = _v_dot(v_ptrs, bt, bs, 0, r16, m_ok, offs_r, stride_vp, NUM_SPLITS, UPCAST, cdt)
     else:
         if PDL:
             gdc_wait()
@@ -159,7 +195,8 @@ def _lora_expand_kernel(
         for k in range(0, r, BLOCK_K):
             prow = _row_gather(t_ptrs, k, offs_r, table_width)
             bt = _b_chunk(b_cols, prow, k, r, n_ok, offs_r, stride_br)
-            acc += _v_dot(v_ptrs, bt, k, r16, m_ok, offs_r, stride_vp, NUM_SPLITS, UPCAST)
+            bs = b_scale_chunk(bs_col, prow, k, r, offs_r, stride_bsr, SCALED)
+            acc += _v_dot(v_ptrs, bt, bs, k, r16, m_ok, offs_r, stride_vp, NUM_SPLITS, UPCAST, cdt)
             v_ptrs += BLOCK_K
     tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=o_mask)
 
@@ -195,7 +232,7 @@ def rank_chunk(block_rank: int, block_m: int, split_k: int) -> int:
     return 16 if split_k * block_m * block_k * 4 > 32 * 1024 else block_k
 
 
-def _check(v, b, ranks, scalings, rows, out, out_offsets, out_dims, info) -> tuple[int, int]:
+def _check(v, b, ranks, scalings, rows, out, out_offsets, out_dims, info, b_scales=None) -> tuple[int, int]:
     if v.dim() != 4 or b.dim() != 2 or out.dim() != 2 or ranks.dim() != 2:
         raise ValueError(
             f"expected v [P, T, N, R], b [P, D], ranks [I, N], out [T, D]; got {v.shape}, {b.shape}, "
@@ -217,8 +254,10 @@ def _check(v, b, ranks, scalings, rows, out, out_offsets, out_dims, info) -> tup
         if tuple(t.shape) != (num_ids, num_slices) or t.dtype != dt:
             raise ValueError(f"{name} must be {dt} [{num_ids}, {num_slices}], got {t.dtype} {tuple(t.shape)}")
     check_row_table(rows, num_ids, info)
-    if b.dtype != out.dtype or b.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"B and out must share a float dtype, got {b.dtype} and {out.dtype}")
+    check_scales("B", b, b_scales, num_slices)
+    b_dtype = out.dtype if b_scales is not None else b.dtype
+    if b_dtype != out.dtype or b_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"B and out must share a float dtype (or B be e4m3), got {b.dtype} and {out.dtype}")
     if b.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("B rows and out rows must be contiguous in their last dim")
     total = max(o + d for o, d in zip(out_offsets, out_dims, strict=True))
@@ -246,6 +285,7 @@ def lora_expand(
     check: bool = True,
     skip_uniform: bool = False,
     pdl: bool = False,
+    b_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """v [splits, T, num_slices, block_rank] fp32 partials (from `lora_shrink`); b [pool_rows, D] (one
     layer's B^T rows of the rank-row pool, strided view, last dim contiguous); ranks/scalings [num_ids,
@@ -255,9 +295,10 @@ def lora_expand(
     blocks whose rows all have one adapter (the metadata's column 3) to `lora_expand_silu_mul`. `pdl`:
     launch as a programmatic dependent where the config says so (`ExpandConfig.pdl`); the caller
     promises that the kernel just before this one wrote neither the batch metadata, the adapter tables
-    nor B (this kernel reads them before its wait)."""
+    nor B (this kernel reads them before its wait). `b_scales`: [pool_rows, num_slices] fp32, the scales
+    of an e4m3 pool's B^T rows (`b` is then e4m3)."""
     if check:
-        splits, num_slices = _check(v, b, ranks, scalings, rows, out, out_offsets, out_dims, info)
+        splits, num_slices = _check(v, b, ranks, scalings, rows, out, out_offsets, out_dims, info, b_scales)
     else:
         splits, num_slices = v.shape[0], v.shape[2]
     cfg = config or expand_config(info, out_dims)
@@ -274,6 +315,7 @@ def lora_expand(
     _lora_expand_kernel[grid](
         v,
         b,
+        b if b_scales is None else b_scales,  # never dereferenced without scales
         out,
         ranks,
         scalings,
@@ -286,6 +328,7 @@ def lora_expand(
         v.stride(1),
         v.stride(2),
         b.stride(0),
+        0 if b_scales is None else b_scales.stride(0),
         ranks.stride(0),
         ranks.stride(1),
         scalings.stride(0),
@@ -303,6 +346,7 @@ def lora_expand(
         SKIP_UNIFORM=skip_uniform,
         ACT_BM=ACT_BLOCK_M,
         PDL=pdl,
+        SCALED=b_scales is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=pdl,
@@ -320,6 +364,7 @@ def lora_expand_ref(
     out_offsets: Sequence[int],
     out_dims: Sequence[int],
     info: BatchInfo,
+    b_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch, in place on out: v is [splits, T, N, R] partials or an already summed [T, N, R]."""
     vs = v.sum(0) if v.dim() == 4 else v  # [T, N, R]
@@ -329,8 +374,12 @@ def lora_expand_ref(
             r = min(int(host_ranks[slot, s]), info.block_rank, rows.shape[1])
             if r == 0:
                 continue
-            vr = vs[start:end, s, :r].to(b.dtype).float()  # v rounded to the weight dtype, like the kernel
-            delta = vr @ b[rows[slot, :r].long(), off : off + width].float()  # gathered pool rows
+            idx = rows[slot, :r].long()
+            vr = vs[start:end, s, :r]
+            if b_scales is not None:  # e4m3 rows: v times each row's scale, in out's dtype
+                vr = vr * b_scales[idx, s]
+            vr = vr.to(out.dtype if b_scales is not None else b.dtype).float()  # rounded as the kernel does
+            delta = vr @ b[idx, off : off + width].float()  # gathered pool rows
             out[start:end, off : off + width] = (
                 out[start:end, off : off + width].float() + delta * float(host_scal[slot, s])
             ).to(out.dtype)

@@ -11,7 +11,8 @@ of every other block (decodes, run edges) get theirs from the plain expand first
 skip_uniform=True)`), which skips the uniform blocks: a row of one adapter per program would make a
 fused dot of 16 rows do the work of one, and a loop over a block's adapters serialises their loads (on
 an H100, 256-decode steps 36-49 % slower).
-`TritonLoraBackend.apply_act` runs the three kernels: shrink, expand of the mixed blocks, this."""
+`TritonLoraBackend.apply_act` runs the three kernels: shrink, expand of the mixed blocks, this. An e4m3
+pool's B^T rows are dequantized as `lora_expand` does (v's columns times the rows' scales)."""
 
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ from triton.language.extra.cuda import gdc_wait
 from kernels.batch_info import ACT_BLOCK_M, META_COLS, BatchInfo, interpreting
 from kernels.lora_expand import (
     ExpandConfig,
+    b_scale_chunk,
     expand_config,
     lora_expand,
     lora_expand_ref,
     rank_chunk,
     split_sum,
 )
+from kernels.lora_quant import check_scales
 from kernels.lora_shrink import check_row_table
 
 
@@ -40,6 +43,7 @@ def _lora_expand_act_kernel(
     act_ptr,
     v_ptr,
     b_ptr,
+    bs_ptr,
     ranks_ptr,
     scal_ptr,
     rows_ptr,
@@ -53,6 +57,7 @@ def _lora_expand_act_kernel(
     stride_vt,
     stride_vi,
     stride_br,
+    stride_bsr,
     stride_rs,
     stride_ri,
     stride_ss,
@@ -66,6 +71,7 @@ def _lora_expand_act_kernel(
     UPCAST: tl.constexpr,
     META: tl.constexpr,
     PDL: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     # Grid: (row blocks of BLOCK_M over all T rows, column blocks of the activation's I columns).
     pid_b = tl.program_id(0)
@@ -111,6 +117,10 @@ def _lora_expand_act_kernel(
             vu = split_sum(
                 v_rows + stride_vi + k, m_ok[:, None] & (kk < ru16)[None, :], stride_vp, NUM_SPLITS
             )
+            if SCALED:  # e4m3 rows, as lora_expand: v's columns times the rows' scales, B in gate's dtype
+                vg = vg * b_scale_chunk(bs_ptr, prow, k, rg, offs_k, stride_bsr, SCALED)[None, :]
+                vu = vu * b_scale_chunk(bs_ptr + 1, prow, k, ru, offs_k, stride_bsr, SCALED)[None, :]
+                bg, bu = bg.to(tl.float32).to(gate.dtype), bu.to(tl.float32).to(gate.dtype)
             vg = vg.to(bg.dtype)  # v rounded to the weight dtype, as the unfused expand feeds its dot
             vu = vu.to(bu.dtype)
             if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
@@ -160,7 +170,7 @@ def fusable(out_offsets, out_dims) -> bool:
     return len(out_dims) == 2 and out_dims[0] == out_dims[1] and tuple(out_offsets) == (0, out_dims[0])
 
 
-def _check(v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandConfig) -> None:
+def _check(v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandConfig, b_scales=None) -> None:
     """The fused kernel's own arguments (`lora_expand` checks the rest)."""
     if v.dim() != 4 or v.shape[2] != 2 or v.dtype != torch.float32 or not v.is_contiguous():
         raise ValueError(f"v must be contiguous float32 [P, T, 2, R], got {v.dtype} {tuple(v.shape)}")
@@ -181,7 +191,9 @@ def _check(v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandCon
         if tuple(t.shape) != (num_ids, 2) or t.dtype != dt:
             raise ValueError(f"{name} must be {dt} [{num_ids}, 2], got {t.dtype} {tuple(t.shape)}")
     check_row_table(rows, num_ids, info)
-    if b.dim() != 2 or b.dtype != gate_up.dtype or b.stride(1) != 1 or b.shape[1] < two_i:
+    check_scales("B", b, b_scales, 2)
+    b_dtype = gate_up.dtype if b_scales is not None else b.dtype
+    if b.dim() != 2 or b_dtype != gate_up.dtype or b.stride(1) != 1 or b.shape[1] < two_i:
         raise ValueError(f"B rows must be [P, >= {two_i}] {gate_up.dtype}, got {b.dtype} {tuple(b.shape)}")
     if not (v.device == b.device == ranks.device == scalings.device == gate_up.device == info.meta.device):
         raise ValueError("v, B, ranks, scalings, gate_up and the batch metadata must be on one device")
@@ -201,17 +213,19 @@ def lora_expand_silu_mul(
     config: ExpandActConfig | None = None,
     check: bool = True,
     pdl: bool = False,
+    b_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """v [splits, T, 2, block_rank] fp32 partials of the gate_up group (from `lora_shrink`); b [pool_rows,
     >= 2I] its B^T rows (gate columns, then up); ranks/scalings [num_ids, 2]; rows the row table; gate_up
     [T, 2I] the base projection. Returns silu(gate + delta) * (up + delta), [T, I] (a new tensor), for
     every row (rows without an adapter: the plain activation). gate_up is changed: the rows outside
     one-adapter blocks get their delta. `check=False` skips validating the arguments (the backend's hot
-    path). `pdl`: both kernels launch as programmatic dependents, as `lora_expand` says."""
+    path). `pdl`: both kernels launch as programmatic dependents, as `lora_expand` says. `b_scales`:
+    [pool_rows, 2] fp32, the scales of an e4m3 pool's B^T rows."""
     inter = gate_up.shape[1] // 2
     cfg = config or expand_act_config(info, (inter, inter), v.shape[0])
     if check:
-        _check(v, b, ranks, scalings, rows, gate_up, info, cfg.act)
+        _check(v, b, ranks, scalings, rows, gate_up, info, cfg.act, b_scales)
     if info.num_tiles:
         lora_expand(
             v,
@@ -227,11 +241,14 @@ def lora_expand_silu_mul(
             check=check,
             skip_uniform=True,
             pdl=pdl,
+            b_scales=b_scales,
         )
-    return _act(v, b, ranks, scalings, rows, gate_up, info, cfg.act, pdl)
+    return _act(v, b, ranks, scalings, rows, gate_up, info, cfg.act, pdl, b_scales)
 
 
-def _act(v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandConfig, pdl: bool) -> torch.Tensor:
+def _act(
+    v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandConfig, pdl: bool, b_scales
+) -> torch.Tensor:
     T, inter = gate_up.shape[0], gate_up.shape[1] // 2
     act = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
     if T == 0:
@@ -243,6 +260,7 @@ def _act(v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandConfi
         act,
         v,
         b,
+        b if b_scales is None else b_scales,  # never dereferenced without scales
         ranks,
         scalings,
         rows,
@@ -256,6 +274,7 @@ def _act(v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandConfi
         v.stride(1),
         v.stride(2),
         b.stride(0),
+        0 if b_scales is None else b_scales.stride(0),
         ranks.stride(0),
         ranks.stride(1),
         scalings.stride(0),
@@ -269,6 +288,7 @@ def _act(v, b, ranks, scalings, rows, gate_up, info: BatchInfo, cfg: ExpandConfi
         UPCAST=interpreting(),
         META=META_COLS,
         PDL=pdl,
+        SCALED=b_scales is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=pdl,
@@ -284,10 +304,13 @@ def lora_expand_silu_mul_ref(
     rows: torch.Tensor,
     gate_up: torch.Tensor,
     info: BatchInfo,
+    b_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch: the unfused expand's rounding (`lora_expand_ref`), then `silu_mul`'s."""
     inter = gate_up.shape[1] // 2
-    out = lora_expand_ref(v, b, ranks, scalings, rows, gate_up.clone(), (0, inter), (inter, inter), info)
+    out = lora_expand_ref(
+        v, b, ranks, scalings, rows, gate_up.clone(), (0, inter), (inter, inter), info, b_scales
+    )
     gate, up = out.float().chunk(2, dim=-1)
     act = torch.nn.functional.silu(gate).to(out.dtype).float()
     return (act * up).to(out.dtype)

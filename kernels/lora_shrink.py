@@ -2,7 +2,10 @@
 slices of a fused group in one launch, the K loop optionally split across programs. Split programs
 write fp32 partials, which the expand sums, or (`ShrinkConfig.reduce`) the last of a tile's column block
 to finish sums them, in split order, into one v (serial split-K, as CUTLASS's semaphore fix-up). The
-adapter's A rows are found anywhere in a rank-row pool through its row of the row table."""
+adapter's A rows are found anywhere in a rank-row pool through its row of the row table. An 8-bit
+(e4m3 or int8) pool's A rows are converted to x's dtype for the dot and each column of v scaled by its
+row's scale (`kernels/lora_quant.py`); SCALED is a constexpr, so a pool in the model's dtype runs the
+same code as without it."""
 
 from __future__ import annotations
 
@@ -15,12 +18,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import device_info
 from kernels.batch_info import META_COLS, BatchInfo, block_rank_for, interpreting, next_pow2, read_tiles
+from kernels.lora_quant import check_scales
 
 
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr,
     a_ptr,
+    as_ptr,
     v_ptr,
     p_ptr,
     sem_ptr,
@@ -33,6 +38,7 @@ def _lora_shrink_kernel(
     stride_xt,
     stride_ar,
     stride_ai,
+    stride_asr,
     stride_rs,
     stride_ri,
     stride_ts,
@@ -49,6 +55,7 @@ def _lora_shrink_kernel(
     UPCAST: tl.constexpr,
     META: tl.constexpr,
     PDL: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     # Grid: (tiles, column blocks of the flattened (slice, rank) space, K splits).
     # PDL: the expand after this may start now. It reads what this kernel writes only after its own wait.
@@ -96,6 +103,8 @@ def _lora_shrink_kernel(
         k_ok = offs_k < K
         xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         at = tl.load(a_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        if SCALED:  # e4m3 and int8 values are exact in fp32 and in x's dtype
+            at = at.to(tl.float32).to(xt.dtype)
         if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
             xt = xt.to(tl.float32)
             at = at.to(tl.float32)
@@ -103,6 +112,8 @@ def _lora_shrink_kernel(
         x_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         offs_k += BLOCK_K
+    if SCALED:  # column (slice, k) times the scale of A_slice's rank row k
+        acc *= tl.load(as_ptr + prow.to(tl.int64) * stride_asr + sl, mask=col_ok, other=0.0)[None, :]
 
     # Columns past the rank hold zeros (their A rows were masked): written too, so that the expand can
     # read whole 16-column groups with wide loads.
@@ -209,7 +220,7 @@ def check_row_table(rows: torch.Tensor, num_ids: int, info: BatchInfo) -> None:
         )
 
 
-def _check(x, a, ranks, rows, info: BatchInfo, cfg: ShrinkConfig, out, shape) -> None:
+def _check(x, a, ranks, rows, info: BatchInfo, cfg: ShrinkConfig, out, shape, a_scales=None) -> None:
     if x.dim() != 2 or a.dim() != 3 or ranks.dim() != 2:
         raise ValueError(
             f"expected x [T, K], a [P, N, K], ranks [I, N]; got {x.shape}, {a.shape}, {ranks.shape}"
@@ -222,8 +233,10 @@ def _check(x, a, ranks, rows, info: BatchInfo, cfg: ShrinkConfig, out, shape) ->
     if ranks.shape[1] != num_slices or ranks.dtype != torch.int32:
         raise ValueError(f"ranks must be int32 [ids, {num_slices}], got {ranks.dtype} {tuple(ranks.shape)}")
     check_row_table(rows, num_ids, info)
-    if x.dtype != a.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"x and A must share a float dtype, got {x.dtype} and {a.dtype}")
+    check_scales("A", a, a_scales, num_slices)
+    a_dtype = x.dtype if a_scales is not None else a.dtype
+    if x.dtype != a_dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x and A must share a float dtype (or A be e4m3), got {x.dtype} and {a.dtype}")
     if x.stride(1) != 1 or a.stride(2) != 1:
         raise ValueError("x rows and A rows must be contiguous in their last dim")
     if not (x.device == a.device == ranks.device == info.meta.device):
@@ -262,6 +275,7 @@ def lora_shrink(
     config: ShrinkConfig | None = None,
     check: bool = True,
     pdl: bool = False,
+    a_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, K]; a [pool_rows, num_slices, K] (one layer's A rows of the rank-row pool, strided view,
     last dim contiguous); ranks [num_ids, num_slices] int32; rows [num_ids, width] int32, rows[id, k] =
@@ -276,7 +290,8 @@ def lora_shrink(
     launches often (or in CUDA graphs) keeps its own. `check=False` skips validating the arguments (the
     backend's hot path, whose views are built once). `pdl`: launch as a programmatic dependent where the
     config says so (`ShrinkConfig.pdl`); the caller promises that the kernel just before this one wrote
-    neither the batch metadata nor the row table (this kernel reads them before its wait)."""
+    neither the batch metadata nor the row table (this kernel reads them before its wait). `a_scales`:
+    [pool_rows, num_slices] fp32, the scales of an e4m3 pool's A rows (`a` is then e4m3)."""
     T, K = x.shape
     num_slices = a.shape[1]
     br = info.block_rank
@@ -284,7 +299,7 @@ def lora_shrink(
     shape = (cfg.parts, T, num_slices, br)
     grid = (info.num_tiles, triton.cdiv(num_slices * br, cfg.block_n), cfg.split_k)
     if check:
-        _check(x, a, ranks, rows, info, cfg, out, shape)
+        _check(x, a, ranks, rows, info, cfg, out, shape, a_scales)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=x.device)  # [parts, T, slices, block_rank]
     if info.num_tiles == 0:
@@ -306,6 +321,7 @@ def lora_shrink(
     _lora_shrink_kernel[grid](
         x,
         a,
+        a if a_scales is None else a_scales,  # never dereferenced without scales
         out,
         partials,
         counters,
@@ -318,6 +334,7 @@ def lora_shrink(
         x.stride(0),
         a.stride(0),
         a.stride(1),
+        0 if a_scales is None else a_scales.stride(0),
         ranks.stride(0),
         ranks.stride(1),
         rows.stride(0),
@@ -334,6 +351,7 @@ def lora_shrink(
         UPCAST=interpreting(),
         META=META_COLS,
         PDL=pdl,
+        SCALED=a_scales is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=pdl,
@@ -342,7 +360,12 @@ def lora_shrink(
 
 
 def lora_shrink_ref(
-    x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, rows: torch.Tensor, info: BatchInfo
+    x: torch.Tensor,
+    a: torch.Tensor,
+    ranks: torch.Tensor,
+    rows: torch.Tensor,
+    info: BatchInfo,
+    a_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch: v [T, num_slices, block_rank] float32, zero outside adapter tokens and real ranks."""
     T, num_slices = x.shape[0], a.shape[1]
@@ -351,6 +374,8 @@ def lora_shrink_ref(
     for start, end, slot in read_tiles(info):
         for s in range(num_slices):
             r = min(int(host_ranks[slot, s]), info.block_rank, rows.shape[1])
-            a_s = a[rows[slot, :r].long(), s]  # [r, K] gathered pool rows
-            v[start:end, s, :r] = x[start:end].float() @ a_s.float().t()
+            a_s = a[rows[slot, :r].long(), s].float()  # [r, K] gathered pool rows
+            if a_scales is not None:
+                a_s = a_s * a_scales[rows[slot, :r].long(), s, None]
+            v[start:end, s, :r] = x[start:end].float() @ a_s.t()
     return v

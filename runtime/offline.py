@@ -26,7 +26,7 @@ from stages.loader.adapter_reader import read_adapter
 from stages.scheduler.page_allocator import PageAllocator
 from stages.scheduler.planner import Planner, PlannerConfig, PlannerStats
 from stages.worker.executor import StepExecutor
-from stages.worker.lora.pool import row_bytes, runs_of
+from stages.worker.lora.pool import runs_of
 from stages.worker.runner import ModelRunner
 from stages.worker.tp.group import rank_device
 from stages.worker.tp.ranks import RankProcesses
@@ -102,7 +102,7 @@ class LLM:
             page_size=self.engine_args.page_size,
             pool_rows=pool.total_rows,
             pool_ids=pool.num_ids,
-            pool_row_bytes=row_bytes(pool.layout, pool.dtype),
+            pool_row_bytes=pool.row_nbytes,
             max_lora_rank=pool.layout.max_rank,
             max_model_len=self.max_model_len,
         )

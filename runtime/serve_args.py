@@ -161,6 +161,14 @@ def _memory_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
         "default: 10%% of free device memory before the KV cache is sized, 64 MiB on cpu)",
     )
     g.add_argument(
+        "--lora-dtype",
+        choices=("auto", "fp8", "int8"),  # stages/worker/lora/pool.py LORA_DTYPES (no torch import here)
+        default=d.lora_dtype,
+        help="the GPU adapter pool's rows: auto, the model's dtype (exact); fp8 (e4m3) or int8, with a "
+        "scale per slice of each rank row, quantized on the GPU after each copy (half the pool bytes a "
+        "step reads, twice the adapters a pool holds; host cache and disk unchanged)",
+    )
+    g.add_argument(
         "--cpu-lora-cache-gb",
         type=float,
         metavar="GB",

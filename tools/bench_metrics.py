@@ -25,6 +25,7 @@ COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
     "slot_hits": ("lorapipe_slot_lookups", {"result": "hit"}),  # absent until the scheduler has it
     "slot_misses": ("lorapipe_slot_lookups", {"result": "miss"}),
     "plans": ("lorapipe_plans", {}),
+    "step_adapter_bytes": ("lorapipe_step_adapter_bytes", {}),  # distinct adapters' pool rows a plan
     "step_tokens": ("lorapipe_step_tokens", {}),
     "output_tokens": ("lorapipe_output_tokens", {}),
 }

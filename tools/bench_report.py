@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tools import roofline
+
 SCHEMA_VERSION = 1
 LATENCIES = ("ttft", "itl", "tpot", "e2e")
 
@@ -194,6 +196,18 @@ def format_table(report: dict[str, Any]) -> str:
         if s.get(f"{key}s"):
             waits = [_num(s.get(f"{key}_{q}_s"), "{:.3f}") for q in ("p50", "p95", "p99")]
             rows.append((f"{what} P50/P95/P99 (s), {s[key + 's']:.0f} waits", " / ".join(waits)))
+    rf = s.get("roofline")
+    if rf:
+        gb = [_num(rf[k] / 1e9, "{:.1f}") for k in ("weight_bytes", "adapter_bytes", "kv_bytes")]
+        rows.append(("Bytes read: weights / adapters / KV (GB)", " / ".join(gb)))
+        if rf.get("floor_s"):
+            bw = rf["bandwidth_Bps"] / 1e9
+            rows.append(
+                (
+                    f"Bytes floor at {bw:.0f} GB/s (s), share of duration",
+                    f"{rf['floor_s']:.2f}, {rf['floor_fraction']:.3f}",
+                )
+            )
     width = max(len(k) for k, _ in rows) + 4
     title = f" {report['tool']}: {report['label']} "
     lines = [title.center(width + 40, "=")]
@@ -215,6 +229,8 @@ MD_COLUMNS = (
     "req/s",
     "out tok/s",
     "× baseline",
+    "bytes bound × baseline",
+    "fraction of the bound",
     "TTFT P50/P95 (ms)",
     "ITL P50/P95 (ms)",
     "E2E P50/P95 (ms)",
@@ -223,16 +239,32 @@ MD_COLUMNS = (
 )
 
 
-def markdown_row(report: dict[str, Any], baseline: float | None = None) -> str:
+def against_baseline(report: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str, float | None]:
+    """The measured throughput ratio against `baseline`, the best ratio its bytes allow
+    (`tools.roofline.bound_ratio`, when both runs carry a roofline) and the measured one's fraction of it."""
+    s = report["summary"]
+    b = baseline["summary"] if baseline else None
+    ratio = s["output_throughput"] / b["output_throughput"] if b and b["output_throughput"] else None
+    bound = None
+    if b and s.get("roofline") and b.get("roofline"):
+        bound = roofline.bound_ratio(
+            s["roofline"], s["output_tokens"], b["roofline"], b["output_tokens"], b["duration_s"]
+        )
+    return {"ratio": ratio, "bound": bound, "fraction": roofline.fraction_of_bound(ratio, bound)}
+
+
+def markdown_row(report: dict[str, Any], baseline: dict[str, Any] | None = None) -> str:
     s, c = report["summary"], report["config"]
-    ratio = s["output_throughput"] / baseline if baseline and s["output_throughput"] else None
+    vs = against_baseline(report, baseline)
     cells = [
         report["label"],
         _num(c.get("request_rate"), "{:.3g}"),
         f"{s['completed']}/{s['failed']}",
         _num(s["request_throughput"]),
         _num(s["output_throughput"], "{:.1f}"),
-        _num(ratio, "{:.2f}×"),
+        _num(vs["ratio"], "{:.2f}×"),
+        _num(vs["bound"], "{:.2f}×"),
+        _num(vs["fraction"], "{:.2f}"),
         *(f"{_ms(s[k]['p50'])} / {_ms(s[k]['p95'])}" for k in ("ttft", "itl", "e2e")),
         _num(s.get("host_cache_hit_rate"), "{:.3f}"),
         _num(s.get("gpu_slot_hit_rate"), "{:.3f}"),
@@ -241,15 +273,19 @@ def markdown_row(report: dict[str, Any], baseline: float | None = None) -> str:
 
 
 def markdown_table(reports: Sequence[dict[str, Any]], baseline: dict[str, Any] | None = None) -> str:
-    base = baseline["summary"]["output_throughput"] if baseline else None
     head = ["| " + " | ".join(MD_COLUMNS) + " |", "|" + "---|" * len(MD_COLUMNS)]
-    return "\n".join(head + [markdown_row(r, base) for r in reports])
+    return "\n".join(head + [markdown_row(r, baseline) for r in reports])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tools.bench_report", description=__doc__)
     p.add_argument("results", nargs="+", metavar="JSON")
-    p.add_argument("--baseline", metavar="JSON", help="'× baseline' divides output tok/s by this run's")
+    p.add_argument(
+        "--baseline",
+        metavar="JSON",
+        help="'× baseline' divides output tok/s by this run's; with rooflines in both (bench_serving "
+        "--model), the bytes bound against it and the fraction of that bound",
+    )
     ns = p.parse_args(argv)
     reports = [json.loads(Path(f).read_text()) for f in ns.results]
     baseline = json.loads(Path(ns.baseline).read_text()) if ns.baseline else None

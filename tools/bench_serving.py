@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.client import DEFAULT_ENDPOINT, AsyncClient
-from tools import bench_metrics
+from tools import bench_metrics, roofline
 from tools.bench_procs import drive_procs
 from tools.bench_report import Progress, RequestRecord, emit_report, jsonable, make_report
 from tools.workload import (
@@ -177,19 +177,25 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         timeline = [{"t": 0.0, **m_start}, *inside, {"t": round(duration, 4), **m_end}]
         adapter_requests = sum(1 for r in records if r.adapter is not None and r.ok)
         d = bench_metrics.delta(m_start, m_end)
-        server = {
-            "start": m_start,
-            "end": m_end,
-            "delta": d,
-            "derived": bench_metrics.derive(d, adapter_requests),
-            "timeline": timeline,
-        }
+        derived = bench_metrics.derive(d, adapter_requests)
+        if ns.model:
+            bandwidth = ns.device_bandwidth * 1e9 if ns.device_bandwidth else _probe()
+            model = roofline.ModelBytes.from_dir(ns.model)
+            derived["roofline"] = roofline.serving_roofline(model, d, records, duration, bandwidth)
+        server = {"start": m_start, "end": m_end, "delta": d, "derived": derived, "timeline": timeline}
     config = jsonable(vars(ns))
     config["request_rate"] = _rate_of(workload) if ns.workload else config["request_rate"]
     meta = {"source": source, "num_requests": len(workload), "sha256": workload_digest(workload)}
     report = make_report("bench_serving", ns.label or "lorapipe", config, meta, records, duration, server)
     emit_report(report, ns)
     return report
+
+
+def _probe() -> float | None:
+    """The device's copy bandwidth (bytes/s) when this process sees a GPU, else None."""
+    import torch
+
+    return roofline.probe_bandwidth("cuda", 256 << 20) if torch.cuda.is_available() else None
 
 
 def _rate_of(workload: Sequence[WorkloadRequest]) -> float | None:
@@ -211,6 +217,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", metavar="URL", help="e.g. http://127.0.0.1:8000/v1 (with --backend openai)")
     p.add_argument("--metrics-url", metavar="URL", help="e.g. http://127.0.0.1:8001/metrics")
     p.add_argument("--metrics-interval", type=float, default=1.0, metavar="S", help="timeline; 0: off")
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="the served model's directory: report the bytes the run's steps read and their time at "
+        "the device's bandwidth (needs --metrics-url; tools/roofline.py)",
+    )
+    p.add_argument(
+        "--device-bandwidth",
+        type=float,
+        metavar="GBPS",
+        help="copy bandwidth for --model (GB/s, `python -m tools.roofline probe`); default: probed here",
+    )
     p.add_argument("--workload", type=Path, metavar="FILE", help="replay this workload JSONL")
     p.add_argument("--save-workload", type=Path, metavar="FILE", help="write the workload that ran")
     p.add_argument("--max-concurrency", type=int, metavar="C", help="at most C requests in flight")

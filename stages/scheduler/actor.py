@@ -320,7 +320,7 @@ class SchedulerActor(Actor[SchedulerConfig]):
             plan = msgspec.structs.replace(plan, slot_loads=loads, slot_clears=self.pending_clears)
             self.pending_clears = []
             self.in_flight[plan.step] = plan
-            self.series.count_plan(planner.running)
+            self.series.count_plan(planner.running, planner.adapter_row_bytes)
             await self.to_worker.put(plan)
 
     def _health(self) -> list[StageHealth]:

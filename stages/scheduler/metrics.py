@@ -66,6 +66,10 @@ class SchedulerMetrics:
             (),
             [0, 1, 2, 4, 8, 16, 32, 64, 128, 256],
         )
+        self.step_adapter_bytes = m.counter(
+            "lorapipe_step_adapter_bytes",
+            "Bytes of the pool rows of each plan's distinct adapters, summed over plans (read once a step)",
+        )
         self.slot_loads = m.counter("lorapipe_slot_loads", "Adapter copies into the GPU adapter pool issued")
         self.preemptions = m.counter("lorapipe_preemptions", "Requests preempted for KV pages")
         self.lookups = m.counter(
@@ -137,10 +141,14 @@ class SchedulerMetrics:
             "lorapipe_host_cache_largest_free_bytes", "Largest block placed without evicting"
         ).set_function(table.largest_free)
 
-    def count_plan(self, running: Sequence[Any]) -> None:
-        """A plan was sent: count it and its distinct adapters (`running`: the planner's running requests)."""
+    def count_plan(self, running: Sequence[Any], row_bytes: Callable[[str], int] | None = None) -> None:
+        """A plan was sent: count it and its distinct adapters (`running`: the planner's running requests;
+        `row_bytes(name)`: the bytes of that adapter's pool rows)."""
         self.plans.inc()
-        self.step_adapters.observe(len({r.adapter for r in running if r.adapter is not None}))
+        distinct = {r.adapter for r in running if r.adapter is not None}
+        self.step_adapters.observe(len(distinct))
+        if row_bytes is not None:
+            self.step_adapter_bytes.inc(sum(row_bytes(a) for a in distinct))
 
     def _init_prefix_series(self, m: StageMetrics, planner: Callable[[], Planner | None]) -> None:
         """The prefix cache, under vLLM's names for its hit rate (queried and hit tokens)."""

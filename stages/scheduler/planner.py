@@ -138,6 +138,11 @@ class Planner:
             1 for r in self.running if r.adapter == adapter
         )
 
+    def adapter_row_bytes(self, adapter: str) -> int:
+        """Bytes of the pool rows `adapter` holds (0 when not resident): what a step using it reads."""
+        res = self.pool.get(adapter)
+        return 0 if res is None else res.rows * self.cfg.pool_row_bytes
+
     def adapters_needed(self) -> list[str]:
         """Adapters of waiting requests that are not resident, in queue order (what to stage next)."""
         seen: dict[str, None] = {}

@@ -35,7 +35,7 @@ from runtime.common.host_pool import (
 )
 from stages.worker.config import WorkerConfig
 from stages.worker.executor import StepExecutor
-from stages.worker.lora.pool import row_bytes, runs_of
+from stages.worker.lora.pool import runs_of
 from stages.worker.runner import ModelRunner
 from stages.worker.slot_loads import LoadHandle
 from stages.worker.step_loop import StepLoop, StepOutcome
@@ -189,7 +189,7 @@ class WorkerActor(Actor[WorkerConfig]):
             max_model_len=cfg.max_model_len,
             lora_rows=pool.total_rows,
             lora_ids=pool.num_ids,
-            lora_row_bytes=row_bytes(pool.layout, pool.dtype),
+            lora_row_bytes=pool.row_nbytes,
             lora_max_rank=pool.layout.max_rank,
         )
         await self.to_scheduler.put(started)

@@ -16,7 +16,7 @@ from stages.worker.decode_graphs import DecodeGraphs
 from stages.worker.graph_capture import graph_pool_bytes
 from stages.worker.lora.backend import slot_segments
 from stages.worker.lora.factory import make_backend
-from stages.worker.lora.pool import LoraPool, Runs, default_pool_bytes, pool_geometry
+from stages.worker.lora.pool import LORA_DTYPES, LoraPool, Runs, default_pool_bytes, pool_geometry
 from stages.worker.model.attention import plan_for, resolve_backend
 from stages.worker.model.forward_batch import ForwardBatch, SeqExtent
 from stages.worker.model.kv_cache import KVCache
@@ -45,6 +45,9 @@ class RunnerConfig:
     # GiB of the rank-paged adapter pool; None: 10% of free device memory before the KV cache is sized
     # (CUDA), 64 MiB elsewhere; at least one adapter of max_lora_rank (stages/worker/lora/pool.py)
     lora_gpu_memory_gb: float | None = None
+    lora_dtype: str = (
+        "auto"  # the pool's rows: "auto" the model's dtype, "fp8"/"int8" 8-bit + scales (pool.py)
+    )
     lora_backend: str | None = None  # None: triton on CUDA, torch elsewhere
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
     pointwise_backend: str | None = None  # norms, rotary, activation; None: triton on CUDA, torch elsewhere
@@ -149,16 +152,18 @@ class ModelRunner:
 
     def _init_lora(self) -> None:
         """The adapter pool, sized before the KV cache (which takes what is left)."""
-        gb = self.cfg.lora_gpu_memory_gb
+        gb, lora_dtype = self.cfg.lora_gpu_memory_gb, self.cfg.lora_dtype
+        if lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {lora_dtype!r}")
         nbytes = (
             int(gb * 2**30)
             if gb is not None
-            else default_pool_bytes(self.lora_layout, self.dtype, self.device)
+            else default_pool_bytes(self.lora_layout, self.dtype, self.device, lora_dtype)
         )
-        rows, ids = pool_geometry(self.lora_layout, self.dtype, nbytes)
+        rows, ids = pool_geometry(self.lora_layout, self.dtype, nbytes, lora_dtype)
         if self.tp is not None:  # every rank holds the same rank rows and ids
             rows, ids = self.tp.min_int(rows), self.tp.min_int(ids)
-        self.pool = LoraPool(self.lora_layout, rows, ids, self.dtype, self.device)
+        self.pool = LoraPool(self.lora_layout, rows, ids, self.dtype, self.device, lora_dtype)
         name = self.cfg.lora_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.lora = make_backend(name, self.pool, self.cfg.max_tokens_per_step, self.max_seqs)
 

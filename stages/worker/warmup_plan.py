@@ -5,7 +5,8 @@ splits), so that the warm-up cannot drift from them. `warmup.py` launches the pl
 A variant is fixed by a kernel's constexprs and launch options (the integers that change per batch are
 either not passed or not specialised on). The heuristics see a batch only through host-known sizes:
 - LoRA (`TritonLoraBackend.configs_for`): token count T (through the split-K cap of the workspace),
-  tile count, token tile `block_m` (from the longest adapter run and T) and rank tile `block_rank`.
+  tile count, token tile `block_m` (from the longest adapter run and T) and rank tile `block_rank`; and
+  the pool's row dtype (one per server: the model's, or e4m3 with `--lora-dtype fp8`).
   Every T in 1..max_tokens is swept, with every longest run (in spans of one `block_m`), every tile
   count a batch of T tokens can have (`tile_range`, the bounds of `kernels.batch_info.plan_tiles`)
   and every rank class; padded batches (CUDA graphs: decode sizes, and the step graphs' token buckets
@@ -37,7 +38,9 @@ class LoraLaunch:
     num_tiles: int
     block_m: int
     block_rank: int
-    key: tuple  # (group, block_m, block_rank, ShrinkConfig, ExpandConfig): what gets compiled
+    # (group, block_m, block_rank, ShrinkConfig, ExpandConfig, pool row dtype): what gets compiled; the
+    # row dtype (the model's, or e4m3 with `--lora-dtype fp8`) picks the kernels' SCALED variants
+    key: tuple
 
 
 def rank_classes(max_rank: int) -> list[int]:
@@ -113,7 +116,7 @@ def lora_launches(
 
     def add(info: BatchInfo) -> None:
         for name, (shrink, expand, _) in backend.configs_for(info).items():
-            key = (name, info.block_m, info.block_rank, shrink, expand)
+            key = (name, info.block_m, info.block_rank, shrink, expand, backend.pool.mem.dtype)
             if key not in seen:
                 seen.add(key)
                 launches.append(

@@ -150,3 +150,20 @@ def test_act_modes_time_each_variant_fused_and_unfused(tmp_path):
         "graphed bm16 (bound = its 22 tiles), act fused",
     ]
     assert all(r["err"] < 1e-2 for r in rows)
+
+
+def test_main_with_an_8bit_pool_checks_the_dequantized_delta(tmp_path):
+    """--lora-dtype fp8: the pool's rows are e4m3, the graphed step's delta matches the float64 reference
+    of the dequantized rows (int8 runs the same code: tests/kernels/test_lora_fp8.py), and the floor
+    counts one byte an element of adapter rows and 4 a scale."""
+    args = ["--smoke", "--adapters", "4", "--decodes", "6", "--prefill", "20", "--max-seqs", "8"]
+    bls.main(
+        [*args, "--only", "graphed bm16 (bound", "--lora-dtype", "fp8", "--out", str(tmp_path / "q.json")]
+    )
+    q = json.loads((tmp_path / "q.json").read_text())
+    assert q["rows"] and all(r["err"] < 1e-2 for r in q["rows"])
+    layout = bls.layout_for("tiny", 16)
+    two, one = (bls.floor_bytes(layout, 10, [4, 16], elt) for elt in (2, 1))
+    rows = sum(g.num_slices * g.in_dim + g.out_total for g in layout.groups) * 20 * layout.num_layers
+    scales = sum(8 * g.num_slices for g in layout.groups) * 20 * layout.num_layers
+    assert two - one == rows - scales

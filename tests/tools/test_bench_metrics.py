@@ -114,7 +114,9 @@ def test_distinct_adapters_per_plan_from_the_scheduler_series():
     zeros = [lambda keys=keys: dict.fromkeys(keys, 0) for keys in (TIERS, WAITING_TIERS, HOLD_STATES)]
     series = SchedulerMetrics(m, lambda: None, lambda: 0, *zeros)
     plans = [["a", "b", "a", None], [None, None], ["c"] * 5 + ["d", "e"]]
+    row_bytes = {"a": 10, "b": 200, "c": 3000, "d": 40000, "e": 500000}
     for adapters in plans:
-        series.count_plan([SimpleNamespace(adapter=a) for a in adapters])
+        series.count_plan([SimpleNamespace(adapter=a) for a in adapters], row_bytes.__getitem__)
     got = bench_metrics.parse(m.exposition())
     assert (got["plans"], got["step_adapters_count"], got["step_adapters_sum"]) == (3, 3, 2 + 0 + 3)
+    assert got["step_adapter_bytes"] == 210 + 0 + 543000  # each plan's distinct adapters once

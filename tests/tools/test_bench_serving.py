@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import bench_peft
 from tests.integration.serving import serve
-from tools import bench_serving
+from tools import bench_serving, roofline
 from tools import workload as wl
 from tools.bench_report import format_table, markdown_table, percentiles
 
@@ -64,6 +64,21 @@ def check_server_counters(report: dict) -> None:
 
 # --- workload files (no server) -------------------------------------------------------------------
 @pytest.mark.timeout(30)
+def check_roofline(report: dict, model) -> None:
+    """The bytes of the run: the server's plans times the weights, every completed request's KV, and
+    adapter rows only when requests used adapters (each plan's distinct adapters, at most every adapter
+    of the workload in every plan)."""
+    rf, d = report["summary"]["roofline"], report["server_metrics"]["delta"]
+    per_step = roofline.ModelBytes.from_dir(model)
+    assert rf["steps"] == d["plans"] > 0 and rf["weight_bytes"] == d["plans"] * per_step.weight_bytes
+    kv = sum(roofline.kv_tokens_read(r["prompt_tokens"], r["output_tokens"]) for r in report["requests"])
+    assert rf["kv_bytes"] == kv * per_step.kv_token_bytes
+    used = any(r["adapter"] for r in report["requests"])
+    assert rf["adapter_bytes_counted"] and (rf["adapter_bytes"] > 0) == used
+    assert rf["floor_s"] == pytest.approx(rf["total_bytes"] / 100e9)
+    assert "Bytes floor at 100 GB/s" in format_table(report)
+
+
 def test_same_seed_same_file_and_round_trip(tmp_path):
     args = ["--num-prompts", "40", "--request-rate", "8", "--input-len", "4:32", "--output-len", "2:9"]
     args += ["--adapters", ADAPTERS, "--adapter-distribution", "zipf:1.2", "--base-share", "0.2"]
@@ -116,7 +131,7 @@ def test_distributions(tmp_path):
 
 # --- bench_serving against a running pipeline -------------------------------------------------------
 @pytest.mark.timeout(120)
-def test_zipf_open_loop_report_and_replay(server, tmp_path):
+def test_zipf_open_loop_report_and_replay(server, tiny_llama, tmp_path):
     saved, out = tmp_path / "zipf.jsonl", tmp_path / "zipf.json"
     gen = ["--num-prompts", "24", "--request-rate", "60", "--input-len", "4:16", "--output-len", "3:8"]
     gen += ["--adapters", ADAPTERS, "--adapter-distribution", "zipf:1.1", "--base-share", "0.25"]
@@ -129,9 +144,10 @@ def test_zipf_open_loop_report_and_replay(server, tmp_path):
 
     wl.main(["--out", str(tmp_path / "again.jsonl"), *gen, "--seed", "3"])
     assert (tmp_path / "again.jsonl").read_bytes() == saved.read_bytes()
-    replay = bench(server, "--workload", str(saved))
+    replay = bench(server, "--workload", str(saved), "--model", str(tiny_llama), "--device-bandwidth", "100")
     check_report(replay, workload)
     check_server_counters(replay)
+    check_roofline(replay, tiny_llama)
     for a, b in zip(first["requests"], replay["requests"], strict=True):
         assert (a["adapter"], a["max_tokens"], a["prompt_tokens"]) == (
             b["adapter"],

@@ -1,6 +1,8 @@
 """The GPU adapter pool, paged by rank: one memory block of rank rows per layer, an adapter of rank r in r
 of them (anywhere, chosen by the scheduler), and per-id rank, scaling and row tables with host mirrors,
-so the host plans without reading the device. Every buffer is allocated once (CUDA-graph safe)."""
+so the host plans without reading the device. Every buffer is allocated once (CUDA-graph safe).
+The rows are in the model's dtype, or (`--lora-dtype fp8` / `int8`) in e4m3 / int8 with a scale per slice
+of each rank row (`kernels/lora_quant.py`), quantized on the device after the host-to-device copy."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kernels.lora_quant import NUM_SCALES, QUANT_DTYPES, quantize_rows, quantize_rows_ref, segments
 from runtime.common.lora_layout import NUM_SLICES, LoraLayout
 from runtime.common.packed import PackedAdapter
 from stages.worker.lora.pitched_copy import copy_rows
@@ -22,16 +25,25 @@ GPU_POOL_FRACTION = 0.10  # the default pool on CUDA: this share of free memory,
 Runs = Sequence[tuple[int, int]]  # (first pool row, rows) per run, in rank-row order
 
 
-def row_bytes(layout: LoraLayout, dtype: torch.dtype) -> int:
-    """Bytes of one rank row over all layers (what one unit of rank costs in the pool)."""
+# --lora-dtype: the pool's rows in the model's dtype ("auto"), or 8-bit with scales (`QUANT_DTYPES`)
+LORA_DTYPES = ("auto", *QUANT_DTYPES)
+
+
+def row_bytes(layout: LoraLayout, dtype: torch.dtype, lora_dtype: str = "auto") -> int:
+    """Bytes of one rank row over all layers (what one unit of rank costs in the pool); an 8-bit
+    `lora_dtype`: one byte an element and the row's fp32 scales."""
+    if lora_dtype in QUANT_DTYPES:
+        return layout.num_layers * (layout.row_elems + 4 * NUM_SCALES)
     return layout.num_layers * layout.row_elems * torch.empty((), dtype=dtype).element_size()
 
 
-def pool_geometry(layout: LoraLayout, dtype: torch.dtype, nbytes: int) -> tuple[int, int]:
+def pool_geometry(
+    layout: LoraLayout, dtype: torch.dtype, nbytes: int, lora_dtype: str = "auto"
+) -> tuple[int, int]:
     """(rank rows, adapter ids) of a pool of `nbytes`; it must hold one adapter of the largest rank."""
-    rows = nbytes // row_bytes(layout, dtype)
+    rows = nbytes // row_bytes(layout, dtype, lora_dtype)
     if rows < layout.max_rank:
-        need = layout.max_rank * row_bytes(layout, dtype)
+        need = layout.max_rank * row_bytes(layout, dtype, lora_dtype)
         raise ValueError(
             f"the GPU adapter pool of {nbytes} bytes holds {rows} rank rows, fewer than one adapter of "
             f"rank {layout.max_rank} ({need} bytes); raise --lora-gpu-memory-gb or lower --max-lora-rank"
@@ -39,10 +51,12 @@ def pool_geometry(layout: LoraLayout, dtype: torch.dtype, nbytes: int) -> tuple[
     return rows, max(1, min(MAX_IDS, rows // MIN_USEFUL_RANK))
 
 
-def default_pool_bytes(layout: LoraLayout, dtype: torch.dtype, device: torch.device) -> int:
+def default_pool_bytes(
+    layout: LoraLayout, dtype: torch.dtype, device: torch.device, lora_dtype: str = "auto"
+) -> int:
     """`GPU_POOL_FRACTION` of the device's free memory (CUDA), else `CPU_POOL_BYTES`; at least one
     adapter of the largest rank."""
-    floor = layout.max_rank * row_bytes(layout, dtype)
+    floor = layout.max_rank * row_bytes(layout, dtype, lora_dtype)
     if device.type != "cuda":
         return max(CPU_POOL_BYTES, floor)
     free, _ = torch.cuda.mem_get_info(device)
@@ -56,18 +70,41 @@ class LoraPool:
     The scheduler owns placement (which id, which rows) and never gives two resident adapters one row;
     the worker only checks that runs are inside the pool and add up to the rank. Rows taken by a new
     load retire the ids that held them (the scheduler evicted those adapters), so `names` says what is
-    resident without a message per eviction."""
+    resident without a message per eviction.
+
+    An 8-bit `lora_dtype` ("fp8": e4m3, "int8"): `mem` holds that and `scales[l, row, j]` (fp32) scales
+    segment j of pool row `row` in layer l (`kernels.lora_quant.segments`); an adapter block (in `dtype`,
+    as the host cache holds it) goes whole into a device staging buffer of one largest-rank adapter, then
+    is quantized into its rows."""
 
     def __init__(
-        self, layout: LoraLayout, total_rows: int, num_ids: int, dtype: torch.dtype, device: torch.device
+        self,
+        layout: LoraLayout,
+        total_rows: int,
+        num_ids: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        lora_dtype: str = "auto",
     ):
         self.layout = layout
         self.total_rows = total_rows
         self.num_ids = num_ids
-        self.dtype = dtype
+        self.dtype = dtype  # of the adapter blocks it loads (the model's)
         self.device = device
+        if lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {lora_dtype!r}")
+        self.quantized = lora_dtype in QUANT_DTYPES
+        self.row_nbytes = row_bytes(layout, dtype, lora_dtype)  # one rank row over all layers
         L, R = layout.num_layers, layout.max_rank
-        self.mem = torch.zeros((L, total_rows, layout.row_elems), dtype=dtype, device=device)
+        row_dtype = QUANT_DTYPES.get(lora_dtype, dtype)
+        self.mem = torch.zeros((L, total_rows, layout.row_elems), dtype=row_dtype, device=device)
+        self.scales = None
+        if self.quantized:
+            self.scales = torch.zeros((L, total_rows, NUM_SCALES), dtype=torch.float32, device=device)
+            self._segments = segments(layout)
+            self._segs = torch.tensor(self._segments, dtype=torch.int32, device=device)  # [NUM_SCALES, 2]
+            self._staging = torch.empty(L * R * layout.row_elems, dtype=dtype, device=device)
+            self._staging_free: torch.cuda.Event | None = None  # the last quantization read it
         self.ranks = torch.zeros((num_ids, L, NUM_SLICES), dtype=torch.int32, device=device)  # 0: unused
         self.scalings = torch.zeros((num_ids, L, NUM_SLICES), dtype=torch.float32, device=device)
         self.rows = torch.zeros((num_ids, R), dtype=torch.int32, device=device)  # [num_ids, max_rank]
@@ -84,6 +121,9 @@ class LoraPool:
             self._stage_scalings = torch.empty_like(self.host_scalings).pin_memory()
             self._stage_rows = torch.empty_like(self.host_rows).pin_memory()
             self._staged: list[torch.cuda.Event | None] = [None] * num_ids
+        if self.quantized and device.type == "cuda":  # compile the quantization now, not at a first load
+            zeros = self._staging[: L * layout.row_elems].view(L, 1, layout.row_elems).zero_()
+            self._quantize(zeros, slice(0, L), 0, self.host_rows[0, :1])  # into row 0, free until a load
 
     @property
     def num_slots(self) -> int:
@@ -111,7 +151,9 @@ class LoraPool:
         pinned = adapter.block.is_pinned()
         events = [] if layer_events and cuda else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if events is None:  # the block first, so its DMA starts while the tables are issued
+            if self.quantized:
+                self._load_quantized(lora_id, adapter, rank_rows, events)
+            elif events is None:  # the block first, so its DMA starts while the tables are issued
                 k = 0
                 for start, n in runs:
                     src = adapter.block[:, k : k + n]  # [L, n, row_elems], rows of one layer contiguous
@@ -137,6 +179,49 @@ class LoraPool:
         self.host_rows[lora_id, : adapter.rank] = rank_rows
         self.names[lora_id] = adapter.name
         return events
+
+    def _load_quantized(
+        self, lora_id: int, adapter: PackedAdapter, rank_rows: torch.Tensor, events: list | None
+    ) -> None:
+        """The block into the staging buffer (one copy, or one a layer with `events`), the tables, then
+        each layer's rank rows quantized into their pool rows; the quantization reads the row table's
+        device copy, written just before on this stream."""
+        L, r, E = adapter.block.shape
+        cuda = self.device.type == "cuda"
+        pinned = adapter.block.is_pinned()
+        stage = self._staging[: L * r * E].view(L, r, E)
+        if cuda and self._staging_free is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._staging_free)  # the last load's reads
+        if events is None:
+            stage.copy_(adapter.block, non_blocking=pinned)
+            self._copy_tables(lora_id, adapter, rank_rows)
+            self._quantize(stage, slice(0, L), lora_id, rank_rows)
+        else:
+            self._copy_tables(lora_id, adapter, rank_rows)
+            for layer in range(L):
+                stage[layer].copy_(adapter.block[layer], non_blocking=pinned)
+                self._quantize(stage[layer : layer + 1], slice(layer, layer + 1), lora_id, rank_rows)
+                events.append(torch.cuda.Event())
+                events[-1].record()
+        if cuda:
+            self._staging_free = torch.cuda.Event()
+            self._staging_free.record()
+            if pinned:  # the block must outlive its copy (as `_pitched` holds it)
+                self._held = [(e, t) for e, t in self._held if not e.query()]
+                self._held.append((self._staging_free, adapter.block))
+
+    def _quantize(self, src: torch.Tensor, layers: slice, lora_id: int, rank_rows: torch.Tensor) -> None:
+        r = src.shape[1]
+        if self.device.type == "cuda":
+            rows = self.rows[lora_id, :r]
+            quantize_rows(src, self.mem[layers], self.scales[layers], rows, self._segs, check=False)
+        else:  # the CPU pool: the same function in torch (the interpreter's e4m3 rounding is not RNE)
+            q, scales = quantize_rows_ref(src, self._segments, self.mem.dtype)
+            index = rank_rows.long()
+            mem, bits, sc = self.mem[layers].view(torch.uint8), q.view(torch.uint8), self.scales[layers]
+            for j, (off, n) in enumerate(self._segments):
+                mem[:, index, off : off + n] = bits[..., off : off + n]
+                sc[:, index, j] = scales[..., j]
 
     def _check(self, lora_id: int, adapter: PackedAdapter, runs: Runs) -> torch.Tensor:
         """The adapter's pool rows in rank order ([rank] int32), after checking the load is well formed."""

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.lora_quant import a_scales, b_scales
 from runtime.common.lora_layout import GroupLayout, LoraLayout
 from stages.worker.lora.backend import LoraBackend
 
@@ -48,6 +49,11 @@ class TorchLoraBackend(LoraBackend):
             return
         a_all = LoraLayout.a_view(self.pool.mem, layer, group)  # [total_rows, n_slices, in]
         b_all = LoraLayout.b_view(self.pool.mem, layer, group)  # [total_rows, out_total]
+        scales = self.pool.scales  # e4m3 pools: [L, total_rows, NUM_SCALES] fp32
+        a_sc = b_sc = None
+        if scales is not None:
+            a_sc = a_scales(scales[layer], group.first_slice, group.num_slices)  # [total_rows, n]
+            b_sc = b_scales(scales[layer], group.first_slice, group.num_slices)
         for start, end, lora_id in self._segments:
             xs = x[start:end]  # [n, in]
             rows = self._rows[lora_id]
@@ -58,6 +64,10 @@ class TorchLoraBackend(LoraBackend):
                 if r == 0:
                     continue
                 off, width = group.out_offsets[i], group.out_dims[i]
-                v = xs @ a_all[rows[:r], i, :].t()  # [n, r]
-                delta = v @ b_all[rows[:r], off : off + width]  # [n, width]
+                a, b = a_all[rows[:r], i, :], b_all[rows[:r], off : off + width]  # [r, in], [r, width]
+                if a_sc is not None:  # e4m3 rows times their scales, in x's dtype
+                    a = (a.float() * a_sc[rows[:r], i, None]).to(xs.dtype)
+                    b = (b.float() * b_sc[rows[:r], i, None]).to(xs.dtype)
+                v = xs @ a.t()  # [n, r]
+                delta = v @ b  # [n, width]
                 out[start:end, off : off + width] += delta * scalings[sid]

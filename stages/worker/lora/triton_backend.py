@@ -14,6 +14,7 @@ import torch
 from kernels.batch_info import BatchInfo, BatchInfoBuilder, block_rank_for
 from kernels.lora_expand import ExpandConfig, expand_config, lora_expand
 from kernels.lora_expand_act import ExpandActConfig, expand_act_config, fusable, lora_expand_silu_mul
+from kernels.lora_quant import a_scales, b_scales
 from kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config, split_counters
 from runtime.common.lora_layout import GroupLayout, LoraLayout
 from stages.worker.lora.backend import PADDED_BLOCK_M, LoraBackend
@@ -99,7 +100,7 @@ class TritonLoraBackend(LoraBackend):
     def _init_views(self) -> None:
         """Every (layer, group)'s A/B views and rank/scaling columns, made once: the pool and tables never
         move, and building views per call was a measurable share of a decode step's host time."""
-        self._views = {}
+        self._views, self._scales = {}, {}
         for layer in range(self.layout.num_layers):
             base = self.pool.mem[layer]  # [total_rows, row_elems]
             for g in self.layout.groups:
@@ -109,6 +110,15 @@ class TritonLoraBackend(LoraBackend):
                     LoraLayout.b_rows(base, g),  # [total_rows, out_total]
                     self.pool.ranks[:, layer, sl],  # [num_ids, n] int32
                     self.pool.scalings[:, layer, sl],  # [num_ids, n] fp32
+                )
+                scales = self.pool.scales  # e4m3 pools: [L, total_rows, NUM_SCALES] fp32
+                self._scales[layer, g.name] = (
+                    (None, None)
+                    if scales is None
+                    else (
+                        a_scales(scales[layer], g.first_slice, g.num_slices),  # [total_rows, n]
+                        b_scales(scales[layer], g.first_slice, g.num_slices),  # [total_rows, n]
+                    )
                 )
 
     def _init_metadata(self) -> None:
@@ -286,12 +296,23 @@ class TritonLoraBackend(LoraBackend):
             return super().apply_act(x, gate_up, layer, group, act)
         shrink_cfg, act_cfg, v = self._configs[group.name]
         a, b, ranks, scalings = self._views[layer, group.name]
-        self._shrink(x, a, ranks, info, v, shrink_cfg)
+        a_sc, b_sc = self._scales[layer, group.name]
+        self._shrink(x, a, ranks, info, v, shrink_cfg, a_sc)
         return lora_expand_silu_mul(
-            v, b, ranks, scalings, self.pool.rows, gate_up, info, config=act_cfg, check=False, pdl=True
+            v,
+            b,
+            ranks,
+            scalings,
+            self.pool.rows,
+            gate_up,
+            info,
+            config=act_cfg,
+            check=False,
+            pdl=True,
+            b_scales=b_sc,
         )
 
-    def _shrink(self, x, a, ranks, info: BatchInfo, v: torch.Tensor, cfg: ShrinkConfig) -> None:
+    def _shrink(self, x, a, ranks, info: BatchInfo, v: torch.Tensor, cfg: ShrinkConfig, a_sc) -> None:
         lora_shrink(
             x,
             a,
@@ -304,6 +325,7 @@ class TritonLoraBackend(LoraBackend):
             config=cfg,
             check=False,
             pdl=True,
+            a_scales=a_sc,
         )
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:
@@ -316,9 +338,10 @@ class TritonLoraBackend(LoraBackend):
         if isinstance(expand_cfg, ExpandActConfig):  # a fused group, asked for the delta alone
             expand_cfg = expand_cfg.expand
         a, b, ranks, scalings = self._views[layer, group.name]
+        a_sc, b_sc = self._scales[layer, group.name]
         # The views and configs were made here, once; the kernels' argument checks would cost a
         # measurable share of an eager step's host time (128 launches per forward of a 16-layer model).
-        self._shrink(x, a, ranks, info, v, shrink_cfg)
+        self._shrink(x, a, ranks, info, v, shrink_cfg, a_sc)
         lora_expand(
             v,
             b,
@@ -332,4 +355,5 @@ class TritonLoraBackend(LoraBackend):
             config=expand_cfg,
             check=False,
             pdl=True,
+            b_scales=b_sc,
         )

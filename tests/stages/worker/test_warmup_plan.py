@@ -62,12 +62,16 @@ def test_block_m_spans_give_choose_block_m_at_every_length():
         assert all(choose_block_m(ml, t) == bm for a, b, bm in spans for ml in range(a, b + 1))
 
 
-def _backend(max_tokens: int, max_rank: int = 24, slots: int = 3) -> TritonLoraBackend:
+def _backend(
+    max_tokens: int, max_rank: int = 24, slots: int = 3, lora_dtype: str = "auto"
+) -> TritonLoraBackend:
     # Real projection widths, so that split-K (bounded by in_dim) takes every value it can.
     layout = LoraLayout.build(
         num_layers=1, hidden=2048, q_out=2048, kv_out=512, intermediate=8192, max_rank=max_rank
     )
-    pool = LoraPool(layout, max_rank * slots, slots, torch.float32, torch.device("cpu"))  # `slots` ids
+    pool = LoraPool(
+        layout, max_rank * slots, slots, torch.float32, torch.device("cpu"), lora_dtype
+    )  # `slots` ids
     return TritonLoraBackend(pool, max_tokens)
 
 
@@ -102,7 +106,7 @@ def _brute_force_keys(backend: TritonLoraBackend, padded: tuple[int, ...]) -> se
     keys = set()
     for info in infos:
         for name, (shrink, expand, _) in backend.configs_for(info).items():
-            keys.add((name, info.block_m, info.block_rank, shrink, expand))
+            keys.add((name, info.block_m, info.block_rank, shrink, expand, backend.pool.mem.dtype))
     return keys
 
 
@@ -130,6 +134,17 @@ def test_lora_plan_is_exactly_what_the_heuristics_can_pick(sms, pdl, monkeypatch
     if pdl:  # a shrink config reached on both sides of the bound is two variants, both planned
         below = {(k[0], k[1], k[2], replace(k[3], pdl=False)) for k in want if k[3].pdl}
         assert below & {(k[0], k[1], k[2], k[3]) for k in want if not k[3].pdl}
+
+
+def test_lora_plan_names_the_pool_row_dtype():
+    """An 8-bit pool's kernels are other variants (their SCALED constexpr, the row pointers' dtype): the
+    plan's keys say which."""
+    plain = {k[:5] for k in (launch.key for launch in lora_launches(_backend(max_tokens=64), (1, 2)))}
+    for lora_dtype, want in (("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
+        keys = [
+            launch.key for launch in lora_launches(_backend(max_tokens=64, lora_dtype=lora_dtype), (1, 2))
+        ]
+        assert {k[5] for k in keys} == {want} and {k[:5] for k in keys} == plain
 
 
 @pytest.mark.parametrize("sms", [4, 132])
