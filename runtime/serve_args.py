@@ -162,7 +162,7 @@ def _memory_arguments(g: argparse._ArgumentGroup, d: ServeArgs) -> None:
     )
     g.add_argument(
         "--lora-dtype",
-        choices=("auto", "fp8", "int8"),  # stages/worker/lora/pool.py LORA_DTYPES (no torch import here)
+        choices=("auto", "fp8", "int8"),  # lora/pool.py LORA_DTYPES, checked in tests/runtime/test_defaults
         default=d.lora_dtype,
         help="the GPU adapter pool's rows: auto, the model's dtype (exact); fp8 (e4m3) or int8, with a "
         "scale per slice of each rank row, quantized on the GPU after each copy (half the pool bytes a "

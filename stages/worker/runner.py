@@ -16,7 +16,7 @@ from stages.worker.decode_graphs import DecodeGraphs
 from stages.worker.graph_capture import graph_pool_bytes
 from stages.worker.lora.backend import slot_segments
 from stages.worker.lora.factory import make_backend
-from stages.worker.lora.pool import LORA_DTYPES, LoraPool, Runs, default_pool_bytes, pool_geometry
+from stages.worker.lora.pool import LoraPool, Runs, default_pool_bytes, pool_geometry
 from stages.worker.model.attention import plan_for, resolve_backend
 from stages.worker.model.forward_batch import ForwardBatch, SeqExtent
 from stages.worker.model.kv_cache import KVCache
@@ -45,9 +45,7 @@ class RunnerConfig:
     # GiB of the rank-paged adapter pool; None: 10% of free device memory before the KV cache is sized
     # (CUDA), 64 MiB elsewhere; at least one adapter of max_lora_rank (stages/worker/lora/pool.py)
     lora_gpu_memory_gb: float | None = None
-    lora_dtype: str = (
-        "auto"  # the pool's rows: "auto" the model's dtype, "fp8"/"int8" 8-bit + scales (pool.py)
-    )
+    lora_dtype: str = "auto"  # the pool's rows: the model's dtype, or "fp8"/"int8" with scales (pool.py)
     lora_backend: str | None = None  # None: triton on CUDA, torch elsewhere
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
     pointwise_backend: str | None = None  # norms, rotary, activation; None: triton on CUDA, torch elsewhere
@@ -152,9 +150,7 @@ class ModelRunner:
 
     def _init_lora(self) -> None:
         """The adapter pool, sized before the KV cache (which takes what is left)."""
-        gb, lora_dtype = self.cfg.lora_gpu_memory_gb, self.cfg.lora_dtype
-        if lora_dtype not in LORA_DTYPES:
-            raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {lora_dtype!r}")
+        gb, lora_dtype = self.cfg.lora_gpu_memory_gb, self.cfg.lora_dtype  # LoraPool checks lora_dtype
         nbytes = (
             int(gb * 2**30)
             if gb is not None

@@ -132,3 +132,12 @@ def test_lower_configs_default_like_the_engine():
     assert drift == KNOWN_DRIFT, (
         f"new: {drift - KNOWN_DRIFT}; fixed (take off KNOWN_DRIFT): {KNOWN_DRIFT - drift}"
     )
+
+
+def test_the_lora_dtype_flag_offers_what_the_pool_takes():
+    from stages.worker.lora.pool import LORA_DTYPES
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    (action,) = [a for a in p._actions if a.dest == "lora_dtype"]
+    assert tuple(action.choices) == LORA_DTYPES
