@@ -57,6 +57,7 @@ CHAT_SUPPORTED = {
     "logit_bias": {"5": 10},
     "logprobs": True,
     "top_logprobs": 2,  # with logprobs (COMPANIONS)
+    "response_format": {"type": "json_object"},  # outputs checked in test_http_structured.py
 }
 COMPANIONS = {"top_logprobs": {"logprobs": True}}  # what a supported field is sent with
 # field -> a value that asks for something this server does not do: refused with a 400 naming the field
@@ -75,7 +76,6 @@ CHAT_REFUSED = {
     "prompt_cache_options": {"x": 1},
     "prompt_cache_retention": "24h",
     "reasoning_effort": "low",
-    "response_format": {"type": "json_object"},
     "service_tier": "flex",
     "store": True,
     "tool_choice": "auto",
@@ -88,9 +88,8 @@ VLLM_SUPPORTED = {"top_k": 2, "stop_token_ids": [1], "ignore_eos": True, "return
 VLLM_SUPPORTED |= {"repetition_penalty": 1.2, "min_p": 0.1}
 VLLM_REFUSED = {
     "min_tokens": 2,
-    "guided_json": {"type": "object"},
-    "guided_regex": "a+",
-    "guided_choice": ["a", "b"],
+    "guided_grammar": 'root ::= "a"',
+    "guided_whitespace_pattern": " ",
     "prompt_logprobs": 1,
     "use_beam_search": True,
     "include_stop_str_in_output": True,
@@ -174,7 +173,7 @@ def test_unsupported_fields_are_refused_by_name(server, chat):
         assert name in info.value.body["message"]
     # neutral values ask for nothing: accepted
     neutral = {"tool_choice": "none", "logprobs": False, "store": False} if chat else {"logprobs": None}
-    vllm_neutral = {"use_beam_search": False, "min_tokens": 0, "guided_json": None}
+    vllm_neutral = {"use_beam_search": False, "min_tokens": 0, "guided_grammar": None}
     assert _create(oa, chat, {**base, **neutral}, vllm_neutral).choices[0].finish_reason
 
 

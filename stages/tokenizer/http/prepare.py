@@ -20,6 +20,7 @@ from stages.tokenizer.http.chat_template import ChatTemplate, TemplateError
 from stages.tokenizer.http.errors import ApiError
 from stages.tokenizer.http.schemas import ChatCompletionRequest, CompletionRequest
 from stages.tokenizer.http.strict import unsupported_field
+from stages.tokenizer.http.structured import guided_of
 from stages.tokenizer.validate import (
     Rejected,
     check_prompt,
@@ -116,6 +117,7 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
 
 def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, index: int) -> SamplingParams:
     top_k = req.top_k if req.top_k is not None else 0
+    guided = guided_of(req)  # checked once: grammar_error caches its verdict
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -130,6 +132,7 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, i
         min_p=float(req.min_p or 0.0),
         logit_bias=_logit_bias(req.logit_bias),
         logprobs=_logprobs(req),
+        guided=guided,
     )
 
 

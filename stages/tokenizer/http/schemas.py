@@ -41,6 +41,13 @@ class _Sampling(Body, kw_only=True):
     best_of: int | None = None  # only equal to n (one sample per choice)
     user: str | None = None  # identifies the end user to OpenAI; changes nothing here
     return_token_ids: bool = False  # vLLM extension: each choice also carries its output token ids
+    # structured output (http/structured.py): OpenAI's response_format, vLLM's guided_* and their newer
+    # structured_outputs; at most one of them
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):

@@ -47,10 +47,6 @@ def _empty(v: Any) -> bool:
     return v is None or (isinstance(v, list | dict | str) and not v)
 
 
-def _text_format(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and v.get("type") == "text" and len(v) == 1)
-
-
 def _no_tool(v: Any) -> bool:
     return v is None or v == "none"
 
@@ -66,14 +62,9 @@ def _default_tier(v: Any) -> bool:
 # Known to both routes, not implemented: sampling controls and vLLM's extensions.
 COMMON_UNSUPPORTED: Mapping[str, Neutral] = {
     "min_tokens": _zero,  # vLLM
-    "response_format": _text_format,  # OpenAI (chat), vLLM (completions)
-    "guided_json": _none,  # vLLM
-    "guided_regex": _none,  # vLLM
-    "guided_choice": _none,  # vLLM
     "guided_grammar": _none,  # vLLM
     "guided_decoding_backend": _none,  # vLLM
     "guided_whitespace_pattern": _none,  # vLLM
-    "structured_outputs": _none,  # vLLM
     "prompt_logprobs": _none,  # vLLM
     "use_beam_search": _false,  # vLLM
     "length_penalty": _one,  # vLLM
