@@ -7,6 +7,7 @@ no request asks never touches any of this."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,6 +21,12 @@ from proto.sampling import Guided
 from runtime.common.grammar import grammar_of, matcher_tokenizer
 
 MASK_THREADS = min(8, max(1, (os.cpu_count() or 2) // 2))  # llguidance's pool: masks of one step in parallel
+
+
+@functools.lru_cache(maxsize=2)  # an offline engine makes an executor, so a GuidedMasks, per generate()
+def _tokenizer(model_dir: str, vocab: int, eos_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
+    text = (Path(model_dir) / "tokenizer.json").read_text()
+    return matcher_tokenizer(text, vocab, eos_ids)
 
 
 @dataclass(eq=False)
@@ -60,8 +67,7 @@ class GuidedMasks:
             self._builder.shutdown(wait=False, cancel_futures=True)
 
     def _build_tokenizer(self) -> llguidance.LLTokenizer:
-        text = (Path(self.model_dir) / "tokenizer.json").read_text()
-        return matcher_tokenizer(text, self.vocab, self.eos_ids)
+        return _tokenizer(self.model_dir, self.vocab, self.eos_ids)
 
     def _build_matcher(self, guided: Guided) -> llguidance.LLMatcher:
         assert self._tokenizer is not None

@@ -1,0 +1,107 @@
+"""Structured output and logprobs through the offline engine (CPU, tiny model, one adapter), overlapped
+and serial. Greedy guided decoding yields exactly the tokens of transformers + PEFT logits restricted to
+what llguidance's own matcher allows at each step (its byte mask, not the engine's packed one); sampled
+guided outputs match their grammar; a request without a grammar beside them is untouched. Logprobs in
+RequestOutput equal a float64 log-softmax of PEFT logits."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import llguidance
+import pytest
+import torch
+
+from proto.sampling import Guided, SamplingParams
+from runtime.common.grammar import grammar_of, matcher_tokenizer
+from runtime.offline import LLM
+from tests.peft_reference import PeftReference
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["answer", "n"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-c]{2,4}-[0-9]"
+PROMPT = "The river carried the boat"
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["overlapped", "serial"])
+def engine(request, tiny_llama, llama_adapters):
+    adapters = {"full8": llama_adapters["full8"]}
+    llm = LLM(tiny_llama, adapters=adapters, max_lora_rank=16, overlap_schedule=request.param)
+    return llm, PeftReference(tiny_llama, adapters)
+
+
+def _greedy_guided(ref: PeftReference, llm: LLM, prompt: list[int], guided: Guided, adapter: str | None):
+    """Greedy decoding of PEFT logits under llguidance's byte-per-token mask, until the grammar stops."""
+    cfg = llm.runner.model_cfg
+    tok = matcher_tokenizer(llm.tokenizer.to_str(), cfg.vocab_size, cfg.eos_token_ids)
+    matcher = llguidance.LLMatcher(tok, grammar_of(guided))
+    out: list[int] = []
+    while not matcher.is_stopped():
+        logits = ref.logits(prompt + out, adapter)[-1].double()  # [V]
+        allowed = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8) > 0
+        t = int(logits.masked_fill(~allowed[: logits.shape[0]], float("-inf")).argmax())
+        out.append(t)
+        assert matcher.consume_token(t)
+        if t in cfg.eos_token_ids:
+            break
+    return out
+
+
+def test_guided_outputs_follow_their_grammar(engine):
+    llm, ref = engine
+    prompt = llm.tokenizer.encode(PROMPT).ids
+    json_g = Guided("json", json.dumps(SCHEMA))
+    regex_g = Guided("regex", REGEX)
+    choice_g = Guided("choice", json.dumps(["left bank", "right bank"]))
+    cases = [
+        ("full8", SamplingParams(max_tokens=40, guided=json_g)),
+        (None, SamplingParams(max_tokens=40, guided=regex_g)),
+        ("full8", SamplingParams(max_tokens=40, temperature=1.0, seed=3, guided=json_g)),
+        (None, SamplingParams(max_tokens=40, temperature=1.5, seed=4, guided=regex_g)),
+        ("full8", SamplingParams(max_tokens=40, temperature=1.0, seed=5, guided=choice_g)),
+        ("full8", SamplingParams(max_tokens=6, ignore_eos=True)),
+    ]
+    outs = llm.generate([prompt] * len(cases), [a for a, _ in cases], [p for _, p in cases])
+    for (adapter, p), out in zip(cases, outs, strict=True):
+        assert out.error is None, out.error
+        if p.guided is None:
+            assert len(out.token_ids) == 6 and out.finish_reason == "length"
+            continue
+        assert out.finish_reason == "stop", (p, out.text)
+        if p.greedy:
+            assert out.token_ids == _greedy_guided(ref, llm, prompt, p.guided, adapter)
+        if p.guided.kind == "json":
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+        elif p.guided.kind == "regex":
+            assert re.fullmatch(REGEX, out.text), out.text
+        else:
+            assert out.text in ("left bank", "right bank")
+
+
+def test_bad_grammars_are_refused_before_running(engine):
+    llm, _ = engine
+    with pytest.raises(ValueError, match="(?s)guided: .*unclosed group"):
+        llm.generate("hi", sampling=SamplingParams(guided=Guided("regex", "a(")))
+
+
+def test_request_output_carries_logprobs(engine):
+    llm, ref = engine
+    prompt = llm.tokenizer.encode(PROMPT).ids
+    k, n = 3, 5
+    asks = SamplingParams(max_tokens=n, ignore_eos=True, logprobs=k)
+    outs = llm.generate([prompt, prompt], ["full8", None], [asks, SamplingParams(max_tokens=n)])
+    assert outs[1].logprobs is None
+    out = outs[0]
+    rows = torch.log_softmax(ref.logits(prompt + out.token_ids, "full8")[len(prompt) - 1 : -1].double(), -1)
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == n
+    for lp, t, row in zip(out.logprobs, out.token_ids, rows, strict=True):
+        assert abs(lp.logprob - float(row[t])) < 1e-3
+        want = row.topk(k)
+        assert lp.top_ids == want.indices.tolist()
+        assert max(abs(a - b) for a, b in zip(lp.top_logprobs, want.values.tolist(), strict=True)) < 1e-3
