@@ -70,6 +70,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     # likely tokens' (None: none computed)
     logprobs: int | None = None
     guided: Guided | None = None  # structured output: the output follows this grammar
+    # vLLM's prompt_logprobs = k: each prompt token's (after the first) log-probability under the raw
+    # logits given the tokens before it, its rank and the k likeliest tokens'
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of range (every range keeps the math finite)."""
@@ -110,6 +113,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_LOGPROBS):
             shown = _show(self.logprobs)
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {shown}")
+        if self.prompt_logprobs is not None and not _int_in(self.prompt_logprobs, 0, MAX_LOGPROBS):
+            shown = _show(self.prompt_logprobs)
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {shown}")
         if self.guided is not None:
             self.guided.validate()
 

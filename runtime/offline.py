@@ -47,6 +47,9 @@ class RequestOutput:
     # with SamplingParams.logprobs = k: one per token of token_ids (its log-probability under the raw
     # logits and the k likeliest tokens'), as vLLM's CompletionOutput.logprobs
     logprobs: list[TokenLogprobs] | None = None
+    # with SamplingParams.prompt_logprobs = k: one per prompt token after the first (vLLM's list without
+    # its leading None), each with its rank
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -196,6 +199,7 @@ class LLM:
             planner.add(rid, ids, name, p)
         outputs: dict[str, list[int]] = {rid: [] for rid in rids}
         logprobs = {rid: [] for rid, p in zip(rids, params, strict=True) if p.logprobs is not None}
+        prompt_lps: dict[str, list[TokenLogprobs]] = {}
         reasons: dict[str, str] = {}
         errors: dict[str, str] = {}
         try:
@@ -206,6 +210,8 @@ class LLM:
                     outputs[item.request_id].extend(item.token_ids)
                     if item.logprobs and item.request_id in logprobs:
                         logprobs[item.request_id].extend(item.logprobs)
+                    if item.prompt_logprobs is not None:
+                        prompt_lps[item.request_id] = item.prompt_logprobs
                     if item.finish_reason:
                         reasons[item.request_id] = item.finish_reason
         except BaseException:
@@ -226,6 +232,7 @@ class LLM:
                 name,
                 errors.get(rid),
                 logprobs.get(rid),
+                prompt_lps.get(rid),
             )
             for rid, ids, name in zip(rids, prompt_ids, names, strict=True)
         ]

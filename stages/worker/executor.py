@@ -22,6 +22,7 @@ import torch
 
 from proto.pipeline import TokenBatch, TokenDelta
 from proto.plan import BatchPlan, FinishedRequest, RequestError, SlotError, SlotLoad, StepResult
+from stages.worker import prompt_logprobs
 from stages.worker.guided import GuidedMasks
 from stages.worker.runner import ModelRunner, SeqInput, inverse_of
 from stages.worker.sampler import Allowed, SampledTokens, Sampler
@@ -171,6 +172,9 @@ class StepExecutor:
         # rows of requests an earlier step's result ended (known only after this step was launched)
         num_tokens = sum(n for req, n in step.scheduled if not req.dropped_from(step.launch))
         finished, items = [], []
+        for i, lps in step.prompt_lps.entries().items() if step.prompt_lps is not None else ():
+            req = step.scheduled[i][0]
+            req.prompt_lps = (req.prompt_lps or []) + lps  # sent with its first token
         for row, ((req, at), tok) in enumerate(zip(step.rows, tokens, strict=True)):
             if req.dropped_from(step.launch):
                 self.dropped_rows += 1
@@ -192,7 +196,11 @@ class StepExecutor:
                     continue
                 reason = "stop" if self.guided.stopped(req.request_id) else None
             lp = [logprobs[row]] if row in logprobs else None
-            delta = TokenDelta(request_id=req.request_id, token_ids=[tok], finish_reason=reason, logprobs=lp)
+            delta = TokenDelta(
+                request_id=req.request_id, token_ids=[tok], finish_reason=reason, logprobs=lp,
+                prompt_logprobs=req.prompt_lps,
+            )  # fmt: skip
+            req.prompt_lps = None
             items.append(delta)
             if reason is not None:
                 req.end(step.launch)
@@ -224,11 +232,20 @@ class StepExecutor:
         used = {req.slot for req, _ in step.scheduled if req.slot >= 0}
         # Copies into the slots this step uses: layer i waits only for layer i's part of the copy.
         layer_waits = self.pending.layer_waits(used, self.runner.model_cfg.num_layers) if used else None
+        wants = prompt_logprobs.prompt_wants(step.scheduled)
         try:
+            if wants:
+                logits, order, extra, spans = prompt_logprobs.forward_with_prompt_rows(
+                    self.runner, seqs, layer_waits, pending, wants
+                )
+                step.prompt_lps = prompt_logprobs.issue(step.scheduled, wants, extra, spans)
+                return logits, order
             return self.runner.execute_grouped(seqs, layer_waits, pending)
         except Exception as exc:
-            if not self.retry_apart or (
-                len({req.slot for req, _ in step.scheduled}) < 2 and len(step.scheduled) < 2
+            if (
+                wants
+                or not self.retry_apart
+                or (len({req.slot for req, _ in step.scheduled}) < 2 and len(step.scheduled) < 2)
             ):
                 raise  # nothing to tell apart (or no rank may): the caller fails this step's requests
             return self._execute_apart(step, seqs, layer_waits, pending, exc), None

@@ -105,3 +105,36 @@ def test_request_output_carries_logprobs(engine):
         want = row.topk(k)
         assert lp.top_ids == want.indices.tolist()
         assert max(abs(a - b) for a, b in zip(lp.top_logprobs, want.values.tolist(), strict=True)) < 1e-3
+
+
+def _check_prompt_logprobs(lps, prompt: list[int], rows: torch.Tensor, k: int) -> None:
+    """vLLM's prompt_logprobs (without its leading None) against float64 reference rows [L - 1, V]."""
+    assert lps is not None and len(lps) == len(prompt) - 1
+    for lp, t, row in zip(lps, prompt[1:], rows, strict=True):
+        v = float(row[t])
+        assert abs(lp.logprob - v) < 1e-3
+        # ties within float32 error may order either way
+        assert int((row > v + 1e-4).sum()) + 1 <= lp.rank <= int((row > v - 1e-4).sum()) + 1
+        want = row.topk(k)
+        assert lp.top_ids == want.indices.tolist()
+        assert max(abs(a - b) for a, b in zip(lp.top_logprobs, want.values.tolist(), strict=True)) < 1e-3
+
+
+def test_prompt_logprobs_match_peft_across_prefill_chunks(tiny_llama, llama_adapters):
+    """Prompts longer than a step's token budget are prefilled in chunks: every chunk's positions are
+    reported once, in order; a batch-mate that does not ask gets none and the same tokens as alone."""
+    adapters = {"full8": llama_adapters["full8"]}
+    llm = LLM(tiny_llama, adapters=adapters, max_lora_rank=16, max_tokens_per_step=16, max_running_requests=4)
+    ref = PeftReference(tiny_llama, adapters)
+    long = llm.tokenizer.encode(" ".join([PROMPT, "and the wind"] * 4)).ids
+    short = llm.tokenizer.encode(PROMPT).ids
+    assert len(long) > 2 * 16
+    k = 4
+    asks = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=k)
+    plain = SamplingParams(max_tokens=3, ignore_eos=True)
+    alone = llm.generate([short], [None], [plain])[0]
+    outs = llm.generate([long, short, short], ["full8", None, "full8"], [asks, plain, asks])
+    assert outs[1].prompt_logprobs is None and outs[1].token_ids == alone.token_ids
+    for out, prompt, adapter in ((outs[0], long, "full8"), (outs[2], short, "full8")):
+        rows = torch.log_softmax(ref.logits(prompt, adapter)[:-1].double(), -1)  # [L - 1, V]
+        _check_prompt_logprobs(out.prompt_logprobs, prompt, rows, k)

@@ -104,6 +104,9 @@ def _check_fields(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+    if isinstance(req, CompletionRequest) and req.prompt_logprobs is not None and req.stream:
+        message = "prompt_logprobs are not available when stream is true (as in vLLM)"
+        raise ApiError(400, message, "prompt_logprobs", "unsupported_parameter")
     if not 1 <= req.n <= MAX_CHOICES:
         raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
 
@@ -133,6 +136,7 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, i
         logit_bias=_logit_bias(req.logit_bias),
         logprobs=_logprobs(req),
         guided=guided,
+        prompt_logprobs=getattr(req, "prompt_logprobs", None),
     )
 
 

@@ -65,7 +65,6 @@ COMMON_UNSUPPORTED: Mapping[str, Neutral] = {
     "guided_grammar": _none,  # vLLM
     "guided_decoding_backend": _none,  # vLLM
     "guided_whitespace_pattern": _none,  # vLLM
-    "prompt_logprobs": _none,  # vLLM
     "use_beam_search": _false,  # vLLM
     "length_penalty": _one,  # vLLM
     "include_stop_str_in_output": _false,  # vLLM
@@ -104,6 +103,7 @@ CHAT_UNSUPPORTED: Mapping[str, Neutral] = {
     "chat_template_kwargs": _empty,  # vLLM
     "documents": _none,  # vLLM
     "echo": _false,  # vLLM (chat)
+    "prompt_logprobs": _none,  # vLLM (completions only here)
 }
 
 
