@@ -45,7 +45,7 @@ class GuidedMasks:
         self._builder: ThreadPoolExecutor | None = None
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._executor: llguidance.LLExecutor | None = None
-        self._shifts: torch.Tensor | None = None  # [32] int32 on the device
+        self._bits: torch.Tensor | None = None  # [32] int32 on the device: 1 << j
 
     def add(self, request_id: str, guided: Guided) -> None:
         """Start building the request's matcher (off the step thread; the first mask waits for it)."""
@@ -53,7 +53,8 @@ class GuidedMasks:
             self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
             self._tokenizer = self._builder.submit(self._build_tokenizer)
             self._executor = llguidance.LLExecutor(MASK_THREADS)
-            self._shifts = torch.arange(32, dtype=torch.int32, device=self.device)
+            bits = [1 << j if j < 31 else -(1 << 31) for j in range(32)]  # bit j of an int32 word
+            self._bits = torch.tensor(bits, dtype=torch.int32, device=self.device)
         self._requests[request_id] = _Request(self._builder.submit(self._build_matcher, guided))
 
     def __contains__(self, request_id: str) -> bool:
@@ -105,10 +106,9 @@ class GuidedMasks:
         """The next token's mask of each request (all fed their outputs): [n, width] bool on the device,
         True where the token is allowed, and {k: why} for the requests whose grammar failed (their rows
         allow nothing; the caller fails them)."""
-        assert self._executor is not None and self._shifts is not None
-        packed = torch.zeros((len(request_ids), self.words), dtype=torch.int32)  # [n, W]: nothing allowed
-        if self.device.type == "cuda":
-            packed = packed.pin_memory()
+        assert self._executor is not None and self._bits is not None
+        pin = self.device.type == "cuda"
+        packed = torch.zeros((len(request_ids), self.words), dtype=torch.int32, pin_memory=pin)  # [n, W]
         work, failed = [], {}
         for k, rid in enumerate(request_ids):
             r = self._requests[rid]
@@ -121,8 +121,7 @@ class GuidedMasks:
             # one call for the whole step: llguidance spreads the matchers over its threads, GIL dropped
             self._executor.unsafe_compute_mask_ptr(work, packed.data_ptr(), self.words * 4, len(request_ids))
         words = packed.to(self.device, non_blocking=True)  # [n, W]
-        bits = (words.unsqueeze(-1) >> self._shifts) & 1  # [n, W, 32]
-        allowed = bits.view(len(request_ids), -1).bool()  # [n, 32 W]
+        allowed = ((words.unsqueeze(-1) & self._bits) != 0).view(len(request_ids), -1)  # [n, 32 W] bool
         if allowed.shape[1] >= width:
             return allowed[:, :width], failed
         pad = torch.zeros((len(request_ids), width - allowed.shape[1]), dtype=torch.bool, device=self.device)

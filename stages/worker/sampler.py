@@ -1,13 +1,14 @@
 """Turns each sequence's last-token logits into its next token under its own SamplingParams: greedy
 rows by argmax in one op (a request with penalties or a logit bias has its row adjusted first, by its
-LogitAdjuster; a batch without any pays nothing for them), sampled rows through temperature, min-p,
-top-k and top-p with a generator of their
-own (the request's seed, else one derived from the engine's seed and the request id), so a request's
-samples never depend on its batch-mates or on rows an overlapped step computes and then drops. A row
-whose logits are not finite is reported as failed instead of yielding a token. Sampling is issued on
-the device; its one device→host read is a non-blocking copy into pinned memory that the caller
-collects later (`SampledTokens.result`), so the next step can be launched first; the log-probabilities
-of the requests that ask for them travel with it (`SampledTokens.logprobs`)."""
+LogitAdjuster; a batch without any pays nothing for them; a request with a grammar has its row masked
+to what the grammar allows, greedy ones all in one masked argmax), sampled rows through temperature,
+min-p, top-k and top-p with a generator of their own (the request's seed, else one derived from the
+engine's seed and the request id), so a request's samples never depend on its batch-mates or on rows
+an overlapped step computes and then drops. A row whose logits are not finite is reported as failed
+instead of yielding a token. Sampling is issued on the device; its one device→host read is a
+non-blocking copy into pinned memory that the caller collects later (`SampledTokens.result`), so the
+next step can be launched first; the log-probabilities of the requests that ask for them travel with it
+(`SampledTokens.logprobs`)."""
 
 from __future__ import annotations
 
@@ -147,12 +148,13 @@ class Sampler:
         if rows is not None:  # each request's row, [B]: a gather of B values, not of B rows of logits
             tokens, ok = tokens[rows[1]], ok[rows[1]]
         wanted: list[tuple[int, int]] = []  # (request, its top count) for those that want logprobs
+        masked = _greedy_masked(logits, at, tokens, allowed, params) if allowed is not None else set()
         for i, p in enumerate(params):
             if p.logprobs is not None:
                 wanted.append((i, p.logprobs))
             adjusts = p.adjusts_logits
             mask = allowed.rows.get(i) if allowed is not None else None
-            if p.greedy and not adjusts and mask is None:
+            if p.greedy and not adjusts and mask is None or i in masked:
                 continue
             row = logits[at[i]]  # [V]
             adjuster = None
@@ -182,6 +184,24 @@ class Sampler:
         if not request_ids:
             return [], {}
         return self.issue(logits, request_ids, params).result()
+
+
+def _greedy_masked(
+    logits: torch.Tensor, at: Sequence[int], tokens: torch.Tensor, allowed: Allowed, params
+) -> set[int]:
+    """Greedy requests with a grammar and nothing else to apply, all at once (a masked argmax over their
+    rows, not a few kernels a request): writes their tokens; returns which requests those were."""
+    fast = [i for i in allowed.rows if params[i].greedy and not params[i].adjusts_logits]
+    if not fast:
+        return set()
+    index = torch.tensor([[at[i] for i in fast], [allowed.rows[i] for i in fast], fast], dtype=torch.int64)
+    if logits.is_cuda:
+        index = index.pin_memory()
+    index = index.to(logits.device, non_blocking=True)  # [3, n]: logits rows, mask rows, requests
+    picked = logits.index_select(0, index[0])  # [n, V]
+    picked = picked.masked_fill(~allowed.masks.index_select(0, index[1]), float("-inf"))
+    tokens.index_copy_(0, index[2], picked.argmax(dim=-1))
+    return set(fast)
 
 
 def request_rows(n: int, rows: tuple[list[int], torch.Tensor] | None) -> Sequence[int]:
