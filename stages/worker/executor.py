@@ -52,6 +52,7 @@ class StepExecutor:
         self.eos_ids = frozenset(runner.model_cfg.eos_token_ids)
         vocab = runner.full_cfg.vocab_size
         self.guided = GuidedMasks(runner.cfg.model_dir, vocab, sorted(self.eos_ids), runner.device)
+        self.prompt_asks: set[str] = set()  # requests that asked for prompt_logprobs
         self.max_model_len = max_model_len
         self._load_adapter = load_adapter
         self.requests: dict[str, WorkerRequest] = {}
@@ -137,6 +138,8 @@ class StepExecutor:
         its request's outputs first: with overlapped scheduling the last may be the step before's token,
         still a placeholder here, so the host waits for that step's tokens, which the device computed
         before this step's forward, queued already; the masks are then computed while it runs."""
+        if not self.guided:
+            return None
         rows = {k: r.request_id for k, r in enumerate(reqs) if r.request_id in self.guided}
         if not rows:
             return None
@@ -232,7 +235,7 @@ class StepExecutor:
         used = {req.slot for req, _ in step.scheduled if req.slot >= 0}
         # Copies into the slots this step uses: layer i waits only for layer i's part of the copy.
         layer_waits = self.pending.layer_waits(used, self.runner.model_cfg.num_layers) if used else None
-        wants = prompt_logprobs.prompt_wants(step.scheduled)
+        wants = prompt_logprobs.prompt_wants(step.scheduled) if self.prompt_asks else {}
         try:
             if wants:
                 logits, order, extra, spans = prompt_logprobs.forward_with_prompt_rows(
@@ -296,8 +299,7 @@ class StepExecutor:
             req = self.requests.pop(rid, None)
             if req is not None:
                 req.end(at)
-            self.sampler.forget(rid)
-            self.guided.forget(rid)
+            self._forget(rid)
         errors = [RequestError(request_id=rid, message=message) for rid in sorted(ids)]
         return StepResult(step=plan.step, errors=errors)
 
@@ -339,8 +341,7 @@ class StepExecutor:
         errors = step.errors
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
-            self.sampler.forget(rid)
-            self.guided.forget(rid)
+            self._forget(rid)
         for rid in plan.preempted_request_ids:
             req = self.requests[rid]
             req.pages, req.num_computed, req.active = [], 0, False
@@ -356,6 +357,8 @@ class StepExecutor:
             prompt = new.prompt_ids.tolist()
             if new.sampling.guided is not None:
                 self.guided.add(new.request_id, new.sampling.guided)
+            if new.sampling.prompt_logprobs is not None:
+                self.prompt_asks.add(new.request_id)
             self.requests[new.request_id] = WorkerRequest(
                 new.request_id, prompt, len(prompt), new.sampling, new.slot, list(new.page_ids)
             )
@@ -370,6 +373,11 @@ class StepExecutor:
                 req.pages.extend(c.new_page_ids)
             counts[c.request_id] = c.num_scheduled_tokens
         return [(req, counts.get(rid, 1)) for rid, req in self.requests.items() if req.active]
+
+    def _forget(self, rid: str) -> None:
+        self.sampler.forget(rid)
+        self.guided.forget(rid)
+        self.prompt_asks.discard(rid)
 
     def _finish_reason(self, req: WorkerRequest, tok: int, length: int) -> str | None:
         """Why the request stops at `tok`, its `length`-th token (prompt included), if it does."""

@@ -60,6 +60,9 @@ class GuidedMasks:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def __len__(self) -> int:
+        return len(self._requests)
+
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
