@@ -4,24 +4,39 @@ with a real model's tokenizer. Its special tokens are the synthetic models' (ids
 it can replace a `tools/make_tiny_model` checkpoint's tokenizer.json when the checkpoint's vocab_size
 (128,256 for the 1b and 8b presets) holds it.
 
-    python -m benchmarks.bpe_tokenizer OUT_DIR [--vocab 128000] [--files 20000]"""
+    python -m benchmarks.bpe_tokenizer OUT_DIR [--vocab 128000] [--max-mb 32]"""
 
 from __future__ import annotations
 
 import argparse
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 from runtime.synthetic.model import BOS, EOS
 
 
-def train(out_dir: Path, vocab: int = 128_000, max_files: int = 20_000) -> int:
+def sources(max_bytes: int) -> Iterator[str]:
+    """The installed Python sources, standard library first, up to about `max_bytes` of UTF-8 text (a
+    file that is not valid UTF-8, as some of the library's own tests are, is skipped)."""
+    paths = sysconfig.get_paths()
+    seen = 0
+    for root in dict.fromkeys((Path(paths["stdlib"]), Path(paths["purelib"]))):
+        for path in sorted(root.rglob("*.py")):
+            try:
+                text = path.read_bytes().decode()
+            except (OSError, UnicodeDecodeError):
+                continue
+            yield text
+            seen += len(text)
+            if seen >= max_bytes:
+                return
+
+
+def train(out_dir: Path, vocab: int = 128_000, max_mb: int = 32) -> int:
     """Write OUT_DIR/tokenizer.json; returns its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    paths = sysconfig.get_paths()
-    roots = sorted({Path(paths["stdlib"]), Path(paths["purelib"])})
-    files = sorted(str(p) for root in roots for p in root.rglob("*.py") if p.is_file())[:max_files]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -31,7 +46,7 @@ def train(out_dir: Path, vocab: int = 128_000, max_files: int = 20_000) -> int:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train(files, trainer)
+    tok.train_from_iterator(sources(max_mb << 20), trainer=trainer)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
     return tok.get_vocab_size()
@@ -41,9 +56,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--vocab", type=int, default=128_000)
-    ap.add_argument("--files", type=int, default=20_000)
+    ap.add_argument("--max-mb", type=int, default=32, help="megabytes of source text to train on")
     args = ap.parse_args()
-    print(f"{train(args.out, args.vocab, args.files)} tokens in {args.out / 'tokenizer.json'}")
+    print(f"{train(args.out, args.vocab, args.max_mb)} tokens in {args.out / 'tokenizer.json'}")
 
 
 if __name__ == "__main__":

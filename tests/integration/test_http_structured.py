@@ -137,3 +137,20 @@ def test_bad_grammars_are_refused_naming_their_field(server, chat):
             _run(oa, chat, False, MODEL, max_tokens=4, extra_body=body)
         error = info.value.body
         assert error["param"] == param and words in error["message"], (body, error)
+
+
+def test_the_sdk_takes_the_same_grammars(server):
+    """`guided` among the SDK's sampling values; a bad one is refused by the tokenizer stage's check."""
+    from runtime.client import InvalidRequest
+
+    with server.client() as c:
+        out = c.generate("The record:", "full8", max_tokens=40, guided={"kind": "regex", "spec": REGEX})
+        assert out.finish_reason == "stop" and re.fullmatch(REGEX, out.text), out.text
+        spec = json.dumps(SCHEMA)
+        out = c.generate(
+            "The record:", max_tokens=120, temperature=1.0, guided={"kind": "json", "spec": spec}
+        )
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+        with pytest.raises(InvalidRequest, match="(?s)guided: .*unclosed group"):
+            c.generate("x", max_tokens=4, guided={"kind": "regex", "spec": "a+("})
