@@ -51,3 +51,31 @@ def test_guided_outputs_on_cuda(tiny_llama, llama_adapters):
             assert re.fullmatch(REGEX, out.text), out.text
         else:
             assert out.text in ("left bank", "right bank")
+
+
+def test_prompt_logprobs_on_cuda_match_peft(tiny_llama, llama_adapters):
+    """Chunked prefill on the device (eager steps with the prompt positions' logits) against float64
+    log-softmax of transformers + PEFT logits on the CPU; near-ties may order either way."""
+    from tests.peft_reference import PeftReference
+
+    adapters = {"full8": llama_adapters["full8"]}
+    llm = LLM(
+        tiny_llama, adapters=adapters, device="cuda", max_lora_rank=16, max_tokens_per_step=16,
+        max_running_requests=4,
+    )  # fmt: skip
+    ref = PeftReference(tiny_llama, adapters)
+    prompt = llm.tokenizer.encode("The river carried the boat and the wind " * 4).ids
+    k, tol = 3, 2e-3
+    p = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=k)
+    out = llm.generate([prompt, prompt], ["full8", None], [p, SamplingParams(max_tokens=2)])
+    assert out[1].prompt_logprobs is None
+    rows = torch.log_softmax(ref.logits(prompt, "full8")[:-1].double(), -1)  # [L - 1, V]
+    lps = out[0].prompt_logprobs
+    assert lps is not None and len(lps) == len(prompt) - 1
+    for lp, t, row in zip(lps, prompt[1:], rows, strict=True):
+        v = float(row[t])
+        assert abs(lp.logprob - v) < tol
+        assert int((row > v + tol).sum()) + 1 <= lp.rank <= int((row > v - tol).sum()) + 1
+        want = row.topk(k).values.tolist()
+        assert all(abs(a - b) < tol for a, b in zip(lp.top_logprobs, want, strict=True))
+        assert all(abs(float(row[i]) - a) < tol for i, a in zip(lp.top_ids, lp.top_logprobs, strict=True))
