@@ -3,9 +3,11 @@ grammar ready (compile and the matcher's first mask, median of REPEATS) and the 
 token's mask while decoding a valid instance (mean, p50, p99), for a JSON schema, any JSON object and a
 regex.
 
-    python benchmarks/bench_grammar.py --tokenizer DIR_OR_tokenizer.json OUT_DIR
+    python -m benchmarks.bpe_tokenizer TOK_DIR      # a 128k-token byte-level BPE
+    python -m benchmarks.bench_grammar --tokenizer TOK_DIR OUT_DIR
 
-Prints one table and writes OUT_DIR/bench_grammar.json. A library that is not installed is skipped."""
+Prints one table and writes OUT_DIR/bench_grammar.json. A library that is not installed is left out of
+the table (xgrammar is not a dependency: install it beside the project to compare)."""
 
 from __future__ import annotations
 
