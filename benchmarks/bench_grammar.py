@@ -17,6 +17,8 @@ import statistics
 import time
 from pathlib import Path
 
+from runtime.synthetic.model import EOS
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -142,7 +144,7 @@ def bench_xgrammar(tok_dir: Path, vocab: int, eos: int, ids: dict[str, list[int]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", required=True, help="a directory holding tokenizer.json")
-    ap.add_argument("--eos", default="</s>", help="the EOS token's text")
+    ap.add_argument("--eos", default=EOS, help="the EOS token's text")
     ap.add_argument("out", type=Path)
     args = ap.parse_args()
     from tokenizers import Tokenizer
@@ -151,6 +153,8 @@ def main() -> None:
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     vocab = tok.get_vocab_size(with_added_tokens=True)
     eos = tok.token_to_id(args.eos)
+    if eos is None:
+        ap.error(f"the tokenizer has no token {args.eos!r} (--eos)")
     ids = {case: tok.encode(text, add_special_tokens=False).ids for case, _, _, text in cases()}
     results: dict = {"vocab": vocab}
     try:
