@@ -47,14 +47,19 @@ class GuidedMasks:
         self._executor: llguidance.LLExecutor | None = None
         self._bits: torch.Tensor | None = None  # [32] int32 on the device: 1 << j
 
-    def add(self, request_id: str, guided: Guided) -> None:
-        """Start building the request's matcher (off the step thread; the first mask waits for it)."""
+    def prepare(self) -> None:
+        """Start building the tokenizer matchers share, on the builder thread (once)."""
         if self._builder is None:
             self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
             self._tokenizer = self._builder.submit(self._build_tokenizer)
             self._executor = llguidance.LLExecutor(MASK_THREADS)
             bits = [1 << j if j < 31 else -(1 << 31) for j in range(32)]  # bit j of an int32 word
             self._bits = torch.tensor(bits, dtype=torch.int32, device=self.device)
+
+    def add(self, request_id: str, guided: Guided) -> None:
+        """Start building the request's matcher (off the step thread; the first mask waits for it)."""
+        self.prepare()
+        assert self._builder is not None
         self._requests[request_id] = _Request(self._builder.submit(self._build_matcher, guided))
 
     def __contains__(self, request_id: str) -> bool:
