@@ -89,9 +89,8 @@ def test_json_schema_outputs_validate(server, chat, stream, model, sampling):
 @pytest.mark.parametrize(("chat", "stream", "model", "sampling"), CASES, ids=IDS)
 def test_regex_and_choice_outputs_match(server, chat, stream, model, sampling):
     oa = client(server)
-    text, reason = _run(
-        oa, chat, stream, model, max_tokens=40, extra_body={"guided_regex": REGEX}, **sampling
-    )
+    ask = {"guided_regex": REGEX, "guided_decoding_backend": "auto"}
+    text, reason = _run(oa, chat, stream, model, max_tokens=40, extra_body=ask, **sampling)
     assert reason == "stop" and re.fullmatch(REGEX, text), text
     for ask in ({"guided_choice": CHOICES}, {"structured_outputs": {"choice": CHOICES}}):
         text, reason = _run(oa, chat, stream, model, max_tokens=40, extra_body=ask, **sampling)

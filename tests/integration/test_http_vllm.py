@@ -91,6 +91,7 @@ VLLM_REFUSED = {
     "min_tokens": 2,
     "guided_grammar": 'root ::= "a"',
     "guided_whitespace_pattern": " ",
+    "guided_decoding_backend": "xgrammar",  # grammars run on llguidance here ("auto" passes)
     "use_beam_search": True,
     "include_stop_str_in_output": True,
     "skip_special_tokens": False,

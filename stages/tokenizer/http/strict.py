@@ -55,6 +55,10 @@ def _text_only(v: Any) -> bool:
     return v is None or v == ["text"]
 
 
+def _our_backend(v: Any) -> bool:
+    return v is None or v in ("auto", "guidance", "llguidance")
+
+
 def _default_tier(v: Any) -> bool:
     return v is None or v in ("auto", "default")
 
@@ -63,7 +67,7 @@ def _default_tier(v: Any) -> bool:
 COMMON_UNSUPPORTED: Mapping[str, Neutral] = {
     "min_tokens": _zero,  # vLLM
     "guided_grammar": _none,  # vLLM
-    "guided_decoding_backend": _none,  # vLLM
+    "guided_decoding_backend": _our_backend,  # vLLM: grammars run on llguidance here
     "guided_whitespace_pattern": _none,  # vLLM
     "use_beam_search": _false,  # vLLM
     "length_penalty": _one,  # vLLM
