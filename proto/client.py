@@ -95,6 +95,7 @@ class TokenLogprobs(Record):
     logprob: float
     top_ids: list[int] = msgspec.field(default_factory=list)
     top_logprobs: list[float] = msgspec.field(default_factory=list)
+    rank: int = 0  # prompt tokens: 1 + how many tokens the logits rank above it (0: not computed)
 
 
 class TokenChunk(Message):
@@ -112,6 +113,9 @@ class TokenChunk(Message):
     first_token_time: float = 0.0  # when the tokenizer received the request's first output token
     sent_time: float = 0.0  # when this chunk left the tokenizer
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when the request asked
+    # with SamplingParams.prompt_logprobs: one per prompt token after the first, in the first chunk
+    # (streaming) or the whole completion
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class TokenChunks(Message):

@@ -101,6 +101,8 @@ class TokenDelta(Record):
     token_ids: list[int]  # new tokens of this step (already cut at a stop token / max_tokens)
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked for them
+    # with prompt_logprobs: one per prompt token after the first, with the request's first token
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class TokenBatch(Message):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import msgspec
 
@@ -15,6 +16,31 @@ MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
 MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY], as in OpenAI
 REPETITION_RANGE = (0.01, 100.0)  # keeps a float32 logit finite once divided or multiplied by it
+MAX_GUIDED_CHARS = 65536  # a JSON schema, regex or list of choices travels in every plan of its request
+MAX_GUIDED_CHOICES = 256
+
+
+class Guided(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Structured output: the request's output must match a grammar (runtime/common/grammar.py).
+    `kind` json: `spec` is a JSON schema (its JSON text); json_object: any JSON object (`spec` empty);
+    regex: `spec` is a regular expression the whole output matches; choice: `spec` is a JSON list of
+    strings, the output exactly one of them."""
+
+    kind: Literal["json", "json_object", "regex", "choice"]
+    spec: str = ""
+
+    def validate(self) -> None:
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_GUIDED_CHARS:
+            raise ValueError(f"guided.spec must be a string of at most {MAX_GUIDED_CHARS} characters")
+        if self.kind == "choice":
+            try:
+                choices = msgspec.json.decode(self.spec, type=list[str])
+            except msgspec.DecodeError:
+                raise ValueError("guided choices must be a JSON list of strings") from None
+            if not 1 <= len(choices) <= MAX_GUIDED_CHOICES or not all(choices):
+                raise ValueError(
+                    f"guided choices must be 1 to {MAX_GUIDED_CHOICES} non-empty strings, got {len(choices)}"
+                )
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -25,7 +51,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     then `repetition_penalty` over prompt and output tokens (a positive logit divided by it, a negative
     one multiplied), then `frequency_penalty` × its count and `presence_penalty` once for each token
     already in the output, subtracted; `min_p` drops tokens less likely than min_p × the likeliest
-    (after temperature). Their defaults change nothing."""
+    (after temperature). `guided` then leaves only the tokens its grammar allows. Their defaults change
+    nothing."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -42,6 +69,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     # with an int k: each output token's log-probability under the model's raw logits, and the k most
     # likely tokens' (None: none computed)
     logprobs: int | None = None
+    guided: Guided | None = None  # structured output: the output follows this grammar
+    # vLLM's prompt_logprobs = k: each prompt token's (after the first) log-probability under the raw
+    # logits given the tokens before it, its rank and the k likeliest tokens'
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of range (every range keeps the math finite)."""
@@ -82,6 +113,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_LOGPROBS):
             shown = _show(self.logprobs)
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {shown}")
+        if self.prompt_logprobs is not None and not _int_in(self.prompt_logprobs, 0, MAX_LOGPROBS):
+            shown = _show(self.prompt_logprobs)
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {shown}")
+        if self.guided is not None:
+            self.guided.validate()
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias

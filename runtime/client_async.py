@@ -188,6 +188,7 @@ class AsyncClient:
                         yield Chunk(
                             rid, reply.text, reply.token_ids, reply.finished, reply.finish_reason,
                             time.monotonic() - t0, reply.prompt_tokens, ttft, reply.logprobs,
+                            reply.prompt_logprobs,
                         )  # fmt: skip
                     case ErrorReply():
                         done = True
@@ -213,7 +214,7 @@ class AsyncClient:
         log-probability and the k likeliest tokens' (`Completion.logprobs`)."""
         texts, ids, times, last = [], [], [], None
         logprobs: list[TokenLogprobs] = []
-        asked = False
+        asked, prompt_lps = False, None
         async with contextlib.aclosing(self.stream(prompt, adapter, timeout=timeout, **sampling)) as chunks:
             async for last in chunks:
                 texts.append(last.text)
@@ -222,6 +223,7 @@ class AsyncClient:
                 if last.logprobs is not None:
                     asked = True
                     logprobs.extend(last.logprobs)
+                prompt_lps = last.prompt_logprobs if last.prompt_logprobs is not None else prompt_lps
         assert last is not None and last.finished
         timings = Timings(times[0] if times else last.time, times, last.time, last.server_ttft)
         return Completion(
@@ -232,6 +234,7 @@ class AsyncClient:
             last.prompt_tokens,
             timings,
             logprobs if asked else None,
+            prompt_lps,
         )
 
     async def load_adapter(self, name: str, path: str, *, timeout: float | None = _UNSET) -> None:

@@ -92,6 +92,8 @@ class Chunk:
     server_ttft: float = 0.0  # tokenizer arrival → first token, server clock (0 until known)
     # with logprobs=k: one per token of token_ids (its log-probability and the k likeliest tokens')
     logprobs: list[TokenLogprobs] | None = None
+    # with prompt_logprobs=k: one per prompt token after the first (its rank too), in the first chunk
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class Completion:
     prompt_tokens: int
     timings: Timings = field(repr=False)
     logprobs: list[TokenLogprobs] | None = None  # with logprobs=k: one per token of token_ids
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt_logprobs=k: prompt tokens after the first
 
 
 def error_from_reply(reply: ErrorReply) -> LorapipeError:

@@ -14,10 +14,12 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from proto.client import TokenLogprobs
 from proto.pipeline import TokenBatch
 from proto.plan import SlotLoad, StepResult
 from proto.sampling import SamplingParams
 from proto.tensor_parallel import AddAdapter, BeginRun, EndRun, FinishStep, LaunchStep
+from runtime.common.grammar import grammar_error
 from runtime.common.model_config import ModelConfig
 from runtime.common.names import check_adapter_name
 from runtime.common.packed import PackedAdapter
@@ -43,6 +45,12 @@ class RequestOutput:
     prompt_token_ids: list[int]
     adapter: str | None
     error: str | None = None
+    # with SamplingParams.logprobs = k: one per token of token_ids (its log-probability under the raw
+    # logits and the k likeliest tokens'), as vLLM's CompletionOutput.logprobs
+    logprobs: list[TokenLogprobs] | None = None
+    # with SamplingParams.prompt_logprobs = k: one per prompt token after the first (vLLM's list without
+    # its leading None), each with its rank
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -171,6 +179,8 @@ class LLM:
             raise RuntimeError("this tensor-parallel engine is closed")
         for p in params:
             p.validate()
+            if p.guided is not None and (why := grammar_error(p.guided)) is not None:
+                raise ValueError(f"guided: {why}")
         prompt_ids = [self._encode(p) for p in prompts]
 
         planner = Planner(
@@ -200,6 +210,8 @@ class LLM:
         for rid, ids, name, p in zip(rids, prompt_ids, names, params, strict=True):
             planner.add(rid, ids, name, p)
         outputs: dict[str, list[int]] = {rid: [] for rid in rids}
+        logprobs = {rid: [] for rid, p in zip(rids, params, strict=True) if p.logprobs is not None}
+        prompt_lps: dict[str, list[TokenLogprobs]] = {}
         reasons: dict[str, str] = {}
         errors: dict[str, str] = {}
         try:
@@ -208,6 +220,10 @@ class LLM:
                     reasons[err.request_id], errors[err.request_id] = "error", err.message
                 for item in tokens.items:
                     outputs[item.request_id].extend(item.token_ids)
+                    if item.logprobs and item.request_id in logprobs:
+                        logprobs[item.request_id].extend(item.logprobs)
+                    if item.prompt_logprobs is not None:
+                        prompt_lps[item.request_id] = item.prompt_logprobs
                     if item.finish_reason:
                         reasons[item.request_id] = item.finish_reason
         except BaseException:
@@ -217,10 +233,21 @@ class LLM:
                 ranks, self.ranks = self.ranks, None
                 ranks.abandon()
             raise
+        finally:
+            executor.guided.close()
         self._to_ranks(EndRun())
         self.last_phase_seconds = dict(executor.phase_seconds)
         return [
-            RequestOutput(self._decode(outputs[rid]), outputs[rid], reasons[rid], ids, name, errors.get(rid))
+            RequestOutput(
+                self._decode(outputs[rid]),
+                outputs[rid],
+                reasons[rid],
+                ids,
+                name,
+                errors.get(rid),
+                logprobs.get(rid),
+                prompt_lps.get(rid),
+            )
             for rid, ids, name in zip(rids, prompt_ids, names, strict=True)
         ]
 

@@ -260,12 +260,15 @@ class Planner:
     def _cached_prefix(self, req: PlannedRequest) -> list[int]:
         """The cached pages a waiting request would start from: its prompt's full pages found in the
         cache, short of its last token (computed, so that the step has its logits and no shared page is
-        written)."""
+        written). None for a request that asks for its prompt's logprobs, whose every prompt position's
+        logits must be computed (the pages it computes are cached all the same)."""
         if not self.cfg.prefix_caching:
             return []
         if req.hashes is None:  # the generation cannot change while a request of the adapter exists
             gen = self.adapter_generation(req.adapter) if req.adapter is not None else 0
             req.hashes = page_hashes(adapter_key(req.adapter, gen), req.prompt_ids, self.cfg.page_size)
+        if req.sampling.prompt_logprobs is not None:
+            return []
         return self.pages.lookup(req.hashes[: (req.num_tokens - 1) // self.cfg.page_size])
 
     def _take_hits(self, req: PlannedRequest, hits: list[int]) -> None:

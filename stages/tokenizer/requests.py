@@ -25,6 +25,7 @@ class OpenRequest:
     texts: list[str] = field(default_factory=list)  # non-streaming: the completion so far
     ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None  # non-streaming, when the request asked for them
+    prompt_logprobs: list[TokenLogprobs] | None = None  # non-streaming, until the whole completion goes
 
     def output(self, item: TokenDelta, now: float) -> TokenChunk | None:
         """Detokenize new tokens; the chunk to send now, or None (nothing final yet / not streaming)."""
@@ -33,8 +34,10 @@ class OpenRequest:
         self.num_output += len(item.token_ids)
         finished = item.finish_reason is not None
         text = self.detok.step(item.token_ids) + (self.detok.flush() if finished else "")
-        logprobs = item.logprobs
+        logprobs, prompt_lps = item.logprobs, item.prompt_logprobs
         if not self.stream:
+            if prompt_lps is not None:
+                self.prompt_logprobs = prompt_lps
             self.texts.append(text)
             self.ids.extend(item.token_ids)
             if logprobs is not None:
@@ -43,9 +46,10 @@ class OpenRequest:
             if not finished:
                 return None
             text, ids, logprobs = "".join(self.texts), self.ids, self.logprobs
+            prompt_lps = self.prompt_logprobs
         else:
             ids = list(item.token_ids)
-            if not (text or ids or finished):
+            if not (text or ids or finished or prompt_lps):
                 return None
         return TokenChunk(
             request_id=self.request_id,
@@ -59,6 +63,7 @@ class OpenRequest:
             first_token_time=self.first_token,
             sent_time=time.monotonic(),
             logprobs=logprobs,
+            prompt_logprobs=prompt_lps,
         )
 
 

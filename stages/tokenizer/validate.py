@@ -10,6 +10,7 @@ import msgspec
 from tokenizers import Tokenizer
 
 from proto.client import ErrorKind, GenerateRequest
+from runtime.common.grammar import grammar_error
 from runtime.common.names import adapter_name_problem
 
 
@@ -32,6 +33,8 @@ def check_request(req: GenerateRequest, *, vocab_size: int, adapters: Mapping[st
         raise Rejected("invalid_request", f"stop_token_ids must be < vocab size {vocab_size}")
     if s.logit_bias and any(t >= vocab_size for t in s.logit_bias):
         raise Rejected("invalid_request", f"logit_bias keys must be token ids < vocab size {vocab_size}")
+    if s.guided is not None and (why := grammar_error(s.guided)) is not None:
+        raise Rejected("invalid_request", f"guided: {why}"[:4000])
     if req.adapter is not None and (problem := adapter_name_problem(req.adapter)) is not None:
         raise Rejected("invalid_request", problem)
     state = adapters.get(req.adapter, "unknown") if req.adapter is not None else "registered"

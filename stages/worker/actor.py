@@ -164,6 +164,9 @@ class WorkerActor(Actor[WorkerConfig]):
             overlap_loading=cfg.overlap_loading,
             on_load_done=self._load_done,
         )
+        # structured output's tokenizer (about a second for a 128k vocabulary) builds in the background
+        # now, so the first request with a grammar does not hold its step for it
+        self.executor.guided.prepare()
         if self.rank_zero is not None:
             self.executor = await loop.run_in_executor(self.thread, self.rank_zero.wrap, self.executor)
             self.add_loop("ranks", self.rank_zero.watch)
@@ -280,3 +283,5 @@ class WorkerActor(Actor[WorkerConfig]):
         self.thread.shutdown(wait=True)
         if self.steps is not None:
             self.steps.close()
+        if self.executor is not None:
+            self.executor.guided.close()

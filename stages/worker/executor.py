@@ -22,8 +22,10 @@ import torch
 
 from proto.pipeline import TokenBatch, TokenDelta
 from proto.plan import BatchPlan, FinishedRequest, RequestError, SlotError, SlotLoad, StepResult
+from stages.worker import prompt_logprobs
+from stages.worker.guided import GuidedMasks
 from stages.worker.runner import ModelRunner, SeqInput, inverse_of
-from stages.worker.sampler import Sampler
+from stages.worker.sampler import Allowed, SampledTokens, Sampler
 from stages.worker.seq_input import has_placeholders
 from stages.worker.slot_loads import LoadHandle, PendingLoads
 from stages.worker.step_state import InFlightStep, WorkerRequest
@@ -48,6 +50,9 @@ class StepExecutor:
         self._waited: list[LoadHandle] = []  # synchronous loads of the step being launched
         self.sampler = Sampler(runner.device, seed)
         self.eos_ids = frozenset(runner.model_cfg.eos_token_ids)
+        vocab = runner.full_cfg.vocab_size
+        self.guided = GuidedMasks(runner.cfg.model_dir, vocab, sorted(self.eos_ids), runner.device)
+        self.prompt_asks: set[str] = set()  # requests that asked for prompt_logprobs
         self.max_model_len = max_model_len
         self._load_adapter = load_adapter
         self.requests: dict[str, WorkerRequest] = {}
@@ -117,6 +122,7 @@ class StepExecutor:
                 [r.sampling for r in reqs],
                 picks,
                 prompts=lambda k: reqs[k].token_ids[: reqs[k].prompt_len],
+                allowed=self._masks(reqs, before, logits.shape[-1]),
             )
             for row, req in enumerate(reqs):
                 step.rows.append((req, len(req.token_ids)))
@@ -126,6 +132,34 @@ class StepExecutor:
         ph["forward"] += t_forward - t_plan
         ph["sample"] += time.perf_counter() - t_forward
         return step
+
+    def _masks(self, reqs: list[WorkerRequest], before: SampledTokens | None, width: int) -> Allowed | None:
+        """The token masks of the requests with a grammar (None when none has one). Each matcher is fed
+        its request's outputs first: with overlapped scheduling the last may be the step before's token,
+        still a placeholder here, so the host waits for that step's tokens, which the device computed
+        before this step's forward, queued already; the masks are then computed while it runs."""
+        if not self.guided:
+            return None
+        rows = {k: r.request_id for k, r in enumerate(reqs) if r.request_id in self.guided}
+        if not rows:
+            return None
+        known = (
+            before.result()[0]
+            if before is not None
+            and any(t < 0 for k in rows for t in reqs[k].token_ids[reqs[k].prompt_len :])
+            else []
+        )
+        failed: dict[int, str] = {}
+        for k, rid in rows.items():
+            req = reqs[k]
+            outputs = [t if t >= 0 else known[-1 - t] for t in req.token_ids[req.prompt_len :]]
+            if (why := self.guided.advance(rid, outputs)) is not None:
+                failed[k] = why
+        ids = list(rows.values())
+        masks, broken = self.guided.allowed(ids, width)
+        order = list(rows)
+        failed |= {order[j]: why for j, why in broken.items()}
+        return Allowed(masks, {k: j for j, k in enumerate(order)}, failed)
 
     def finish(self, step: InFlightStep) -> tuple[StepResult, TokenBatch]:
         """Read the step's tokens (waits for them), decide who stops, build its result and tokens.
@@ -141,6 +175,9 @@ class StepExecutor:
         # rows of requests an earlier step's result ended (known only after this step was launched)
         num_tokens = sum(n for req, n in step.scheduled if not req.dropped_from(step.launch))
         finished, items = [], []
+        for i, lps in step.prompt_lps.entries().items() if step.prompt_lps is not None else ():
+            req = step.scheduled[i][0]
+            req.prompt_lps = (req.prompt_lps or []) + lps  # sent with its first token
         for row, ((req, at), tok) in enumerate(zip(step.rows, tokens, strict=True)):
             if req.dropped_from(step.launch):
                 self.dropped_rows += 1
@@ -152,8 +189,21 @@ class StepExecutor:
                 continue
             req.token_ids[at] = tok
             reason = self._finish_reason(req, tok, at + 1)
+            if req.request_id in self.guided and reason is None:
+                # the step launched after this one may have fed the matcher this token already
+                why = self.guided.advance(req.request_id, req.token_ids[req.prompt_len : at + 1])
+                if why is not None:
+                    req.end(step.launch)
+                    del req.token_ids[at:]
+                    errors.append(RequestError(request_id=req.request_id, message=why))
+                    continue
+                reason = "stop" if self.guided.stopped(req.request_id) else None
             lp = [logprobs[row]] if row in logprobs else None
-            delta = TokenDelta(request_id=req.request_id, token_ids=[tok], finish_reason=reason, logprobs=lp)
+            delta = TokenDelta(
+                request_id=req.request_id, token_ids=[tok], finish_reason=reason, logprobs=lp,
+                prompt_logprobs=req.prompt_lps,
+            )  # fmt: skip
+            req.prompt_lps = None
             items.append(delta)
             if reason is not None:
                 req.end(step.launch)
@@ -185,11 +235,20 @@ class StepExecutor:
         used = {req.slot for req, _ in step.scheduled if req.slot >= 0}
         # Copies into the slots this step uses: layer i waits only for layer i's part of the copy.
         layer_waits = self.pending.layer_waits(used, self.runner.model_cfg.num_layers) if used else None
+        wants = prompt_logprobs.prompt_wants(step.scheduled) if self.prompt_asks else {}
         try:
+            if wants:
+                logits, order, extra, spans = prompt_logprobs.forward_with_prompt_rows(
+                    self.runner, seqs, layer_waits, pending, wants
+                )
+                step.prompt_lps = prompt_logprobs.issue(step.scheduled, wants, extra, spans)
+                return logits, order
             return self.runner.execute_grouped(seqs, layer_waits, pending)
         except Exception as exc:
-            if not self.retry_apart or (
-                len({req.slot for req, _ in step.scheduled}) < 2 and len(step.scheduled) < 2
+            if (
+                wants
+                or not self.retry_apart
+                or (len({req.slot for req, _ in step.scheduled}) < 2 and len(step.scheduled) < 2)
             ):
                 raise  # nothing to tell apart (or no rank may): the caller fails this step's requests
             return self._execute_apart(step, seqs, layer_waits, pending, exc), None
@@ -240,7 +299,7 @@ class StepExecutor:
             req = self.requests.pop(rid, None)
             if req is not None:
                 req.end(at)
-            self.sampler.forget(rid)
+            self._forget(rid)
         errors = [RequestError(request_id=rid, message=message) for rid in sorted(ids)]
         return StepResult(step=plan.step, errors=errors)
 
@@ -282,7 +341,7 @@ class StepExecutor:
         errors = step.errors
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
-            self.sampler.forget(rid)
+            self._forget(rid)
         for rid in plan.preempted_request_ids:
             req = self.requests[rid]
             req.pages, req.num_computed, req.active = [], 0, False
@@ -296,6 +355,10 @@ class StepExecutor:
                 errors.append(RequestError(request_id=new.request_id, message="its adapter failed to load"))
                 continue
             prompt = new.prompt_ids.tolist()
+            if new.sampling.guided is not None:
+                self.guided.add(new.request_id, new.sampling.guided)
+            if new.sampling.prompt_logprobs is not None:
+                self.prompt_asks.add(new.request_id)
             # its first num_computed_tokens tokens' KV is in its first pages already (a cached prefix)
             self.requests[new.request_id] = WorkerRequest(
                 new.request_id,
@@ -318,6 +381,11 @@ class StepExecutor:
                 req.pages.extend(c.new_page_ids)
             counts[c.request_id] = c.num_scheduled_tokens
         return [(req, counts.get(rid, 1)) for rid, req in self.requests.items() if req.active]
+
+    def _forget(self, rid: str) -> None:
+        self.sampler.forget(rid)
+        self.guided.forget(rid)
+        self.prompt_asks.discard(rid)
 
     def _finish_reason(self, req: WorkerRequest, tok: int, length: int) -> str | None:
         """Why the request stops at `tok`, its `length`-th token (prompt included), if it does."""

@@ -354,9 +354,11 @@ class ModelRunner:
         return logits, None if all(i == pos for pos, i in enumerate(order)) else order
 
     def _forward_eager(
-        self, seqs: list[SeqInput], layer_waits: list[list] | None = None, pending: torch.Tensor | None = None
+        self, seqs: list[SeqInput], layer_waits=None, pending: torch.Tensor | None = None, extra=()
     ) -> torch.Tensor:
-        fb, seg_indptr, seg_slots = self._build_batch(seqs)
+        """[B + len(extra), V]: each sequence's last token's logits, then those of the batch's tokens at
+        `extra` (prompt_logprobs.py)."""
+        fb, seg_indptr, seg_slots = self._build_batch(seqs, extra)
         fill_pending(fb.input_ids, pending)
         lora = None
         if any(s >= 0 for s in seg_slots):
@@ -364,7 +366,7 @@ class ModelRunner:
             lora = self.lora
         return self.model.forward(fb, self.kv, lora, layer_waits)  # [B, V]
 
-    def _build_batch(self, seqs: list[SeqInput]) -> tuple[ForwardBatch, list[int], list[int]]:
+    def _build_batch(self, seqs: list[SeqInput], extra=()) -> tuple[ForwardBatch, list[int], list[int]]:
         ps = self.cfg.page_size
         ids, positions, rows, extents, last = [], [], [], [], []
         max_pages = max(len(s.page_ids) for s in seqs)
@@ -390,7 +392,7 @@ class ModelRunner:
             positions=t(positions),
             kv_rows=t(rows),
             page_table=t(table),
-            logits_indices=t(last),
+            logits_indices=t(last + list(extra)),
             seqs=tuple(extents),
             attn_plan=plan_for(self.attention_backend, extents, m.num_heads, m.num_kv_heads, dev),
         )

@@ -1,18 +1,20 @@
 """Turns each sequence's last-token logits into its next token under its own SamplingParams: greedy
 rows by argmax in one op (a request with penalties or a logit bias has its row adjusted first, by its
-LogitAdjuster; a batch without any pays nothing for them), sampled rows through temperature, min-p,
-top-k and top-p with a generator of their
-own (the request's seed, else one derived from the engine's seed and the request id), so a request's
-samples never depend on its batch-mates or on rows an overlapped step computes and then drops. A row
-whose logits are not finite is reported as failed instead of yielding a token. Sampling is issued on
-the device; its one device→host read is a non-blocking copy into pinned memory that the caller
-collects later (`SampledTokens.result`), so the next step can be launched first; the log-probabilities
-of the requests that ask for them travel with it (`SampledTokens.logprobs`)."""
+LogitAdjuster; a batch without any pays nothing for them; a request with a grammar has its row masked
+to what the grammar allows, greedy ones all in one masked argmax), sampled rows through temperature,
+min-p, top-k and top-p with a generator of their own (the request's seed, else one derived from the
+engine's seed and the request id), so a request's samples never depend on its batch-mates or on rows
+an overlapped step computes and then drops. A row whose logits are not finite is reported as failed
+instead of yielding a token. Sampling is issued on the device; its one device→host read is a
+non-blocking copy into pinned memory that the caller collects later (`SampledTokens.result`), so the
+next step can be launched first; the log-probabilities of the requests that ask for them travel with it
+(`SampledTokens.logprobs`)."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -31,12 +33,19 @@ class SampledTokens:
     """One step's sampled tokens on the device (`tokens`, [B] int64, what the next step's placeholder
     ids are resolved from) and their copy to the host, in flight until `result()`."""
 
-    def __init__(self, tokens_ok: torch.Tensor, logprobs: StepLogprobs | None = None):
+    def __init__(
+        self,
+        tokens_ok: torch.Tensor,
+        logprobs: StepLogprobs | None = None,
+        failed: dict[int, str] | None = None,
+    ):
         """`tokens_ok`: [2, B] int64 on the device: the tokens, then 1 where the row was finite;
-        `logprobs`: those of the requests that asked, copied to the host with the tokens."""
+        `logprobs`: those of the requests that asked, copied to the host with the tokens; `failed`:
+        {row: why} known on the host (a grammar that failed)."""
         self.tokens = tokens_ok[0]  # [B]
         self._event = None
         self._logprobs = logprobs
+        self._failed = failed or {}
         if tokens_ok.is_cuda:
             self._host = torch.empty(tokens_ok.shape, dtype=tokens_ok.dtype, pin_memory=True)  # [2, B]
             self._host.copy_(tokens_ok, non_blocking=True)
@@ -60,7 +69,7 @@ class SampledTokens:
         probabilities not finite): those fail alone, never their batch-mates."""
         self.wait()
         host_tokens, host_ok = self._host.tolist()  # [2, B]
-        return host_tokens, {i: NOT_FINITE for i, good in enumerate(host_ok) if not good}
+        return host_tokens, {i: NOT_FINITE for i, good in enumerate(host_ok) if not good} | self._failed
 
     def logprobs(self) -> dict[int, TokenLogprobs]:
         """{row: its token's log-probabilities} for the rows whose request asked (waits like result)."""
@@ -68,6 +77,16 @@ class SampledTokens:
             return {}
         self.wait()
         return self._logprobs.entries()
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """The token masks of a step's requests with a grammar: request k's is `masks[rows[k]]` ([V] bool on
+    the device, True where allowed); `failed`: {k: why} for those whose grammar failed."""
+
+    masks: torch.Tensor  # [n, V] bool
+    rows: dict[int, int]
+    failed: dict[int, str]
 
 
 class Sampler:
@@ -110,13 +129,15 @@ class Sampler:
         params: list[SamplingParams],
         rows: tuple[list[int], torch.Tensor] | None = None,
         prompts: Callable[[int], Sequence[int]] | None = None,
+        allowed: Allowed | None = None,
     ) -> SampledTokens:
         """logits: [N, V] float32. Request k's row is k, or with `rows` (host list, and the same on the
         device) rows[k]; rows no request names are never sampled, and their values fail nothing.
         `prompts(k)`: request k's prompt ids, read only at the first sample of a request whose logits
         are adjusted (penalties, bias). Issues the sampling and the host copy; never synchronises (a
         bad row samples a stand-in distribution, so every row's token is a valid id). A batch in which
-        no request adjusts its logits or samples takes the greedy path alone."""
+        no request adjusts its logits or samples takes the greedy path alone. `allowed`: the token masks
+        of the requests with a grammar (`GuidedMasks.allowed`), applied after the adjustments."""
         # A row is finite when its largest and smallest values are (max and min propagate NaN): the
         # greedy tokens' reduction gives the largest, one more the smallest. isfinite(logits).all() ran
         # four elementwise kernels over [B, V] and a reduction: with argmax 334 us against 142 for 256
@@ -127,17 +148,21 @@ class Sampler:
         if rows is not None:  # each request's row, [B]: a gather of B values, not of B rows of logits
             tokens, ok = tokens[rows[1]], ok[rows[1]]
         wanted: list[tuple[int, int]] = []  # (request, its top count) for those that want logprobs
+        masked = _greedy_masked(logits, at, tokens, allowed, params) if allowed is not None else set()
         for i, p in enumerate(params):
             if p.logprobs is not None:
                 wanted.append((i, p.logprobs))
             adjusts = p.adjusts_logits
-            if p.greedy and not adjusts:
+            mask = allowed.rows.get(i) if allowed is not None else None
+            if p.greedy and not adjusts and mask is None or i in masked:
                 continue
             row = logits[at[i]]  # [V]
             adjuster = None
             if adjusts:
                 adjuster = self._adjuster(request_ids[i], p, prompts, i, row.shape[-1])
                 row = adjuster.apply(row)
+            if mask is not None:
+                row = row.masked_fill(~allowed.masks[mask], float("-inf"))
             if p.greedy:
                 tokens[i] = row.argmax()
             else:
@@ -149,7 +174,8 @@ class Sampler:
             if adjuster is not None:
                 adjuster.record(tokens[i])
         logprobs = StepLogprobs(logits, at, tokens, wanted) if wanted else None
-        return SampledTokens(torch.stack((tokens, ok.to(tokens.dtype))), logprobs)  # [2, B]
+        failed = allowed.failed if allowed is not None else None
+        return SampledTokens(torch.stack((tokens, ok.to(tokens.dtype))), logprobs, failed)  # [2, B]
 
     def sample(
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
@@ -158,6 +184,24 @@ class Sampler:
         if not request_ids:
             return [], {}
         return self.issue(logits, request_ids, params).result()
+
+
+def _greedy_masked(
+    logits: torch.Tensor, at: Sequence[int], tokens: torch.Tensor, allowed: Allowed, params
+) -> set[int]:
+    """Greedy requests with a grammar and nothing else to apply, all at once (a masked argmax over their
+    rows, not a few kernels a request): writes their tokens; returns which requests those were."""
+    fast = [i for i in allowed.rows if params[i].greedy and not params[i].adjusts_logits]
+    if not fast:
+        return set()
+    index = torch.tensor([[at[i] for i in fast], [allowed.rows[i] for i in fast], fast], dtype=torch.int64)
+    if logits.is_cuda:
+        index = index.pin_memory()
+    index = index.to(logits.device, non_blocking=True)  # [3, n]: logits rows, mask rows, requests
+    picked = logits.index_select(0, index[0])  # [n, V]
+    picked = picked.masked_fill(~allowed.masks.index_select(0, index[1]), float("-inf"))
+    tokens.index_copy_(0, index[2], picked.argmax(dim=-1))
+    return set(fast)
 
 
 def request_rows(n: int, rows: tuple[list[int], torch.Tensor] | None) -> Sequence[int]:

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from proto.client import TokenLogprobs
 from proto.plan import BatchPlan, RequestError, SlotError
 from proto.sampling import SamplingParams
 from stages.worker.sampler import SampledTokens
 from stages.worker.slot_loads import LoadHandle
+
+if TYPE_CHECKING:
+    from stages.worker.prompt_logprobs import PromptLogprobs
 
 
 @dataclass(eq=False)
@@ -27,6 +32,8 @@ class WorkerRequest:
     # launch number of the step whose result finished or failed it: rows of later steps that were
     # launched before that result was read are dropped (the serial path never ran them)
     done_at: int | None = None
+    prompt_lp_done: int = 0  # prompt positions whose prompt_logprobs were computed (a recompute skips them)
+    prompt_lps: list[TokenLogprobs] | None = None  # computed, not sent yet (they go with the first token)
 
     def end(self, launch: int) -> None:
         self.active = False
@@ -53,6 +60,7 @@ class InFlightStep:
     slots_ready: list[int] = field(default_factory=list)  # synchronous loads, reported with this step
     slot_errors: list[SlotError] = field(default_factory=list)
     waited: list[LoadHandle] = field(default_factory=list)  # synchronous loads this step waited for
+    prompt_lps: PromptLogprobs | None = None  # of the scheduled requests that ask
 
     def ready(self) -> bool:
         """Whether `finish` would not block (its tokens are on the host)."""

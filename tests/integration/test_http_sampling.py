@@ -158,3 +158,41 @@ def test_logprobs_match_a_float64_log_softmax_of_peft_logits(server, peft):
         out = c.generate(prompt, "full8", max_tokens=n, logprobs=k, ignore_eos=True)
     expected = _reference_logprobs(ref, prompt, out.token_ids, "full8")
     _check([(lp.logprob, lp.top_ids, lp.top_logprobs) for lp in out.logprobs], out.token_ids, expected, k)
+
+
+def test_prompt_logprobs_match_a_float64_log_softmax_of_peft_logits(server, peft):
+    """vLLM's prompt_logprobs on completions: None for the first prompt token, then {token id: entry}
+    with the token's own log-probability and rank and the k likeliest tokens', each against transformers
+    + PEFT; a streamed request or a chat request asking for them is refused by name."""
+    ref, hf = peft
+    oa, k = client(server), 3
+    prompt = hf("The river carried the boat down to the sea")["input_ids"]
+    out = oa.completions.create(
+        model="full8", prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": k}
+    )
+    got = out.choices[0].model_extra["prompt_logprobs"]
+    rows = _reference_logprobs(ref, prompt[:1], prompt[1:], "full8")  # [L - 1, V]
+    assert got[0] is None and len(got) == len(prompt)
+    for entry, t, row in zip(got[1:], prompt[1:], rows, strict=True):
+        v = float(row[t])
+        own = entry[str(t)]
+        assert abs(own["logprob"] - v) < 1e-3 and own["decoded_token"] == hf.decode([t])
+        assert int((row > v + 1e-4).sum()) + 1 <= own["rank"] <= int((row > v - 1e-4).sum()) + 1
+        want = row.topk(k)
+        assert set(entry) == {str(t)} | {str(i) for i in want.indices.tolist()}
+        for rank, (i, w) in enumerate(zip(want.indices.tolist(), want.values.tolist(), strict=True), 1):
+            if i != t:
+                assert entry[str(i)]["rank"] == rank and abs(entry[str(i)]["logprob"] - w) < 1e-3
+    plain = oa.completions.create(model="full8", prompt=prompt, max_tokens=1)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra
+    for call in (
+        lambda: oa.completions.create(
+            model="full8", prompt=prompt, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1}
+        ),
+        lambda: oa.chat.completions.create(
+            model="full8", messages=[{"role": "user", "content": "x"}], extra_body={"prompt_logprobs": 1}
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            call()
+        assert info.value.body["param"] == "prompt_logprobs"

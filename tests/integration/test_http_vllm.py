@@ -57,6 +57,7 @@ CHAT_SUPPORTED = {
     "logit_bias": {"5": 10},
     "logprobs": True,
     "top_logprobs": 2,  # with logprobs (COMPANIONS)
+    "response_format": {"type": "json_object"},  # outputs checked in test_http_structured.py
 }
 COMPANIONS = {"top_logprobs": {"logprobs": True}}  # what a supported field is sent with
 # field -> a value that asks for something this server does not do: refused with a 400 naming the field
@@ -75,7 +76,6 @@ CHAT_REFUSED = {
     "prompt_cache_options": {"x": 1},
     "prompt_cache_retention": "24h",
     "reasoning_effort": "low",
-    "response_format": {"type": "json_object"},
     "service_tier": "flex",
     "store": True,
     "tool_choice": "auto",
@@ -86,12 +86,12 @@ CHAT_REFUSED = {
 # vLLM's extensions (extra_body): supported ones pass, the others are refused by name
 VLLM_SUPPORTED = {"top_k": 2, "stop_token_ids": [1], "ignore_eos": True, "return_token_ids": True}
 VLLM_SUPPORTED |= {"repetition_penalty": 1.2, "min_p": 0.1}
+VLLM_ROUTE_ONLY = {"prompt_logprobs": 1}  # completions honour it (test_http_sampling.py); chat refuses it
 VLLM_REFUSED = {
     "min_tokens": 2,
-    "guided_json": {"type": "object"},
-    "guided_regex": "a+",
-    "guided_choice": ["a", "b"],
-    "prompt_logprobs": 1,
+    "guided_grammar": 'root ::= "a"',
+    "guided_whitespace_pattern": " ",
+    "guided_decoding_backend": "xgrammar",  # grammars run on llguidance here ("auto" passes)
     "use_beam_search": True,
     "include_stop_str_in_output": True,
     "skip_special_tokens": False,
@@ -156,7 +156,7 @@ def test_supported_fields_are_honoured(server, chat):
             assert len(out.choices) == 2
         if name == "echo":
             assert out.choices[0].text.startswith("hello")
-    out = _create(oa, chat, base, VLLM_SUPPORTED)
+    out = _create(oa, chat, base, VLLM_SUPPORTED | ({} if chat else VLLM_ROUTE_ONLY))
     assert 1 <= len(out.choices[0].model_extra["token_ids"]) <= 2
 
 
@@ -166,7 +166,8 @@ def test_unsupported_fields_are_refused_by_name(server, chat):
     base = {"model": MODEL, "max_tokens": 2}
     base.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
     refused = CHAT_REFUSED if chat else COMPLETION_REFUSED
-    for name, value in [*refused.items(), *((k, v) for k, v in VLLM_REFUSED.items())]:
+    vllm_refused = VLLM_REFUSED | (VLLM_ROUTE_ONLY if chat else {})
+    for name, value in [*refused.items(), *vllm_refused.items()]:
         body, extra = ({**base, name: value}, None) if name in refused else (base, {name: value})
         with pytest.raises(openai.BadRequestError) as info:
             _create(oa, chat, body, extra)
@@ -174,7 +175,7 @@ def test_unsupported_fields_are_refused_by_name(server, chat):
         assert name in info.value.body["message"]
     # neutral values ask for nothing: accepted
     neutral = {"tool_choice": "none", "logprobs": False, "store": False} if chat else {"logprobs": None}
-    vllm_neutral = {"use_beam_search": False, "min_tokens": 0, "guided_json": None}
+    vllm_neutral = {"use_beam_search": False, "min_tokens": 0, "guided_grammar": None}
     assert _create(oa, chat, {**base, **neutral}, vllm_neutral).choices[0].finish_reason
 
 

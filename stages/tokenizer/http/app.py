@@ -104,7 +104,8 @@ def build_app(front: HttpFrontEnd) -> Starlette:
         req = await _read(request, limit, CompletionRequest, COMPLETION_UNSUPPORTED)
         front.check_serving()
         prepared = await prepare_completion(req, front.context())
-        return await generate(request, prepared, Formatter(False, req.model, lps(prepared)))
+        names = LogprobsFormat(front.context().tokenizer) if req.prompt_logprobs is not None else None
+        return await generate(request, prepared, Formatter(False, req.model, lps(prepared), names))
 
     async def chat(request: Request) -> Response:
         req = await _read(request, limit, ChatCompletionRequest, CHAT_UNSUPPORTED)

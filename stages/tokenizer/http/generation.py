@@ -54,6 +54,7 @@ class Choice:
     ids: list[int] = field(default_factory=list)  # kept only with return_token_ids
     lp_ids: list[int] = field(default_factory=list)  # with logprobs: the tokens they are of
     lps: list[TokenLogprobs] = field(default_factory=list)
+    prompt_lps: list[TokenLogprobs] | None = None  # with prompt_logprobs (non-streaming)
     tokens: int = 0
     finish_reason: str | None = None
     started: bool = False  # a streamed chunk was sent for it (chat sends the role first)
@@ -109,6 +110,8 @@ class Generation:
                 c.finish_reason = reply.finish_reason or "stop"
                 self.running.discard(rid)
             c.texts.append(text)
+            if reply.prompt_logprobs is not None:
+                c.prompt_lps = reply.prompt_logprobs
             ids = reply.token_ids if self.prepared.token_ids else []
             c.ids.extend(ids)
             lps = Logprobs(reply.token_ids, reply.logprobs) if reply.logprobs else None

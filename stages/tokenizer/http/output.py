@@ -25,6 +25,7 @@ from stages.tokenizer.http.schemas import (
     Completion,
     CompletionChoice,
     Message,
+    PromptLogprob,
     Usage,
 )
 
@@ -39,11 +40,19 @@ def _event(obj: Any) -> bytes:
 class Formatter:
     """Builds one endpoint's objects: `chat` selects chat.completion(.chunk) over text_completion."""
 
-    def __init__(self, chat: bool, model: str, logprobs: LogprobsFormat | None = None) -> None:
-        """`logprobs`: names the tokens of requests that asked for their log-probabilities."""
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        logprobs: LogprobsFormat | None = None,
+        prompt_names: LogprobsFormat | None = None,
+    ) -> None:
+        """`logprobs`: names the tokens of requests that asked for their log-probabilities;
+        `prompt_names`: those of requests that asked for their prompt's (completions)."""
         self.chat = chat
         self.model = model
         self.logprobs = logprobs
+        self.prompt_names = prompt_names
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -72,6 +81,7 @@ class Formatter:
                 c.finish_reason,
                 self._completion_lps(c.lp_ids, c.lps, len(c.echo)),
                 _ids(c.ids, with_ids),
+                self._prompt_lps(gen, c),
             )
             for c in choices
         ]
@@ -105,6 +115,22 @@ class Formatter:
         self, ids: list[int], values: list[TokenLogprobs], offset: int
     ) -> CompletionLogprobs | None:
         return self.logprobs.completion(ids, values, offset) if self.logprobs is not None else None
+
+    def _prompt_lps(self, gen: Generation, c: Choice) -> list[dict[str, PromptLogprob] | None] | Any:
+        """vLLM's prompt_logprobs: None for the first token, then per token {id: entry}, its own entry
+        first and then the likeliest tokens' (rank 1 first; a token among them is listed once)."""
+        if self.prompt_names is None:
+            return msgspec.UNSET
+        name = self.prompt_names.text
+        prompt = gen.prepared.requests[c.index].prompt_ids
+        ids = prompt.tolist() if prompt is not None else []
+        out: list[dict[str, PromptLogprob] | None] = [None]
+        for t, lp in zip(ids[1:], c.prompt_lps or [], strict=False):
+            entry = {str(t): PromptLogprob(lp.logprob, lp.rank, name(t))}
+            for rank, (i, v) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
+                entry.setdefault(str(i), PromptLogprob(v, rank, name(i)))
+            out.append(entry)
+        return out
 
     def usage_chunk(self, gen: Generation) -> bytes:
         if self.chat:

@@ -20,6 +20,7 @@ from stages.tokenizer.http.chat_template import ChatTemplate, TemplateError
 from stages.tokenizer.http.errors import ApiError
 from stages.tokenizer.http.schemas import ChatCompletionRequest, CompletionRequest
 from stages.tokenizer.http.strict import unsupported_field
+from stages.tokenizer.http.structured import guided_of
 from stages.tokenizer.validate import (
     Rejected,
     check_prompt,
@@ -103,6 +104,9 @@ def _check_fields(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+    if isinstance(req, CompletionRequest) and req.prompt_logprobs is not None and req.stream:
+        message = "prompt_logprobs are not available when stream is true (as in vLLM)"
+        raise ApiError(400, message, "prompt_logprobs", "unsupported_parameter")
     if not 1 <= req.n <= MAX_CHOICES:
         raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
 
@@ -116,6 +120,7 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
 
 def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, index: int) -> SamplingParams:
     top_k = req.top_k if req.top_k is not None else 0
+    guided = guided_of(req)  # checked once: grammar_error caches its verdict
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -130,6 +135,8 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, i
         min_p=float(req.min_p or 0.0),
         logit_bias=_logit_bias(req.logit_bias),
         logprobs=_logprobs(req),
+        guided=guided,
+        prompt_logprobs=getattr(req, "prompt_logprobs", None),
     )
 
 

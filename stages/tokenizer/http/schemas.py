@@ -41,6 +41,13 @@ class _Sampling(Body, kw_only=True):
     best_of: int | None = None  # only equal to n (one sample per choice)
     user: str | None = None  # identifies the end user to OpenAI; changes nothing here
     return_token_ids: bool = False  # vLLM extension: each choice also carries its output token ids
+    # structured output (http/structured.py): OpenAI's response_format, vLLM's guided_* and their newer
+    # structured_outputs; at most one of them
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -48,6 +55,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None  # each output token's log-probability and this many likeliest tokens'
+    prompt_logprobs: int | None = None  # vLLM extension: each prompt token's, and this many likeliest
 
 
 class ChatMessage(Body, kw_only=True):
@@ -99,12 +107,22 @@ class Usage(msgspec.Struct):
     total_tokens: int
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's entry of a choice's prompt_logprobs: one token's log-probability, rank and text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # only with return_token_ids
+    # only with prompt_logprobs: None for the first prompt token, then {token id: entry} per token
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | msgspec.UnsetType = msgspec.UNSET
 
 
 class Completion(msgspec.Struct):

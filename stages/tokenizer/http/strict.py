@@ -47,16 +47,16 @@ def _empty(v: Any) -> bool:
     return v is None or (isinstance(v, list | dict | str) and not v)
 
 
-def _text_format(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and v.get("type") == "text" and len(v) == 1)
-
-
 def _no_tool(v: Any) -> bool:
     return v is None or v == "none"
 
 
 def _text_only(v: Any) -> bool:
     return v is None or v == ["text"]
+
+
+def _our_backend(v: Any) -> bool:
+    return v is None or v in ("auto", "guidance", "llguidance")
 
 
 def _default_tier(v: Any) -> bool:
@@ -66,15 +66,9 @@ def _default_tier(v: Any) -> bool:
 # Known to both routes, not implemented: sampling controls and vLLM's extensions.
 COMMON_UNSUPPORTED: Mapping[str, Neutral] = {
     "min_tokens": _zero,  # vLLM
-    "response_format": _text_format,  # OpenAI (chat), vLLM (completions)
-    "guided_json": _none,  # vLLM
-    "guided_regex": _none,  # vLLM
-    "guided_choice": _none,  # vLLM
     "guided_grammar": _none,  # vLLM
-    "guided_decoding_backend": _none,  # vLLM
+    "guided_decoding_backend": _our_backend,  # vLLM: grammars run on llguidance here
     "guided_whitespace_pattern": _none,  # vLLM
-    "structured_outputs": _none,  # vLLM
-    "prompt_logprobs": _none,  # vLLM
     "use_beam_search": _false,  # vLLM
     "length_penalty": _one,  # vLLM
     "include_stop_str_in_output": _false,  # vLLM
@@ -113,6 +107,7 @@ CHAT_UNSUPPORTED: Mapping[str, Neutral] = {
     "chat_template_kwargs": _empty,  # vLLM
     "documents": _none,  # vLLM
     "echo": _false,  # vLLM (chat)
+    "prompt_logprobs": _none,  # vLLM (completions only here)
 }
 
 

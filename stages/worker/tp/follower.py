@@ -130,6 +130,7 @@ class Follower:
                 seed=msg.seed,
                 overlap_loading=msg.overlap_loading,
             )
+            self.executor.guided.prepare()  # as rank 0's: no rank waits for it at a first grammar
         elif isinstance(msg, EndRun):
             self.executor, self.launched = None, collections.deque()
 

@@ -1,0 +1,136 @@
+"""Structured output on the worker: one llguidance matcher per request that asks (`SamplingParams.guided`),
+fed the request's output tokens as they become known, and the step's token masks: computed on the host
+by llguidance's own thread pool (it drops the GIL) while the device runs the step's forward, packed 32
+tokens a word, copied to the device and unpacked there into the rows the sampler masks. Matchers and
+the tokenizer they share are built on a thread of their own when a request first asks; a step in which
+no request asks never touches any of this."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import llguidance
+import torch
+
+from proto.sampling import Guided
+from runtime.common.grammar import grammar_of, matcher_tokenizer
+
+MASK_THREADS = min(8, max(1, (os.cpu_count() or 2) // 2))  # llguidance's pool: masks of one step in parallel
+
+
+@functools.lru_cache(maxsize=2)  # an offline engine makes an executor, so a GuidedMasks, per generate()
+def _tokenizer(model_dir: str, vocab: int, eos_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
+    text = (Path(model_dir) / "tokenizer.json").read_text()
+    return matcher_tokenizer(text, vocab, eos_ids)
+
+
+@dataclass(eq=False)
+class _Request:
+    matcher: Future[llguidance.LLMatcher]
+    consumed: int = 0  # output tokens the matcher has taken
+    error: str | None = None
+
+
+class GuidedMasks:
+    def __init__(self, model_dir: str, vocab: int, eos_ids: Sequence[int], device: torch.device):
+        """`vocab`: the width of the logits the masks apply to; `eos_ids`: what a finished grammar allows."""
+        self.model_dir, self.vocab, self.eos_ids, self.device = model_dir, vocab, tuple(eos_ids), device
+        self.words = (vocab + 31) // 32  # int32 words of one packed mask
+        self._requests: dict[str, _Request] = {}
+        self._builder: ThreadPoolExecutor | None = None
+        self._tokenizer: Future[llguidance.LLTokenizer] | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        self._bits: torch.Tensor | None = None  # [32] int32 on the device: 1 << j
+
+    def prepare(self) -> None:
+        """Start building the tokenizer matchers share, on the builder thread (once)."""
+        if self._builder is None:
+            self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+            self._tokenizer = self._builder.submit(self._build_tokenizer)
+            self._executor = llguidance.LLExecutor(MASK_THREADS)
+            bits = [1 << j if j < 31 else -(1 << 31) for j in range(32)]  # bit j of an int32 word
+            self._bits = torch.tensor(bits, dtype=torch.int32, device=self.device)
+
+    def add(self, request_id: str, guided: Guided) -> None:
+        """Start building the request's matcher (off the step thread; the first mask waits for it)."""
+        self.prepare()
+        assert self._builder is not None
+        self._requests[request_id] = _Request(self._builder.submit(self._build_matcher, guided))
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def close(self) -> None:
+        if self._builder is not None:
+            self._builder.shutdown(wait=False, cancel_futures=True)
+
+    def _build_tokenizer(self) -> llguidance.LLTokenizer:
+        return _tokenizer(self.model_dir, self.vocab, self.eos_ids)
+
+    def _build_matcher(self, guided: Guided) -> llguidance.LLMatcher:
+        assert self._tokenizer is not None
+        return llguidance.LLMatcher(self._tokenizer.result(), grammar_of(guided), log_level=0)
+
+    def advance(self, request_id: str, outputs: Sequence[int]) -> str | None:
+        """Feed the matcher the request's outputs it has not taken yet (all known on the host); returns
+        why they break its grammar, if they do (then and after)."""
+        r = self._requests[request_id]
+        if r.error is None and r.consumed < len(outputs):
+            matcher = self._matcher(r)
+            if matcher is not None:
+                if not matcher.consume_tokens(list(outputs[r.consumed :])):
+                    r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
+                r.consumed = len(outputs)
+        return r.error
+
+    def stopped(self, request_id: str) -> bool:
+        """Whether the grammar is complete and allows nothing more (the request ends there)."""
+        r = self._requests[request_id]
+        return r.error is None and r.matcher.done() and self._matcher(r).is_stopped()
+
+    def _matcher(self, r: _Request) -> llguidance.LLMatcher | None:
+        try:
+            matcher = r.matcher.result()
+        except Exception as exc:  # a grammar the tokenizer stage let through, or no tokenizer.json
+            r.error = f"its grammar could not be built: {type(exc).__name__}: {exc}"[:2000]
+            return None
+        if matcher.is_error():
+            r.error = f"its grammar could not be built: {matcher.get_error()}"[:2000]
+            return None
+        return matcher
+
+    def allowed(self, request_ids: Sequence[str], width: int) -> tuple[torch.Tensor, dict[int, str]]:
+        """The next token's mask of each request (all fed their outputs): [n, width] bool on the device,
+        True where the token is allowed, and {k: why} for the requests whose grammar failed (their rows
+        allow nothing; the caller fails them)."""
+        assert self._executor is not None and self._bits is not None
+        pin = self.device.type == "cuda"
+        packed = torch.zeros((len(request_ids), self.words), dtype=torch.int32, pin_memory=pin)  # [n, W]
+        work, failed = [], {}
+        for k, rid in enumerate(request_ids):
+            r = self._requests[rid]
+            matcher = self._matcher(r) if r.error is None else None
+            if matcher is None:
+                failed[k] = r.error or "its grammar failed"
+            else:
+                work.append((matcher, k))
+        if work:
+            # one call for the whole step: llguidance spreads the matchers over its threads, GIL dropped
+            self._executor.unsafe_compute_mask_ptr(work, packed.data_ptr(), self.words * 4, len(request_ids))
+        words = packed.to(self.device, non_blocking=True)  # [n, W]
+        allowed = ((words.unsqueeze(-1) & self._bits) != 0).view(len(request_ids), -1)  # [n, 32 W] bool
+        if allowed.shape[1] >= width:
+            return allowed[:, :width], failed
+        pad = torch.zeros((len(request_ids), width - allowed.shape[1]), dtype=torch.bool, device=self.device)
+        return torch.cat((allowed, pad), dim=1), failed
