@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         "--shape", default="{}", type=json.loads, help="config overrides, e.g. '{\"num_hidden_layers\": 4}'"
     )
     p.add_argument("--device", default="cuda")
+    p.add_argument("--draw-on", help="the device the checkpoints are drawn on (default: --device); the same "
+                   "device draws the same weights, so runs on other devices compare")  # fmt: skip
     p.add_argument("--scratch", type=Path)
     p.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     p.add_argument("--prompt-len", type=int, default=128)
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         result["gemm_us"] = gemms(cfg, a.device)
     for structure in a.structures:
         t1 = time.perf_counter()
-        model = make_checkpoint(scratch / f"{tag}-{structure}", cfg, structure, a.device)
+        model = make_checkpoint(scratch / f"{tag}-{structure}", cfg, structure, a.draw_on or a.device)
         paths = make_adapters(model, scratch / f"{tag}-adapters", n=4, ranks=(16,), dtype="bfloat16", seed=0)
         adapters = {q.name: q for q in paths}
         result[f"make_s_{structure}"] = time.perf_counter() - t1
