@@ -20,7 +20,11 @@ LOW_RANK = 64
 STD = 0.02  # every matrix's standard deviation, as initializer_range gives it
 # random: every matrix N(0, STD²). lowrank: a rank-64 product carrying most of each projection, plus
 # full-rank noise. ordered: random, with the projections that end a residual branch (o, down) scaled
-# by 1/sqrt(2 layers) as GPT-2 initialises them, so the residual stream is not remade by every layer.
+# by 1/sqrt(2 layers) as GPT-2 initialises them, and a residual stream that starts at unit scale (the
+# embedding N(0, 1)), so that each of the 2 L branches adds a small share to the stream instead of
+# remaking it; its lm_head is untied, of STD, so the logits keep the random model's scale and do not
+# echo the input token. With pre-norm layers only the ratio of the branches to the embedding matters:
+# scaling the branches alone, against an embedding of STD, leaves the forward what it was up to scale.
 STRUCTURES = ("random", "lowrank", "ordered")
 # (reference, compared): the target pair first, then the floor of bf16 against float32 and fp8's own.
 PAIRS = (("bf16", "fp8"), ("fp32", "bf16"), ("fp32", "fp8"))
@@ -33,6 +37,8 @@ def make_checkpoint(out: Path, cfg: dict, structure: str, device: str, seed: int
     if (out / "model.safetensors.index.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
+    if structure == "ordered":
+        cfg = {**cfg, "tie_word_embeddings": False}
     write_tokenizer(out, cfg["max_position_embeddings"])
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -58,6 +64,8 @@ def make_checkpoint(out: Path, cfg: dict, structure: str, device: str, seed: int
             t = STD * torch.randn(shape, generator=gen, device=device)
             if structure == "ordered" and (".o_proj." in name or ".down_proj." in name):
                 t = t * branch_end
+            elif structure == "ordered" and name == "model.embed_tokens.weight":
+                t = t / STD
         if part and _file_group(name) != _file_group(next(iter(part))):
             flush()
         part[name] = t.to(torch.bfloat16).cpu()
