@@ -220,7 +220,7 @@ def report(r: dict, batches: list[int]) -> None:
         q = r[key]
         for pair in [k for k in q if isinstance(q[k], dict)]:
             e = q[pair]["hidden_rel_err"]
-            steps = sorted({1, len(e) // 4, len(e) // 2, len(e) - 1})
+            steps = sorted({1, max(1, len(e) // 4), max(1, len(e) // 2), len(e) - 1})
             errs = " ".join(f"L{i}:{e[i]:.3f}" for i in steps)
             print(
                 f"{key[8:]:<10}{pair:<11}{q[pair]['mean_kl']:>10.2e}{q[pair]['top1_agreement']:>8.4f}  {errs}"
