@@ -17,14 +17,14 @@ from runtime.synthetic.model import build_config, tensor_specs, write_tokenizer
 from stages.worker.runner import SeqInput
 
 LOW_RANK = 64
-STD = 0.02  # every matrix's standard deviation, as initializer_range gives it
-# random: every matrix N(0, STD²). lowrank: a rank-64 product carrying most of each projection, plus
-# full-rank noise. ordered: random, with the projections that end a residual branch (o, down) scaled
-# by 1/sqrt(2 layers) as GPT-2 initialises them, and a residual stream that starts at unit scale (the
-# embedding N(0, 1)), so that each of the 2 L branches adds a small share to the stream instead of
-# remaking it; its lm_head is untied, of STD, so the logits keep the random model's scale and do not
-# echo the input token. With pre-norm layers only the ratio of the branches to the embedding matters:
-# scaling the branches alone, against an embedding of STD, leaves the forward what it was up to scale.
+# random: every matrix N(0, STD²), STD the config's initializer_range. lowrank: a rank-64 product
+# carrying most of each projection, plus full-rank noise. ordered: random, with the projections that
+# end a residual branch (o, down) scaled by 1/sqrt(2 layers) as GPT-2 initialises them, and a residual
+# stream that starts at unit scale (the embedding N(0, 1)), so that each of the 2 L branches adds a
+# small share to the stream instead of remaking it; its lm_head is untied, of STD, so the logits keep
+# the random model's scale and do not echo the input token. With pre-norm layers only the ratio of the
+# branches to the embedding matters: scaling the branches alone, against an embedding of STD, leaves
+# the forward what it was up to scale.
 STRUCTURES = ("random", "lowrank", "ordered")
 # (reference, compared): the target pair first, then the floor of bf16 against float32 and fp8's own.
 PAIRS = (("bf16", "fp8"), ("fp32", "bf16"), ("fp32", "fp8"))
@@ -42,6 +42,7 @@ def make_checkpoint(out: Path, cfg: dict, structure: str, device: str, seed: int
     write_tokenizer(out, cfg["max_position_embeddings"])
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     gen = torch.Generator(device=device).manual_seed(seed)
+    std = cfg["initializer_range"]
     branch_end = 1 / math.sqrt(2 * cfg["num_hidden_layers"])
     weight_map: dict[str, str] = {}
     part: dict[str, torch.Tensor] = {}  # one layer's tensors (or the others'), written together
@@ -59,13 +60,13 @@ def make_checkpoint(out: Path, cfg: dict, structure: str, device: str, seed: int
             u = torch.randn((shape[0], LOW_RANK), generator=gen, device=device)
             v = torch.randn((LOW_RANK, shape[1]), generator=gen, device=device)
             noise = torch.randn(shape, generator=gen, device=device)
-            t = STD * (0.95 * (u @ v) / math.sqrt(LOW_RANK) + math.sqrt(1 - 0.95**2) * noise)
+            t = std * (0.95 * (u @ v) / math.sqrt(LOW_RANK) + math.sqrt(1 - 0.95**2) * noise)
         else:
-            t = STD * torch.randn(shape, generator=gen, device=device)
+            t = std * torch.randn(shape, generator=gen, device=device)
             if structure == "ordered" and (".o_proj." in name or ".down_proj." in name):
                 t = t * branch_end
             elif structure == "ordered" and name == "model.embed_tokens.weight":
-                t = t / STD
+                t = t / std
         if part and _file_group(name) != _file_group(next(iter(part))):
             flush()
         part[name] = t.to(torch.bfloat16).cpu()
