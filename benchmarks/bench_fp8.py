@@ -33,7 +33,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.fp8_quality import STRUCTURES, make_checkpoint, model_config, quality, quality_engine
+from benchmarks.fp8_quality import (
+    MAX_RANK,
+    STRUCTURES,
+    make_checkpoint,
+    model_config,
+    quality,
+    quality_engine,
+)
 from kernels.fp8_quant import quantize_per_token
 from proto.sampling import SamplingParams
 from runtime.offline import LLM
@@ -44,7 +51,7 @@ from stages.worker.model.linear import fp8_linear, quantize_weight
 def engine(model: Path, adapters: dict, device: str, quantization: str | None) -> LLM:
     """An engine for the throughput runs: CUDA graphs, warm-up and a KV cache."""
     return LLM(model, adapters=adapters, device=device, dtype="bfloat16", quantization=quantization,
-               max_lora_rank=16, max_running_requests=64, lora_gpu_memory_gb=0.5,
+               max_lora_rank=MAX_RANK, max_running_requests=64, lora_gpu_memory_gb=0.5,
                num_pages=2048)  # 32k tokens: batch 64 x 384, or 4 x 2,049  # fmt: skip
 
 
@@ -161,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     for structure in a.structures:
         t1 = time.perf_counter()
         model = make_checkpoint(scratch / f"{tag}-{structure}", cfg, structure, a.draw_on or a.device)
-        paths = make_adapters(model, scratch / f"{tag}-adapters", n=4, ranks=(16,), dtype="bfloat16", seed=0)
+        paths = make_adapters(model, scratch / f"{tag}-adapters", n=4, ranks=(MAX_RANK,), dtype="bfloat16")
         adapters = {q.name: q for q in paths}
         result[f"make_s_{structure}"] = time.perf_counter() - t1
         if not a.quality_only and structure == "random":

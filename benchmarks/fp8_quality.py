@@ -12,11 +12,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from runtime.common.lora_layout import LoraLayout
+from runtime.common.model_config import ModelConfig
 from runtime.offline import LLM
 from runtime.synthetic.model import build_config, tensor_specs, write_tokenizer
+from stages.worker.lora.pool import row_bytes
 from stages.worker.runner import SeqInput
 
 LOW_RANK = 64
+MAX_RANK = 16  # the adapters' rank
 # random: every matrix N(0, STD²), STD the config's initializer_range. lowrank: a rank-64 product
 # carrying most of each projection, plus full-rank noise. ordered: random, with the projections that
 # end a residual branch (o, down) scaled by 1/sqrt(2 layers) as GPT-2 initialises them, and a residual
@@ -88,11 +92,14 @@ def model_config(preset: str, shape: dict | None = None) -> dict:
 def quality_engine(model: Path, adapters: dict, device: str, kind: str) -> LLM:
     """The least engine that computes the teacher-forced forwards (eagerly, one sequence at a time):
     `kind` fp32 or bf16 (weights and activations in that dtype) or fp8 (bf16 activations, the weights
-    quantized at load)."""
-    dtype, quant = ("float32" if kind == "fp32" else "bfloat16"), ("fp8" if kind == "fp8" else None)
-    return LLM(model, adapters=adapters, device=device, dtype=dtype, quantization=quant,
-               max_lora_rank=16, max_running_requests=8, lora_gpu_memory_gb=0.5, num_pages=64,
-               cuda_graph_max_batch=0, cuda_graph_max_tokens=0, warmup=False)  # fmt: skip
+    quantized at load). Its adapter pool holds every adapter of `adapters` at rank 16 (`load_adapters`)."""
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    layout = LoraLayout.for_model(ModelConfig.from_dir(model), MAX_RANK)
+    pool_gb = len(adapters) * MAX_RANK * row_bytes(layout, dtype) / 2**30
+    return LLM(model, adapters=adapters, device=device, dtype=str(dtype).removeprefix("torch."),
+               quantization="fp8" if kind == "fp8" else None, max_lora_rank=MAX_RANK, max_running_requests=8,
+               lora_gpu_memory_gb=pool_gb, num_pages=64, cuda_graph_max_batch=0, cuda_graph_max_tokens=0,
+               warmup=False)  # fmt: skip
 
 
 @torch.inference_mode()
@@ -116,10 +123,10 @@ def forward_states(llm: LLM, tokens: list[int], slot: int) -> tuple[torch.Tensor
 
 
 def load_adapters(engines: dict[str, LLM], names: list[str]) -> None:
-    """Adapter i of `names` at pool id i (rows 16 i ..) of every engine."""
+    """Adapter i of `names` (of rank MAX_RANK at most) at pool id i, rows MAX_RANK i .., of every engine."""
     for llm in engines.values():
         for slot, name in enumerate(names):
-            llm.runner.load_adapter(slot, llm.adapters[name], [(16 * slot, llm.adapters[name].rank)])
+            llm.runner.load_adapter(slot, llm.adapters[name], [(MAX_RANK * slot, llm.adapters[name].rank)])
         if llm.runner.device.type == "cuda":
             torch.cuda.synchronize()
 
