@@ -1,8 +1,9 @@
 """The CPU emulation of the fp8 base (float32 sums of e4m3 products, scaled per token and per channel,
 rounded to bf16) is the CUDA path's arithmetic: on one checkpoint and one adapter, fp8's error against
-bf16, layer by layer and in the next-token distributions, is the same measured on either device, and
-the two devices' fp8 hidden states differ by less than fp8 differs from bf16. Rounding to e4m3 the
-other way, a wrong scale or a lost clamp would each change the CUDA error by more than the bound."""
+bf16, layer by layer and in the next-token distributions, is the same measured on either device.
+Rounding to e4m3 another way (truncating) or a misapplied scale would move the CUDA error by more
+than the bound. (The two devices' fp8 states themselves differ: a bf16-level difference of an input
+moves some values across an e4m3 rounding boundary, by a whole e4m3 step.)"""
 
 from __future__ import annotations
 
@@ -35,17 +36,15 @@ def test_cpu_emulation_is_the_cuda_arithmetic(tmp_path):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 32000, (128,), generator=g).tolist() for _ in range(3)]
     stats = {}
-    fp8_states = {}
     for device in ("cpu", "cuda"):
         engines = {k: quality_engine(model, adapters, device, k) for k in ("bf16", "fp8")}
         load_adapters(engines, list(adapters))
         s = PairStats()
-        for i, tokens in enumerate(prompts):
+        for tokens in prompts:
             ref, got = (forward_states(engines[k], tokens, 0) for k in ("bf16", "fp8"))
             ref = (ref[0].cpu(), [h.cpu() for h in ref[1]])
             got = (got[0].cpu(), [h.cpu() for h in got[1]])
             s.add(ref, got)
-            fp8_states[device, i] = got[1]
         stats[device] = s.result()
         for llm in engines.values():
             llm.close()
@@ -55,8 +54,3 @@ def test_cpu_emulation_is_the_cuda_arithmetic(tmp_path):
     for layer, (a, b) in enumerate(zip(cpu["hidden_rel_err"][1:], cuda["hidden_rel_err"][1:], strict=True)):
         assert b == pytest.approx(a, rel=0.1), f"layer {layer + 1}: fp8 error {b:.4f} on CUDA, {a:.4f} on CPU"
     assert cuda["mean_kl"] == pytest.approx(cpu["mean_kl"], rel=0.25)
-    for i in range(len(prompts)):
-        across = PairStats()
-        across.add((torch.zeros(1, 1), fp8_states["cpu", i]), (torch.zeros(1, 1), fp8_states["cuda", i]))
-        gap = across.result()["hidden_rel_err"][-1]
-        assert gap < 0.5 * cpu["hidden_rel_err"][-1], f"prompt {i}: fp8 on CUDA and CPU differ by {gap:.4f}"
