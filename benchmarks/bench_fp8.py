@@ -6,9 +6,13 @@
 - decode: output tokens/s of a batch of B prompts (128 tokens each, 256 new tokens, one adapter each,
   round-robin over 4), B in --batches;
 - prefill: prompt tokens/s of 4 prompts of 2,048 tokens (one new token each);
-- quality: the next-token distributions of 32 prompts of 512 tokens, teacher-forced, on the same
-  adapters (8 prompts each): mean KL(bf16 || fp8) and top-1 agreement, on random weights and on weights
-  of low-rank structure (a rank-64 product carrying most of each projection, plus full-rank noise);
+- quality (`fp8_quality.py`), on each weight structure of --structures (random; low-rank: a rank-64
+  product carrying most of each projection, plus full-rank noise; ordered: the residual branches'
+  output projections scaled by 1/sqrt(2 layers), as GPT-2 initialises them): the next-token
+  distributions of 32 prompts of 512 tokens, teacher-forced, on the same adapters (8 prompts each), of
+  a float32, a bf16 and an fp8-base engine: mean KL and top-1 agreement of bf16 against fp8 (the
+  target), of float32 against bf16 (the noise floor) and against fp8, and the relative error of the
+  hidden state after every layer; --quality-only runs only this part;
 - the GEMMs alone: bf16 `F.linear` against the fp8 path (per-token quantization + `_scaled_mm`) at the
   model's projection shapes.
 The checkpoints are made on the device, written to --scratch (default: in the temporary directory),
@@ -18,10 +22,8 @@ OUT_DIR/fp8_bench.json."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
-import math
 import shutil
 import statistics
 import tempfile
@@ -30,70 +32,27 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
+from benchmarks.fp8_quality import (
+    MAX_RANK,
+    STRUCTURES,
+    make_checkpoint,
+    model_config,
+    quality,
+    quality_engine,
+)
 from kernels.fp8_quant import quantize_per_token
 from proto.sampling import SamplingParams
 from runtime.offline import LLM
 from runtime.synthetic.adapters import make_adapters
-from runtime.synthetic.model import build_config, tensor_specs, write_tokenizer
 from stages.worker.model.linear import fp8_linear, quantize_weight
-from stages.worker.runner import SeqInput
-
-LOW_RANK = 64
 
 
-def make_checkpoint(out: Path, preset: str, structure: str, device: str, seed: int = 0) -> Path:
-    """A bf16 Llama checkpoint of `preset`'s shapes, its tensors drawn on `device`, one file per layer."""
-    if (out / "model.safetensors.index.json").exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = build_config("llama", preset, dtype="bfloat16")
-    write_tokenizer(out, cfg["max_position_embeddings"])
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    gen = torch.Generator(device=device).manual_seed(seed)
-    weight_map: dict[str, str] = {}
-    part: dict[str, torch.Tensor] = {}  # one layer's tensors (or the others'), written together
-
-    def flush() -> None:
-        fname = f"model-{len(set(weight_map.values())):05d}.safetensors"
-        save_file(part, str(out / fname))
-        weight_map.update(dict.fromkeys(part, fname))
-        part.clear()
-
-    for name, shape, kind in tensor_specs(cfg):
-        if kind == "norm":
-            t = 1.0 + 0.05 * torch.randn(shape, generator=gen, device=device)
-        elif structure == "lowrank" and ".layers." in name and len(shape) == 2:
-            u = torch.randn((shape[0], LOW_RANK), generator=gen, device=device)
-            v = torch.randn((LOW_RANK, shape[1]), generator=gen, device=device)
-            noise = torch.randn(shape, generator=gen, device=device)
-            t = 0.02 * (0.95 * (u @ v) / math.sqrt(LOW_RANK) + math.sqrt(1 - 0.95**2) * noise)
-        else:
-            t = 0.02 * torch.randn(shape, generator=gen, device=device)
-        if part and _file_group(name) != _file_group(next(iter(part))):
-            flush()
-        part[name] = t.to(torch.bfloat16).cpu()
-    flush()
-    index = {"metadata": {}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    return out
-
-
-def _file_group(name: str) -> str:
-    """Which file a tensor goes to: its layer's, or the one of everything outside the layers."""
-    return name.split(".")[2] if ".layers." in name else "other"
-
-
-def engine(model: Path, adapters: dict, device: str, quantization: str | None, serving: bool) -> LLM:
-    """`serving`: CUDA graphs, warm-up and a KV cache for the throughput runs; else the least engine
-    that computes the quality runs' forwards (eagerly, one 512-token sequence at a time)."""
-    if serving:
-        kw = dict(num_pages=2048)  # 32k tokens: batch 64 x 384, or 4 x 2,049
-    else:
-        kw = dict(num_pages=64, cuda_graph_max_batch=0, cuda_graph_max_tokens=0, warmup=False)
+def engine(model: Path, adapters: dict, device: str, quantization: str | None) -> LLM:
+    """An engine for the throughput runs: CUDA graphs, warm-up and a KV cache."""
     return LLM(model, adapters=adapters, device=device, dtype="bfloat16", quantization=quantization,
-               max_lora_rank=16, max_running_requests=64, lora_gpu_memory_gb=0.5, **kw)  # fmt: skip
+               max_lora_rank=MAX_RANK, max_running_requests=64, lora_gpu_memory_gb=0.5,
+               num_pages=2048)  # 32k tokens: batch 64 x 384, or 4 x 2,049  # fmt: skip
 
 
 def timed(llm: LLM, prompts, adapters, max_tokens: int, device: str) -> float:
@@ -117,37 +76,6 @@ def abba(engines: dict[str, LLM], prompts, adapters, max_tokens: int, tokens: in
         rates[kind].append(tokens / timed(engines[kind], prompts, adapters, max_tokens, device))
     med = {k: statistics.median(v) for k, v in rates.items()}
     return {"tok_s": rates, "median_tok_s": med, "speedup": med["fp8"] / med["bf16"]}
-
-
-@torch.inference_mode()
-def all_logits(llm: LLM, tokens: list[int], slot: int) -> torch.Tensor:
-    """Float32 logits [T, V] of every position of `tokens` (one sequence, adapter id `slot`)."""
-    r = llm.runner
-    pages = list(range(-(-len(tokens) // r.cfg.page_size)))
-    fb, indptr, slots = r._build_batch([SeqInput(tokens, 0, pages, slot)])
-    fb = dataclasses.replace(fb, logits_indices=torch.arange(len(tokens), device=r.device))
-    r.lora.prepare(indptr, slots)
-    return r.model.forward(fb, r.kv, r.lora)
-
-
-def quality(engines: dict[str, LLM], names: list[str], n: int, length: int, vocab: int) -> dict:
-    """Mean KL(bf16 || fp8) over every position, and how often their top-1 tokens agree."""
-    for llm in engines.values():  # adapter i at pool id i, rows 16 i ..
-        for slot, name in enumerate(names):
-            llm.runner.load_adapter(slot, llm.adapters[name], [(16 * slot, llm.adapters[name].rank)])
-    if engines["bf16"].runner.device.type == "cuda":
-        torch.cuda.synchronize()
-    g = torch.Generator().manual_seed(1)
-    kl_sum = agree = positions = 0.0
-    for i in range(n):
-        tokens = torch.randint(2, vocab, (length,), generator=g).tolist()
-        slot = i % len(names)
-        ref = torch.log_softmax(all_logits(engines["bf16"], tokens, slot), dim=-1)
-        got = torch.log_softmax(all_logits(engines["fp8"], tokens, slot), dim=-1)
-        kl_sum += (ref.exp() * (ref - got)).sum(dtype=torch.float64).item()
-        agree += (ref.argmax(-1) == got.argmax(-1)).sum().item()
-        positions += length
-    return {"mean_kl": kl_sum / positions, "top1_agreement": agree / positions, "positions": int(positions)}
 
 
 def _scaled_mm(fast: bool):
@@ -206,32 +134,62 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
     p.add_argument("--preset", default="8b")
+    p.add_argument(
+        "--shape", default="{}", type=json.loads, help="config overrides, e.g. '{\"num_hidden_layers\": 4}'"
+    )
     p.add_argument("--device", default="cuda")
+    p.add_argument("--draw-on", help="the device the checkpoints are drawn on (default: --device); the same "
+                   "device draws the same weights, so runs on other devices compare")  # fmt: skip
     p.add_argument("--scratch", type=Path)
     p.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--prefill", type=int, nargs=2, default=[4, 2048], metavar=("PROMPTS", "TOKENS"))
     p.add_argument("--quality", type=int, nargs=2, default=[32, 512], metavar=("PROMPTS", "TOKENS"))
+    p.add_argument("--quality-only", action="store_true", help="no throughput runs and no GEMM timings")
+    p.add_argument("--structures", nargs="+", default=list(STRUCTURES), choices=STRUCTURES)
+    p.add_argument("--engines", nargs="+", default=["fp32", "bf16", "fp8"], choices=["fp32", "bf16", "fp8"],
+                   help="the quality runs' engines (fp32: the noise floor's reference)")  # fmt: skip
     p.add_argument("--keep-checkpoints", action="store_true", help="leave the checkpoints in --scratch")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     scratch = a.scratch or Path(tempfile.gettempdir()) / "lorapipe-fp8-bench"
-    cfg = build_config("llama", a.preset, dtype="bfloat16")
+    cfg = model_config(a.preset, a.shape)
     vocab = min(cfg["vocab_size"], 32000)
     result: dict = {
         "preset": a.preset,
+        "shape": a.shape,
         "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
     }
-    result["gemm_us"] = gemms(cfg, a.device)
+    tag = f"llama-{a.preset}" + "".join(f"-{k}{v}" for k, v in sorted(a.shape.items()))
     t0 = time.perf_counter()
-    model = make_checkpoint(scratch / f"llama-{a.preset}-random", a.preset, "random", a.device)
-    paths = make_adapters(model, scratch / "adapters", n=4, ranks=(16,), dtype="bfloat16", seed=0)
-    adapters = {q.name: q for q in paths}
+    if not a.quality_only:
+        result["gemm_us"] = gemms(cfg, a.device)
+    for structure in a.structures:
+        t1 = time.perf_counter()
+        model = make_checkpoint(scratch / f"{tag}-{structure}", cfg, structure, a.draw_on or a.device)
+        paths = make_adapters(model, scratch / f"{tag}-adapters", n=4, ranks=(MAX_RANK,), dtype="bfloat16")
+        adapters = {q.name: q for q in paths}
+        result[f"make_s_{structure}"] = time.perf_counter() - t1
+        if not a.quality_only and structure == "random":
+            result.update(throughput(a, model, adapters, vocab))
+        engines = {k: quality_engine(model, adapters, a.device, k) for k in a.engines}
+        result[f"quality_{structure}"] = quality(engines, list(adapters), *a.quality, vocab)
+        release(engines)
+        if not a.keep_checkpoints:  # one checkpoint on disk at a time
+            shutil.rmtree(model)
+            shutil.rmtree(scratch / f"{tag}-adapters")
+    result["total_s"] = time.perf_counter() - t0
+    (a.out / "fp8_bench.json").write_text(json.dumps(result, indent=1))
+    report(result, [] if a.quality_only else a.batches)
+
+
+def throughput(a: argparse.Namespace, model: Path, adapters: dict, vocab: int) -> dict:
+    """Decode at each of --batches and prefill, bf16 against fp8 engines, A-B-B-A."""
+    t0 = time.perf_counter()
+    engines = {k: engine(model, adapters, a.device, q) for k, q in (("bf16", None), ("fp8", "fp8"))}
+    result: dict = {"build_s": time.perf_counter() - t0}
     names = list(adapters)
-    result["make_s"] = time.perf_counter() - t0
-    engines = {k: engine(model, adapters, a.device, q, True) for k, q in (("bf16", None), ("fp8", "fp8"))}
-    result["build_s"] = time.perf_counter() - t0 - result["make_s"]
     g = torch.Generator().manual_seed(0)
     for b in a.batches:
         prompts = [torch.randint(2, vocab, (a.prompt_len,), generator=g).tolist() for _ in range(b)]
@@ -241,37 +199,41 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [torch.randint(2, vocab, (length,), generator=g).tolist() for _ in range(n)]
     mix = [names[i % len(names)] for i in range(n)]
     result["prefill"] = abba(engines, prompts, mix, 1, n * length, a.device)
-    result["quality_random"] = quality(engines, names, *a.quality, vocab)
+    release(engines)
+    return result
+
+
+def release(engines: dict[str, LLM]) -> None:
+    """Close `engines` and give their memory back before the next ones are built."""
     for llm in engines.values():
         llm.close()
-    del engines, llm
+    engines.clear()
     gc.collect()
-    if a.device == "cuda":
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    if not a.keep_checkpoints:  # one 8B checkpoint on disk at a time
-        shutil.rmtree(model)
-    structured = make_checkpoint(scratch / f"llama-{a.preset}-lowrank", a.preset, "lowrank", a.device)
-    engines = {
-        k: engine(structured, adapters, a.device, q, False) for k, q in (("bf16", None), ("fp8", "fp8"))
-    }
-    result["quality_lowrank"] = quality(engines, names, *a.quality, vocab)
-    if not a.keep_checkpoints:
-        shutil.rmtree(structured)
-    result["total_s"] = time.perf_counter() - t0
-    (a.out / "fp8_bench.json").write_text(json.dumps(result, indent=1))
-    report(result, a.batches)
 
 
 def report(r: dict, batches: list[int]) -> None:
-    print(f"fp8 base vs bf16 base, {r['preset']}-shaped, 4 rank-16 adapters, {r['device']}")
-    print(f"{'what':<26}{'bf16':>12}{'fp8':>12}{'fp8/bf16':>10}")
-    for key in [f"decode_b{b}" for b in batches] + ["prefill"]:
+    print(
+        f"fp8 base vs bf16 base, {r['preset']}-shaped {r['shape'] or ''}, 4 rank-16 adapters, {r['device']}"
+    )
+    if batches:
+        print(f"{'what':<26}{'bf16':>12}{'fp8':>12}{'fp8/bf16':>10}")
+    for key in [f"decode_b{b}" for b in batches] + (["prefill"] if batches else []):
         m = r[key]["median_tok_s"]
         print(f"{key + ' tok/s':<26}{m['bf16']:>12.0f}{m['fp8']:>12.0f}{r[key]['speedup']:>10.2f}")
-    for key in ("quality_random", "quality_lowrank"):
+    print(f"{'weights':<10}{'pair':<11}{'mean KL':>10}{'top-1':>8}  hidden-state rel. error by layer")
+    for key in [k for k in r if k.startswith("quality_")]:
         q = r[key]
-        print(f"{key:<26} mean KL {q['mean_kl']:.2e}  top-1 agreement {q['top1_agreement']:.4f}")
-    for row in r["gemm_us"]:
+        for pair in [k for k in q if isinstance(q[k], dict)]:
+            e = q[pair]["hidden_rel_err"]
+            steps = sorted({1, max(1, len(e) // 4), max(1, len(e) // 2), len(e) - 1})
+            errs = " ".join(f"L{i}:{e[i]:.3f}" for i in steps)
+            print(
+                f"{key[8:]:<10}{pair:<11}{q[pair]['mean_kl']:>10.2e}{q[pair]['top1_agreement']:>8.4f}  {errs}"
+            )
+        print(f"{key[8:]:<10}mean top-1 probability of the reference: {q['ref_top1_prob']:.4f}")
+    for row in r.get("gemm_us", []):
         print(
             f"gemm {row['proj']:<8} m={row['m']:<5} "
             f"bf16 {row['bf16_us']:8.1f} us  fp8 {row['fp8_us']:8.1f} us  (quant {row['quant_us']:.1f}, "
