@@ -21,7 +21,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def test_guided_outputs_on_cuda(tiny_llama, llama_adapters):
     adapters = {"full8": llama_adapters["full8"]}
-    llm = LLM(tiny_llama, adapters=adapters, device="cuda", max_lora_rank=16)
+    llm = LLM(
+        tiny_llama, adapters=adapters, device="cuda", max_lora_rank=16, num_pages=256, lora_gpu_memory_gb=0.05
+    )
     prompt = llm.tokenizer.encode("The river carried the boat").ids
     plain = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
     alone = llm.generate([prompt], ["full8"], [plain])[0]
@@ -61,7 +63,7 @@ def test_prompt_logprobs_on_cuda_match_peft(tiny_llama, llama_adapters):
     adapters = {"full8": llama_adapters["full8"]}
     llm = LLM(
         tiny_llama, adapters=adapters, device="cuda", max_lora_rank=16, max_tokens_per_step=16,
-        max_running_requests=4,
+        max_running_requests=4, num_pages=256, lora_gpu_memory_gb=0.05,
     )  # fmt: skip
     ref = PeftReference(tiny_llama, adapters)
     prompt = llm.tokenizer.encode("The river carried the boat and the wind " * 4).ids

@@ -21,13 +21,14 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _warmup(model: Path, cache: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run(
         [
             sys.executable, "-m", "runtime.cli", "warmup", "--model", str(model), "--device", "cuda",
             "--compile-cache-dir", str(cache), "--max-lora-rank", "64", "--max-tokens-per-step", "256",
-            "--max-running-requests", "32", "--lora-gpu-memory-gb", "0.05",
+            "--max-running-requests", "32", "--lora-gpu-memory-gb", "0.05", "--num-pages", "256",
         ],  # fmt: skip
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=540, check=False,
     )  # fmt: skip
