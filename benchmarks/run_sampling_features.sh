@@ -34,7 +34,7 @@ args=(--model "$model" --adapter-dir "$adir" --num-adapters "$nad" --num-prompts
   --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-128}" --device "$device" --dtype "${DTYPE:-bfloat16}")
 bench=$here/benchmarks/bench_sampling_features.py
 run() { # LABEL TREE VARIANTS
-  (cd "$2" && PYTHONPATH=$2 "$py" "$bench" "${args[@]}" --label "$1" --variants "$3" "$out/run_$1.json")
+  (cd "$2" && PYTHONPATH=$2${PYTHONPATH:+:$PYTHONPATH} "$py" "$bench" "${args[@]}" --label "$1" --variants "$3" "$out/run_$1.json")
 }
 if [ -n "$old" ]; then
   run A1 "$old" plain
