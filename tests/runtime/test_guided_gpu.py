@@ -6,15 +6,13 @@ beside guided batch-mates as alone; logprobs ride along. Runs only where CUDA is
 from __future__ import annotations
 
 import json
-import re
 
-import jsonschema
 import pytest
 import torch
 
 from proto.sampling import Guided, SamplingParams
 from runtime.offline import LLM
-from tests.runtime.test_offline_guided import REGEX, SCHEMA
+from tests.runtime.test_offline_guided import REGEX, SCHEMA, check_guided_text
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -47,12 +45,7 @@ def test_guided_outputs_on_cuda(tiny_llama, llama_adapters):
         if p.guided is None:
             continue
         assert out.finish_reason == "stop", (p.guided.kind, out.text)
-        if p.guided.kind == "json":
-            jsonschema.validate(json.loads(out.text), SCHEMA)
-        elif p.guided.kind == "regex":
-            assert re.fullmatch(REGEX, out.text), out.text
-        else:
-            assert out.text in ("left bank", "right bank")
+        check_guided_text(p.guided.kind, out.text)
 
 
 def test_prompt_logprobs_on_cuda_match_peft(tiny_llama, llama_adapters):

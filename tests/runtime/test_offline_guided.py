@@ -36,6 +36,16 @@ def engine(request, tiny_llama, llama_adapters):
     return llm, PeftReference(tiny_llama, adapters)
 
 
+def check_guided_text(kind: str, text: str) -> None:
+    """`text` follows the test grammar of `kind` (SCHEMA, REGEX, or the two choices)."""
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    else:
+        assert text in ("left bank", "right bank")
+
+
 def _greedy_guided(ref: PeftReference, llm: LLM, prompt: list[int], guided: Guided, adapter: str | None):
     """Greedy decoding of PEFT logits under llguidance's byte-per-token mask, until the grammar stops."""
     cfg = llm.runner.model_cfg
@@ -76,12 +86,7 @@ def test_guided_outputs_follow_their_grammar(engine):
         assert out.finish_reason == "stop", (p, out.text)
         if p.greedy:
             assert out.token_ids == _greedy_guided(ref, llm, prompt, p.guided, adapter)
-        if p.guided.kind == "json":
-            jsonschema.validate(json.loads(out.text), SCHEMA)
-        elif p.guided.kind == "regex":
-            assert re.fullmatch(REGEX, out.text), out.text
-        else:
-            assert out.text in ("left bank", "right bank")
+        check_guided_text(p.guided.kind, out.text)
 
 
 def test_bad_grammars_are_refused_before_running(engine):
