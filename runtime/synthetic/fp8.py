@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)
+from kernels.fp8_quant import FP8, FP8_MAX
+
 LAYOUTS = ("compressed-tensors", "fbgemm_fp8", "fp8")
 PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 
