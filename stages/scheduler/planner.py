@@ -260,7 +260,7 @@ class Planner:
     def _cached_prefix(self, req: PlannedRequest) -> list[int]:
         """The cached pages a waiting request would start from: its prompt's full pages found in the
         cache, short of its last token (computed, so that the step has its logits and no shared page is
-        written). None for a request that asks for its prompt's logprobs, whose every prompt position's
+        written). No pages for a request that asks for its prompt's logprobs, whose every prompt position's
         logits must be computed (the pages it computes are cached all the same)."""
         if not self.cfg.prefix_caching:
             return []
@@ -370,9 +370,8 @@ class Planner:
             req.slot = -1
         req.resumed = req.sent
         req.arrival = self.clock()
-        req.queued_step = (
-            -self.cfg.adapter_affinity_steps
-        )  # first in the queue, and never passed for affinity
+        # first in the queue, and never passed for affinity
+        req.queued_step = -self.cfg.adapter_affinity_steps
         self.waiting.appendleft(req)
         return req.request_id
 
