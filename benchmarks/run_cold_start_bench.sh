@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Cold start on the GPU in one command (Llama-3.2-1B-shaped model; docs/deploy.md "Compile cache"):
 #   a. 96 adapters of ranks 8/16/32/64 (max rank 64), EMPTY compile cache: time to ready, then a 1,000-request
-#      burst (256 in / 128 out, all at once, uniform over the adapters) and the identical burst again: the
+#      burst (256 in / 128 out, all at once, uniform over the adapters) and another of the same shape: the
 #      first must reach >= MIN_RATIO x the second's output throughput;
 #   b. 32 rank-16 adapters, EMPTY compile cache: time to ready;
 #   c. `lorapipe warmup` with a's arguments into another empty cache, then a server of a's configuration
@@ -55,10 +55,16 @@ real_adapters "$scratch/realmix" 16 8,16,32,64
 real_adapters "$scratch/real16" 16 16
 link_adapters "$scratch/mixed" 96 "$scratch/realmix" 16
 link_adapters "$scratch/r16" 32 "$scratch/real16" 16
-g=(--num-prompts "$num" --input-len 256 --output-len 128 --request-rate inf --adapter-distribution uniform --seed 0)
-"$py" -m tools.workload --out "$out/burst96.jsonl" "${g[@]}" --num-adapters 96
-[ "$s1" = 1 ] && link_adapters "$scratch/s1" 2000 "$scratch/real16" 16 &&
-  "$py" -m tools.workload --out "$out/burst8.jsonl" "${g[@]}" --num-adapters 8
+g=(--num-prompts "$num" --input-len 256 --output-len 128 --request-rate inf --adapter-distribution uniform)
+# The second burst has the first's shape but other prompts (seed 1): the same prompts again would be
+# served from the prefix cache, which says nothing about what still runs after ready.
+for s in 0 1; do
+  "$py" -m tools.workload --out "$out/burst96_$s.jsonl" "${g[@]}" --num-adapters 96 --seed $s
+  if [ "$s1" = 1 ]; then
+    "$py" -m tools.workload --out "$out/burst8_$s.jsonl" "${g[@]}" --num-adapters 8 --seed $s
+  fi
+done
+[ "$s1" = 1 ] && link_adapters "$scratch/s1" 2000 "$scratch/real16" 16
 done_part "model, adapters, workloads"
 
 # --- one server at a time ------------------------------------------------------------------------------------
@@ -91,8 +97,8 @@ rm -f "$out/ready.txt"
 rm -rf "$out/cache_a"
 # shellcheck disable=SC2086
 start_server mixed_cold "$scratch/mixed" 96 "$out/cache_a" $mixed_flags
-burst "$out/burst96.jsonl" mixed_first
-burst "$out/burst96.jsonl" mixed_second
+burst "$out/burst96_0.jsonl" mixed_first
+burst "$out/burst96_1.jsonl" mixed_second
 stop_server
 done_part "a: 96 mixed-rank adapters, empty cache, 2 bursts"
 
@@ -132,8 +138,8 @@ if [ "$s1" = 1 ]; then
   rm -rf "$out/cache_s1"
   # shellcheck disable=SC2086
   start_server s1_cold "$scratch/s1" 2000 "$out/cache_s1" $s1_flags
-  burst "$out/burst8.jsonl" s1_first
-  burst "$out/burst8.jsonl" s1_second
+  burst "$out/burst8_0.jsonl" s1_first
+  burst "$out/burst8_1.jsonl" s1_second
   stop_server
   done_part "s1: 2,000 adapters, empty cache, 2 bursts"
 fi

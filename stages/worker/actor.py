@@ -38,6 +38,7 @@ from stages.worker.executor import StepExecutor
 from stages.worker.lora.pool import runs_of
 from stages.worker.runner import ModelRunner
 from stages.worker.slot_loads import LoadHandle
+from stages.worker.startup import process_age
 from stages.worker.step_loop import StepLoop, StepOutcome
 from stages.worker.step_profiler import StepProfiler
 from stages.worker.tp.rank_zero import RankZero
@@ -130,11 +131,13 @@ class WorkerActor(Actor[WorkerConfig]):
         def progress(done: int, total: int) -> None:  # on the step thread
             loop.call_soon_threadsafe(self._send_progress, scheduler, WarmupProgress(done=done, total=total))
 
+        before = process_age()  # the interpreter, the imports and the actor's own start
         if self.rank_zero is not None:
             start = self.rank_zero.start
         else:
             start = lambda: ModelRunner(cfg.runner, on_warmup=progress)  # noqa: E731
         self.runner = await loop.run_in_executor(self.thread, start)
+        self._log_startup(before)
         graphs, steps = self.runner.graphs, self.runner.step_graphs
         if graphs is not None:
             self.log.info(
@@ -196,6 +199,20 @@ class WorkerActor(Actor[WorkerConfig]):
             lora_max_rank=pool.layout.max_rank,
         )
         await self.to_scheduler.put(started)
+
+    def _log_startup(self, before: float | None) -> None:
+        """One line: where the start-up's seconds went (docs/deploy.md, "Compile cache")."""
+        phases = getattr(self.runner, "phases", None)  # rank zero of a TP group: its own runner's
+        warm = getattr(self.runner, "warmup", None)
+        parts = f" ({', '.join(f'{n} {s:.1f} s' for n, s in warm.parts)})" if warm and warm.parts else ""
+        self.log.info(
+            "start-up: process %s before the model runner; %s; warm-up parts%s; %d kernels compiled "
+            "during graph capture",
+            "?" if before is None else f"{before:.1f} s",
+            phases.line() if phases is not None else "-",
+            parts or " -",
+            getattr(self.runner, "capture_compiled", 0),
+        )
 
     def _send_progress(self, scheduler: PushSocket, msg: WarmupProgress) -> None:
         """Best effort: a probe that misses one progress message sees the next."""

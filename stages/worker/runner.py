@@ -19,12 +19,13 @@ from stages.worker.lora.factory import make_backend
 from stages.worker.lora.pool import LoraPool, Runs, default_pool_bytes, pool_geometry
 from stages.worker.model.attention import plan_for, resolve_backend
 from stages.worker.model.forward_batch import ForwardBatch, SeqExtent
-from stages.worker.model.kv_cache import KVCache
+from stages.worker.model.kv_cache import KVCache, pages_that_fit
 from stages.worker.model.linear import check_fp8_device
 from stages.worker.model.llama import LlamaModel
 from stages.worker.model.pointwise import resolve_pointwise
 from stages.worker.model.weights import load_weights
 from stages.worker.seq_input import SeqInput, fill_pending
+from stages.worker.startup import Phases
 from stages.worker.step_graphs import StepGraphs
 from stages.worker.tp.group import TPGroup
 from stages.worker.tp.lora_shard import AdapterSharder
@@ -109,18 +110,19 @@ class ModelRunner:
         self.pointwise_backend = resolve_pointwise(cfg.pointwise_backend, self.device)
         # gather indices of a step's logits rows, uploaded without queueing behind adapter copies
         self.index_uploads = IndexUploads(self.max_seqs, self.device)
+        self.phases = Phases()  # what each part of the start-up took (the worker logs it at ready)
         compile_pool = start_compiling(self.device, cfg.warmup)  # its processes start while weights load
         try:
-            self._init_model()
-            self._init_lora()
-            self._init_kv_cache()
-            self._init_graphs()
+            inits = (self._init_model, self._init_lora, self._init_kv_cache, self._init_graphs)
+            for name, init in zip(("weights", "adapter pool", "KV cache", "graph setup"), inits, strict=True):
+                self.phases.run(name, init)
             if cfg.warmup:
-                self.warmup = warm_up(self, pool=compile_pool, report=on_warmup)
+                self.warmup = self.phases.run("warm-up", warm_up, self, pool=compile_pool, report=on_warmup)
         finally:
             if compile_pool is not None:
                 compile_pool.close()
-        self._capture_graphs()
+        self.capture_compiled = 0  # kernels graph capture compiled (the warm-up plan should hold them all)
+        self.phases.run("graph capture", self._capture_graphs)
 
     def _init_model(self) -> None:
         # `host_layout`: how the loader packs adapters (the whole model's); `lora_layout`: this pool's
@@ -174,18 +176,13 @@ class ModelRunner:
         )
         num_pages = self.cfg.num_pages
         if num_pages is None and self.device.type == "cuda":
-            # What is free now (other engines and processes count), less the share left unused and
-            # room for a full step's activations (a generous 64 KiB per token).
-            free, total = torch.cuda.mem_get_info(self.device)
-            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            spare = free - total * (1 - self.cfg.gpu_memory_utilization)
-            spare -= self.cfg.max_tokens_per_step * 65536
-            # Decode graphs: the shared logits buffer plus the pool's logits of the largest bucket.
-            spare -= self.cfg.cuda_graph_max_batch * self.model_cfg.vocab_size * (4 + 4 + 2)
-            # Step graphs: their pool holds the largest bucket's activations and logits as well.
-            tokens = self.graph_tokens
-            spare -= tokens * 65536 + min(tokens, self.max_seqs) * self.model_cfg.vocab_size * (4 + 4 + 2)
-            num_pages = int(spare // per_page)
+            # Kept out: a full step's activations (a generous 64 KiB per token); the decode graphs' shared
+            # logits buffer plus their pool's logits of the largest bucket; the step graphs' pool, which
+            # holds the largest bucket's activations and logits as well.
+            tokens, vocab = self.graph_tokens, self.model_cfg.vocab_size
+            logits_rows = self.cfg.cuda_graph_max_batch + min(tokens, self.max_seqs)
+            reserve = (self.cfg.max_tokens_per_step + tokens) * 65536 + logits_rows * vocab * (4 + 4 + 2)
+            num_pages = pages_that_fit(self.device, per_page, self.cfg.gpu_memory_utilization, reserve)
         elif num_pages is None:
             num_pages = (self.cfg.cpu_kv_tokens + ps - 1) // ps
         if self.tp is not None:  # every rank holds the same pages (of its own KV heads)
@@ -241,11 +238,14 @@ class ModelRunner:
         it took is kept for the log."""
         if self.graphs is None and self.step_graphs is None:
             return
-        with torch.inference_mode():
+        from stages.worker.compile_pool import counting_compiles
+
+        with torch.inference_mode(), counting_compiles() as compiled:
             if self.step_graphs is not None:
                 self.step_graphs.capture_all()
             if self.graphs is not None:
                 self.graphs.capture_all()
+        self.capture_compiled = sum(compiled)
         torch.cuda.synchronize(self.device)
         pool = self.graphs.pool if self.graphs is not None else self.step_graphs.pool
         self.graph_memory_bytes = graph_pool_bytes(pool)

@@ -49,6 +49,8 @@ class WarmupStats:
     kernels: int = 0  # distinct kernel specializations the launches need (recorded for the pool)
     compiled: int = 0  # of those, compiled by the pool (the rest were in the cache)
     compiled_here: int = 0  # kernels the launches compiled in this process (not found in the cache)
+    # wall seconds of its parts: the plan, recording the launches, the pool's compiles, the launch pass
+    parts: tuple[tuple[str, float], ...] = ()
 
 
 Report = Callable[[int, int], None]  # (steps done, total): compiles of the pool, then variant launches
@@ -118,6 +120,7 @@ def warm_up(
             max_model_len=runner.max_context,
             device=runner.device,
         )
+    marks = [("plan", time.perf_counter())]
     say(
         f"warm-up: {len(launches)} LoRA and {len(attn)} attention kernel variants to compile or load "
         f"(cache: {cache_dir}); {plan_axes(launches, attn)}"
@@ -132,16 +135,21 @@ def warm_up(
             # of it is kept.
             _forward(runner)
         say(f"warm-up: {len(specs)} kernel specializations to compile in {pool.workers} processes")
+        marks.append(("record", time.perf_counter()))
     progress = _Progress(len(specs) + len(launches) + len(attn), say, report)
     compiled = pool.compile(specs, lambda: progress.step("compiled")) if specs else 0
+    marks.append(("compile", time.perf_counter()))
     with torch.inference_mode(), counting_compiles() as here:
         _lora(runner, launches, progress)
         _attention(runner, attn, progress)
         _forward(runner)
     torch.cuda.synchronize(runner.device)
+    marks.append(("launch", time.perf_counter()))
     took = time.perf_counter() - start
     say(done_line(took, compiled, len(specs), sum(here), len(here)))
-    return WarmupStats(len(launches), len(attn), took, cache_dir, len(specs), compiled, sum(here))
+    times = [start] + [t for _, t in marks]
+    parts = tuple((name, b - a) for (name, _), a, b in zip(marks, times, times[1:], strict=True))
+    return WarmupStats(len(launches), len(attn), took, cache_dir, len(specs), compiled, sum(here), parts)
 
 
 def done_line(seconds: float, pool_compiled: int, kernels: int, here_compiled: int, here: int) -> str:

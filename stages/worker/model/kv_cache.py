@@ -7,6 +7,14 @@ from __future__ import annotations
 import torch
 
 
+def pages_that_fit(device: torch.device, per_page: int, utilization: float, reserve: int) -> int:
+    """Pages of `per_page` bytes that fit in what `device` has free now (other engines and processes
+    count), less the share `utilization` leaves unused and `reserve` bytes kept for activations."""
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int((free - total * (1 - utilization) - reserve) // per_page)
+
+
 class KVCache:
     def __init__(
         self,
