@@ -148,7 +148,7 @@ def warm_up(
     took = time.perf_counter() - start
     say(done_line(took, compiled, len(specs), sum(here), len(here)))
     times = [start] + [t for _, t in marks]
-    parts = tuple((name, b - a) for (name, _), a, b in zip(marks, times, times[1:], strict=True))
+    parts = tuple((name, b - a) for (name, _), a, b in zip(marks, times[:-1], times[1:], strict=True))
     return WarmupStats(len(launches), len(attn), took, cache_dir, len(specs), compiled, sum(here), parts)
 
 
