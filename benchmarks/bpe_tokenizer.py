@@ -15,6 +15,8 @@ from pathlib import Path
 
 from runtime.synthetic.model import BOS, EOS
 
+MAX_TOKEN_BYTES = 64  # characters of the byte-level alphabet: one byte each
+
 
 def sources(max_bytes: int) -> Iterator[str]:
     """The installed Python sources, standard library first, up to about `max_bytes` of UTF-8 text (a
@@ -45,6 +47,9 @@ def train(out_dir: Path, vocab: int = 128_000, max_mb: int = 32) -> int:
         special_tokens=[BOS, EOS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
+        # Real vocabularies hold no token of hundreds of bytes; the installed sources may (a long literal
+        # of one character), and llguidance refuses a token of more than 1,024 bytes.
+        max_token_length=MAX_TOKEN_BYTES,
     )
     tok.train_from_iterator(sources(max_mb << 20), trainer=trainer)
     out_dir.mkdir(parents=True, exist_ok=True)

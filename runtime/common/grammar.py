@@ -54,5 +54,18 @@ def grammar_error(guided: Guided) -> str | None:
 def matcher_tokenizer(tokenizer_json: str, vocab: int, eos_ids: Sequence[int]) -> llguidance.LLTokenizer:
     """The tokenizer masks are computed over: `tokenizer_json` is a tokenizers library tokenizer's JSON,
     `vocab` the width of the model's logits (ids past the tokenizer's are never allowed) and `eos_ids`
-    the tokens a finished grammar allows. About a second for a 128k vocabulary: build it once."""
-    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=list(eos_ids))
+    the tokens a finished grammar allows. About a second for a 128k vocabulary: build it once. A tokenizer
+    llguidance cannot hold (it panics, e.g. on a token of more than 1,024 bytes) raises ValueError, so
+    that only the requests asking for structured output fail, by name."""
+    return rust_call(llguidance.LLTokenizer, tokenizer_json, n_vocab=vocab, eos_token=list(eos_ids))
+
+
+def rust_call(fn, *args, **kwargs):
+    """`fn(...)` of llguidance, with a panic of its Rust code (pyo3's PanicException derives from
+    BaseException, so `except Exception` would let it end the stage) raised as ValueError."""
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as exc:
+        if isinstance(exc, (Exception, KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
+        raise ValueError(f"llguidance failed: {exc}") from exc

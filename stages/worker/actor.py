@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -205,13 +206,15 @@ class WorkerActor(Actor[WorkerConfig]):
         phases = getattr(self.runner, "phases", None)  # rank zero of a TP group: its own runner's
         warm = getattr(self.runner, "warmup", None)
         parts = f" ({', '.join(f'{n} {s:.1f} s' for n, s in warm.parts)})" if warm and warm.parts else ""
+        late = Counter(getattr(self.runner, "capture_compiled", ()))
         self.log.info(
             "start-up: process %s before the model runner; %s; warm-up parts%s; %d kernels compiled "
-            "during graph capture",
+            "during graph capture%s",
             "?" if before is None else f"{before:.1f} s",
             phases.line() if phases is not None else "-",
             parts or " -",
-            getattr(self.runner, "capture_compiled", 0),
+            late.total(),
+            f" ({', '.join(f'{n} x{c}' for n, c in late.most_common())})" if late else "",
         )
 
     def _send_progress(self, scheduler: PushSocket, msg: WarmupProgress) -> None:

@@ -107,12 +107,18 @@ def recording() -> Iterator[list[Spec]]:
 
 
 @contextmanager
-def counting_compiles() -> Iterator[list[bool]]:
+def counting_compiles(names: list[str] | None = None) -> Iterator[list[bool]]:
     """Within: one entry per kernel the JIT compiles or loads in this process, True where it compiled
-    (the on-disk cache did not hold it)."""
+    (the on-disk cache did not hold it); `names` gets the name of each kernel compiled."""
     compiled: list[bool] = []
     before = knobs.compilation.listener
-    knobs.compilation.listener = lambda *, cache_hit, **_: compiled.append(not cache_hit)
+
+    def listen(*, cache_hit: bool, metadata, **_) -> None:
+        compiled.append(not cache_hit)
+        if names is not None and not cache_hit:
+            names.append(str(metadata.get("name", "?")) if isinstance(metadata, dict) else "?")
+
+    knobs.compilation.listener = listen
     try:
         yield compiled
     finally:

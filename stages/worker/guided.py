@@ -18,7 +18,7 @@ import llguidance
 import torch
 
 from proto.sampling import Guided
-from runtime.common.grammar import grammar_of, matcher_tokenizer
+from runtime.common.grammar import grammar_of, matcher_tokenizer, rust_call
 
 MASK_THREADS = min(8, max(1, (os.cpu_count() or 2) // 2))  # llguidance's pool: masks of one step in parallel
 
@@ -80,7 +80,7 @@ class GuidedMasks:
 
     def _build_matcher(self, guided: Guided) -> llguidance.LLMatcher:
         assert self._tokenizer is not None
-        return llguidance.LLMatcher(self._tokenizer.result(), grammar_of(guided), log_level=0)
+        return rust_call(llguidance.LLMatcher, self._tokenizer.result(), grammar_of(guided), log_level=0)
 
     def advance(self, request_id: str, outputs: Sequence[int]) -> str | None:
         """Feed the matcher the request's outputs it has not taken yet (all known on the host); returns

@@ -121,7 +121,7 @@ class ModelRunner:
         finally:
             if compile_pool is not None:
                 compile_pool.close()
-        self.capture_compiled = 0  # kernels graph capture compiled (the warm-up plan should hold them all)
+        self.capture_compiled: list[str] = []  # kernels capture compiled (the warm-up plan should hold them)
         self.phases.run("graph capture", self._capture_graphs)
 
     def _init_model(self) -> None:
@@ -240,12 +240,11 @@ class ModelRunner:
             return
         from stages.worker.compile_pool import counting_compiles
 
-        with torch.inference_mode(), counting_compiles() as compiled:
+        with torch.inference_mode(), counting_compiles(self.capture_compiled):
             if self.step_graphs is not None:
                 self.step_graphs.capture_all()
             if self.graphs is not None:
                 self.graphs.capture_all()
-        self.capture_compiled = sum(compiled)
         torch.cuda.synchronize(self.device)
         pool = self.graphs.pool if self.graphs is not None else self.step_graphs.pool
         self.graph_memory_bytes = graph_pool_bytes(pool)
