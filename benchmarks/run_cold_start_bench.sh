@@ -11,7 +11,8 @@
 # Distinct adapter files: 4 per rank (16 for S1); the N names are directory symlinks onto them (as in
 # run_churn_bench.sh), so every adapter is loaded, validated and packed as its own, from the page cache.
 # Writes OUT_DIR/results.md (the summary table, also printed) and results.json, the bench JSONs and logs.
-#   usage: bash benchmarks/run_cold_start_bench.sh OUT_DIR     knobs: the variables below (S1=0 skips s1)
+#   usage: bash benchmarks/run_cold_start_bench.sh OUT_DIR     knobs: the variables below (PARTS="a b c s1",
+#   the parts to run; S1=0 drops s1)
 #   CPU smoke test (no c): DEVICE=cpu PRESET=tiny DTYPE=float32 NUM_PROMPTS=8 S1=0 \
 #     SERVER_FLAGS="--max-model-len 512 --num-pages 512" bash benchmarks/run_cold_start_bench.sh /tmp/cs
 set -euo pipefail
@@ -20,7 +21,11 @@ out=$(realpath -m "${1:-${OUT:-${TMPDIR:-/tmp}/lorapipe-bench/cold_start_bench}}
 py=${PYTHON:-python3}
 scratch=${SCRATCH:-$out/scratch}
 device=${DEVICE:-cuda} preset=${PRESET:-1b} dtype=${DTYPE:-bfloat16}
-num=${NUM_PROMPTS:-1000} s1=${S1:-1}
+num=${NUM_PROMPTS:-1000} parts=" ${PARTS:-a b c s1} "
+[ "${S1:-1}" = 1 ] || parts=${parts/ s1 / }
+want() { [[ $parts == *" $1 "* ]]; }
+s1=0
+want s1 && s1=1
 port=${PORT:-28400}
 common=${SERVER_FLAGS:-"--max-model-len 2048 --max-running-requests 256 --max-tokens-per-step 8192"}
 mixed_flags="--max-lora-rank 64"
@@ -94,23 +99,27 @@ burst() {  # WORKLOAD NAME
 rm -f "$out/ready.txt"
 
 # a. 96 mixed-rank adapters, empty cache, two bursts
-rm -rf "$out/cache_a"
-# shellcheck disable=SC2086
-start_server mixed_cold "$scratch/mixed" 96 "$out/cache_a" $mixed_flags
-burst "$out/burst96_0.jsonl" mixed_first
-burst "$out/burst96_1.jsonl" mixed_second
-stop_server
-done_part "a: 96 mixed-rank adapters, empty cache, 2 bursts"
+if want a; then
+  rm -rf "$out/cache_a"
+  # shellcheck disable=SC2086
+  start_server mixed_cold "$scratch/mixed" 96 "$out/cache_a" $mixed_flags
+  burst "$out/burst96_0.jsonl" mixed_first
+  burst "$out/burst96_1.jsonl" mixed_second
+  stop_server
+  done_part "a: 96 mixed-rank adapters, empty cache, 2 bursts"
+fi
 
 # b. 32 rank-16 adapters, empty cache
-rm -rf "$out/cache_b"
-# shellcheck disable=SC2086
-start_server r16_cold "$scratch/r16" 32 "$out/cache_b" $r16_flags
-stop_server
-done_part "b: 32 rank-16 adapters, empty cache"
+if want b; then
+  rm -rf "$out/cache_b"
+  # shellcheck disable=SC2086
+  start_server r16_cold "$scratch/r16" 32 "$out/cache_b" $r16_flags
+  stop_server
+  done_part "b: 32 rank-16 adapters, empty cache"
+fi
 
 # c. a cache made by `lorapipe warmup`, then a's server on it; the weights' read time apart (CUDA only)
-if [ "$device" = cuda ]; then
+if [ "$device" = cuda ] && want c; then
 rm -rf "$out/cache_c"
 t0=$SECONDS
 # shellcheck disable=SC2086
