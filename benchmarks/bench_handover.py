@@ -6,7 +6,9 @@ step's finish was: each a size broadcast and a payload broadcast) against the Ze
 python -m benchmarks.bench_handover --out handover.json [--batch 64 128] [--steps 2000] [--work-us 500]
 
 Each step carries a decode plan of `batch` requests. Both ranks spend `work-us` of busy host time per
-step beside the hand-over (each rank's own launch), rank 0 between its launch and its finish. Per mode
+step beside the hand-over (each rank's own launch), then meet in a one-element all-reduce (the step's
+collectives, which keep the ranks in step as the forward's do), rank 0 between its launch and its
+finish. Per mode
 and batch: rank 0's blocked microseconds per step (median, p90, mean), its whole step (mean), and how long
 after rank 0 began sending a step rank 1 had it (median, p90; one monotonic clock for both processes)."""
 
@@ -55,6 +57,12 @@ def _broadcast(group: TPGroup, data: bytes | None) -> bytes:
     return bytes(buf.numpy())
 
 
+def _step_work(work_us: float) -> None:
+    """A rank's own part of a step: its launch on the host, then the step's collectives."""
+    _spin(work_us)
+    dist.all_reduce(torch.zeros(1))
+
+
 def _rank0(group: TPGroup, mode: str, batch: int, steps: int, work_us: float, sender: StepSender) -> dict:
     codec = rank_codec()
     blocked, whole, sent_at = [], [], []
@@ -66,7 +74,7 @@ def _rank0(group: TPGroup, mode: str, batch: int, steps: int, work_us: float, se
         else:
             sender.send(msg, lambda: None)
         handed = time.perf_counter_ns()
-        _spin(work_us)  # this rank's launch
+        _step_work(work_us)
         finish = time.perf_counter_ns()
         if mode == "gloo":
             _broadcast(group, bytes(codec.encode(SyncCopies())[0]))
@@ -88,7 +96,7 @@ def _rank1(group: TPGroup, mode: str, steps: int, work_us: float, receiver: Step
             msg = receiver.recv()
         at = time.perf_counter_ns()
         assert msg.plan.step == i
-        _spin(work_us)
+        _step_work(work_us)
         if mode == "gloo":
             codec.decode([_broadcast(group, None)])
         if i >= WARMUP:
