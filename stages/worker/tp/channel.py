@@ -69,7 +69,8 @@ class StepSender:
         """Unsent messages are dropped (linger 0): the ranks have stopped, or are being killed."""
         for push in self.socks:
             push.close()
-        self.ctx.term()
+        if not self.ctx.closed:
+            self.ctx.term()
 
 
 class StepReceiver:
