@@ -60,6 +60,7 @@ def release_graphs(runner: ModelRunner) -> None:
     after this."""
     runner.graphs = None
     runner.step_graphs = None
+    gc.unfreeze()  # what setup froze (this rank's, the worker stage's) may hold a graph in a cycle
     gc.collect()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
@@ -180,6 +181,10 @@ def run_rank(argv: list[str], read: Read | None = None) -> int:
         log.error("rank 0 (pid %d) exited before rank %d started", cfg.parent_pid, cfg.spec.rank)
         return 1
     follower = Follower(cfg, read)
+    # What setup made lives as long as the rank, as in the worker stage (rank 0): a full collection
+    # walking the model, its kernels and graphs would stall this rank's steps, and rank 0's with them.
+    gc.collect()
+    gc.freeze()
     follower.run()  # an error propagates: the rank exits non-zero and rank 0 reports it
     follower.close()
     # Stopped by rank 0: leave now, without the interpreter's teardown, whose CUDA and NCCL destructors
