@@ -60,7 +60,6 @@ def release_graphs(runner: ModelRunner) -> None:
     after this."""
     runner.graphs = None
     runner.step_graphs = None
-    gc.unfreeze()  # what setup froze (this rank's, the worker stage's) may hold a graph in a cycle
     gc.collect()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
@@ -166,6 +165,7 @@ class Follower:
         """Stopped by rank 0 (`StopRanks`): every rank leaves the group together."""
         self._end_run()
         self.channel.close()
+        gc.unfreeze()  # what `run_rank` froze may hold a graph in a cycle, which only a collection frees
         release_graphs(self.runner)
         self.group.close(graceful=True)
 
