@@ -30,17 +30,12 @@ PER_GRAPH, REPLAYS = 20, 30
 
 def _time_path(group: TPGroup, path: str, t: torch.Tensor) -> float:
     """Microseconds per all-reduce of `t` by `path`."""
-    peer, out = group.peer, torch.empty_like(t)
 
     def once() -> torch.Tensor:
         if path == "nccl":
             dist.all_reduce(t)
             return t
-        staged = peer.buffer[: t.nbytes].view(t.dtype).view(t.shape)
-        if path == "one_shot":
-            return torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, t, "sum", peer.group_name, out)
-        staged.copy_(t)
-        return torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", peer.group_name, out)
+        return group.peer.sum(t, path)
 
     once()
     torch.cuda.synchronize()

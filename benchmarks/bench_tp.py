@@ -8,6 +8,8 @@ For each batch size, after one warm-up batch of each kind, the rounds run base-o
 A-B-B-A (the adapters assigned round-robin, every one in every step); each batch's output tokens per
 second and the medians go to --out (JSON) and stdout. The LoRA overhead is base tok/s over adapter tok/s,
 less one. `close_s` is how long `LLM.close()` took, and `rank_exit_codes` how the other ranks ended.
+`host_us_per_step`: rank 0's host time per step by phase (each kind's last batch); every other rank logs
+its own, and how long it waited for rank 0, at the end of each batch ("run of N steps", on stderr).
 Beside each batch size's numbers, the bytes each kind's batch reads (`tools/roofline.py`: weights and the
 adapters' pool rows every step, each sequence's KV), the device's copy bandwidth (probed once, before the
 engine starts), and the best adapter/base ratio those bytes allow with the fraction of it measured."""
@@ -107,14 +109,18 @@ def _rounds(llm: LLM, a, names: dict, batch: int) -> tuple[dict, dict]:
     prompts = [torch.randint(1000, 30000, (a.prompt_len,), generator=g).tolist() for _ in range(batch)]
     mix = [list(names)[i % len(names)] for i in range(batch)] if names else None
     runs: dict[str, list[float]] = {"base": [], "lora": []}
+    host: dict[str, dict[str, float]] = {}
     order = ["base", "lora"] + (["base", "lora", "lora", "base"] * a.rounds if mix else ["base"] * a.rounds)
     greedy: dict[str, list[list[int]]] = {}
     for i, kind in enumerate(order):
         rate, tokens = _batch(llm, prompts, mix if kind == "lora" else None, a.output_len)
+        steps = llm.last_stats.steps
+        host[kind] = {k: round(v / steps * 1e6, 1) for k, v in llm.last_phase_seconds.items()}
         greedy.setdefault(kind, tokens)
         if i >= (2 if mix else 1):  # the first of each kind is the warm-up
             runs[kind].append(rate)
     out: dict = {"tok_s": runs, "median_tok_s": {k: statistics.median(v) for k, v in runs.items() if v}}
+    out["host_us_per_step"] = host
     if runs["lora"]:
         m = out["median_tok_s"]
         out["lora_overhead"] = m["base"] / m["lora"] - 1

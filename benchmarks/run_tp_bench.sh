@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Tensor parallelism on a two-GPU machine ("Tensor parallel" in docs/benchmarks.md): the all-reduce
-# paths by message size; the offline engine's decode throughput at TP=1 and TP=2, A-B-B-A, base-only and
+# Tensor parallelism on a two-GPU machine ("Tensor parallel" in docs/benchmarks.md): the hand-over of a
+# step from rank 0 to rank 1 on the host (gloo against the ZeroMQ channel); the all-reduce paths by
+# message size; the offline engine's decode throughput at TP=1 and TP=2, A-B-B-A, base-only and
 # with 4 rank-16 adapters, batch 16 and 64 (8B-shaped) and 64 and 128 (1B-shaped), bf16, 128 in / 256 out;
 # TP=2 with every sum through NCCL for comparison; how long `LLM.close()` takes; and `lorapipe serve
 # --tensor-parallel-size 2`'s exit on SIGTERM (seconds and status).
@@ -12,6 +13,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 py=${PYTHON:-python3}
 scratch=${SCRATCH:-${TMPDIR:-/tmp}/lorapipe_scratch}
 mkdir -p "$out" "$scratch"
+"$py" -m benchmarks.bench_handover --out "$out/handover.json" | tee "$out/handover.txt"
 "$py" -m benchmarks.bench_allreduce --out "$out/allreduce.json" | tee "$out/allreduce.txt"
 for preset in ${PRESETS:-8b 1b}; do
   model=$scratch/llama-$preset adir=$scratch/adapters-$preset-r16-n4
@@ -31,7 +33,8 @@ for preset in ${PRESETS:-8b 1b}; do
   for tp in 1 2 2 1; do
     i=$((i + 1))
     "$py" -m benchmarks.bench_tp "$model" --tp "$tp" --adapters "$adir"/adapter{0,1,2,3} --batch $batches \
-      --rounds 1 --out "$out/${preset}_tp${tp}_$i.json" | tee -a "$out/bench_tp.txt"
+      --rounds 1 --out "$out/${preset}_tp${tp}_$i.json" 2> >(tee -a "$out/bench_tp.log" >&2) \
+      | tee -a "$out/bench_tp.txt"
   done
   "$py" -m benchmarks.bench_tp "$model" --tp 2 --adapters "$adir"/adapter{0,1,2,3} --batch $batches \
     --rounds 1 --disable-custom-all-reduce --out "$out/${preset}_tp2_nccl.json" | tee -a "$out/bench_tp.txt"

@@ -1,6 +1,7 @@
-"""Rank 0 of a tensor-parallel worker (offline engine or server) → its other ranks (a gloo broadcast,
-msgspec-encoded, one frame): what every rank must do in the order rank 0 does it. Each step's plan
-travels once, as the scheduler sent it (`LaunchStep`); `FinishStep` finishes the oldest step in flight."""
+"""Rank 0 of a tensor-parallel worker (offline engine or server) → its other ranks (ZeroMQ PUSH/PULL over
+ipc, msgspec-encoded, one frame: `stages/worker/tp/channel.py`): what every rank must do in the order rank
+0 does it. A step is one message: its plan, as the scheduler sent it, and how many steps rank 0 had
+finished before launching it (finishing sends nothing)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from proto.plan import BatchPlan
 
 
 class LaunchStep(Message):
-    """Launch this plan (as the scheduler sent it to rank 0)."""
+    """Finish the oldest launched steps until `finished` steps of this run are, then launch this plan (as
+    the scheduler sent it to rank 0). Rank 0 launches with at most one earlier step unfinished, so a
+    rank may finish any step older than its latest launch before this arrives."""
 
     plan: BatchPlan
+    finished: int = 0  # steps rank 0 had finished since its BeginRun when it launched this one
 
 
 class SyncCopies(Message):
@@ -34,10 +38,6 @@ class BeginRun(Message):
     overlap_loading: bool = True
 
 
-class FinishStep(Message):
-    """Read the tokens of the oldest launched step (the sampling every rank did alike)."""
-
-
 class EndRun(Message):
     """Drop the executor and its steps in flight."""
 
@@ -46,6 +46,4 @@ class StopRanks(Message):
     """Leave the group and exit."""
 
 
-RankZeroToRanks = edge(
-    "rank0_to_ranks", LaunchStep, FinishStep, SyncCopies, AddAdapter, BeginRun, EndRun, StopRanks
-)
+RankZeroToRanks = edge("rank0_to_ranks", LaunchStep, SyncCopies, AddAdapter, BeginRun, EndRun, StopRanks)

@@ -18,7 +18,7 @@ from proto.client import TokenLogprobs
 from proto.pipeline import TokenBatch
 from proto.plan import SlotLoad, StepResult
 from proto.sampling import SamplingParams
-from proto.tensor_parallel import AddAdapter, BeginRun, EndRun, FinishStep, LaunchStep
+from proto.tensor_parallel import AddAdapter, BeginRun, EndRun
 from runtime.common.grammar import grammar_error
 from runtime.common.model_config import ModelConfig
 from runtime.common.names import check_adapter_name
@@ -95,7 +95,7 @@ class LLM:
             try:
                 self.runner = self.ranks.watch(lambda: ModelRunner(rc, mcfg, tp=self.ranks.group))
             except BaseException:
-                self.ranks.kill()
+                self.ranks.abandon()
                 raise
         context = context_length(self.engine_args, mcfg)
         kv_tokens = self.runner.num_pages * self.engine_args.page_size
@@ -261,13 +261,15 @@ class LLM:
             step = None
             if planner.has_work:
                 plan = planner.schedule()
-                self._to_ranks(LaunchStep(plan=plan))
+                if self.ranks is not None:
+                    self.ranks.launch(plan)
                 step = executor.launch(plan)
             if not overlap:
                 prev, step = step, None
             if prev is not None:
-                self._to_ranks(FinishStep())
                 result, tokens = executor.finish(prev)
+                if self.ranks is not None:
+                    self.ranks.step_finished()
                 planner.update(result)
                 yield result, tokens
             prev = step

@@ -70,7 +70,7 @@ from proto.plan import (
     WorkerStarted,
 )
 from proto.sampling import SamplingParams
-from proto.tensor_parallel import AddAdapter, BeginRun, EndRun, FinishStep, LaunchStep, StopRanks, SyncCopies
+from proto.tensor_parallel import AddAdapter, BeginRun, EndRun, LaunchStep, StopRanks, SyncCopies
 
 LONG_IDS = TokenIds.of(range(5000))  # 20 kB: travels as an extra frame
 SHORT_IDS = TokenIds.of([1, 2, 3])  # inline
@@ -194,8 +194,10 @@ EXAMPLES: list[Message] = [
     ),
     SlotsReady(slots_ready=[1]),
     WarmupProgress(done=37, total=140),
-    LaunchStep(plan=BatchPlan(step=12, new_requests=[NewRequestData(request_id="g5", prompt_ids=LONG_IDS)])),
-    FinishStep(),
+    LaunchStep(
+        plan=BatchPlan(step=12, new_requests=[NewRequestData(request_id="g5", prompt_ids=LONG_IDS)]),
+        finished=11,
+    ),
     SyncCopies(),
     AddAdapter(name="a", path="/adapters/a"),
     BeginRun(max_model_len=512, seed=3, overlap_loading=False),

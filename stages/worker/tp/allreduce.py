@@ -92,14 +92,20 @@ class PeerAllReduce:
         """The sum of `t` over ranks, as a new tensor (`t` is left as it was)."""
         path = self.paths.path(t.nbytes)
         assert path != "nccl", f"a {t.nbytes}-byte message is NCCL's"
-        t = t.contiguous()
+        return self.sum(t.contiguous(), path)
+
+    def sum(self, t: torch.Tensor, path: str) -> torch.Tensor:
+        """The sum of contiguous `t` over ranks by `path` ("one_shot" or "two_shot"; every rank must
+        name the same), as a new tensor: staged in this rank's symmetric buffer, read by every rank."""
         staged = self.buffer[: t.nbytes].view(t.dtype).view(t.shape)
         out = torch.empty_like(t)
         if path == "one_shot":
             torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, t, "sum", self.group_name, out)
-        else:
+        elif path == "two_shot":
             staged.copy_(t)
             torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self.group_name, out)
+        else:
+            raise ValueError(f"no peer all-reduce path {path!r}")
         return out
 
 

@@ -1,9 +1,10 @@
 """A tensor-parallel rank other than 0 (its process: `runtime/tp_ranks.py` for the offline engine,
 `tp/serve_rank.py` for the server's worker). It builds its shard of the model, then does what rank 0
-broadcasts, in rank 0's order (`proto/tensor_parallel.py`): its forward's collectives meet rank 0's,
-its sampling matches rank 0's (the same logits, the same seeded generators), and only rank 0 reports
-anything. It exits on `StopRanks`, when rank 0 leaves the group (a collective fails), or when rank 0's
-process dies (the kernel's parent-death signal, SIGKILL)."""
+hands over (`tp/channel.py`, `proto/tensor_parallel.py`), in rank 0's order: its forward's collectives
+meet rank 0's, its sampling matches rank 0's (the same logits, the same seeded generators), and only
+rank 0 reports anything. It exits on `StopRanks`, when rank 0 leaves the group (a collective fails), or
+when rank 0's process dies (the kernel's parent-death signal, SIGKILL; the channel's check of its
+parent)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,28 +22,18 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from proto.codec import Codec
 from proto.plan import SlotLoad
-from proto.tensor_parallel import (
-    AddAdapter,
-    BeginRun,
-    EndRun,
-    FinishStep,
-    LaunchStep,
-    RankZeroToRanks,
-    StopRanks,
-    SyncCopies,
-)
+from proto.tensor_parallel import AddAdapter, BeginRun, EndRun, LaunchStep, StopRanks, SyncCopies
 from runtime.base.parent_death import arm
 from runtime.common.host_pool import attach_pool, packed_from_pool, register_pinned
 from runtime.common.packed import PackedAdapter
 from stages.worker.executor import StepExecutor
 from stages.worker.lora.pool import runs_of
 from stages.worker.runner import ModelRunner, RunnerConfig
+from stages.worker.tp.channel import StepReceiver
 from stages.worker.tp.group import TPGroup, TPSpec
 
 log = logging.getLogger("lorapipe.tp")
-ONE_FRAME = 1 << 62  # every buffer inline: a broadcast carries one frame
 
 Read = Callable[[ModelRunner, AddAdapter], PackedAdapter]  # an adapter rank 0 added, from its files
 
@@ -50,11 +42,8 @@ class FollowerConfig(msgspec.Struct, frozen=True, kw_only=True):
     runner: RunnerConfig  # this rank's (its device)
     spec: TPSpec
     parent_pid: int  # the process that started this rank (rank 0); its death ends this one
+    channel: str  # rank 0's socket for this rank (`tp/channel.py`)
     host_pool_name: str | None = None  # the server's shared host cache (None: the offline engine)
-
-
-def rank_codec() -> Codec:
-    return Codec(RankZeroToRanks, inline_max=ONE_FRAME)
 
 
 def sync_copies(group: TPGroup) -> None:
@@ -98,41 +87,73 @@ class Follower:
         (`cfg.host_pool_name`), or from what `read` made of an adapter rank 0 added (offline engine)."""
         self.read = read
         self.host = HostBlocks(cfg.host_pool_name) if cfg.host_pool_name is not None else None
+        self.rank = cfg.spec.rank
+        # connected first: the connection is made while the group forms
+        self.channel = StepReceiver(cfg.channel, cfg.parent_pid)
         self.group = TPGroup(cfg.spec, torch.device(cfg.runner.device))
         self.runner = ModelRunner(cfg.runner, tp=self.group)
-        self.codec = rank_codec()
         self.adapters: dict[str, PackedAdapter] = {}
         self.executor: StepExecutor | None = None
         self.launched: collections.deque = collections.deque()
+        self.launches = 0  # steps of this run launched
+        self.finished = 0  # steps of this run finished (rank 0's count arrives with each launch)
+        self.idle_s = 0.0  # seconds of this run spent waiting for rank 0's next message
 
     def run(self) -> None:
         while True:
-            msg = self.codec.decode([self.group.broadcast_bytes(None)])
+            # Rank 0 launches with at most one earlier step unfinished: any older one it finishes before
+            # its next launch, and so may this rank, while it waits for that launch.
+            while len(self.launched) > 1:
+                self._finish_oldest()
+            start = time.perf_counter()
+            msg = self.channel.recv()
+            self.idle_s += time.perf_counter() - start
             if isinstance(msg, StopRanks):
                 return
             self.handle(msg)
 
     def handle(self, msg) -> None:
-        if isinstance(msg, LaunchStep):
-            self.launched.append(self.executor.launch(msg.plan))
-        elif isinstance(msg, FinishStep):
-            self.executor.finish(self.launched.popleft())
-        elif isinstance(msg, SyncCopies):
-            sync_copies(self.group)
-        elif isinstance(msg, AddAdapter):
-            self.adapters[msg.name] = self.read(self.runner, msg)
-        elif isinstance(msg, BeginRun):
-            self.launched.clear()
-            self.executor = StepExecutor(
-                self.runner,
-                self._load_slot,
-                msg.max_model_len,
-                seed=msg.seed,
-                overlap_loading=msg.overlap_loading,
-            )
-            self.executor.guided.prepare()  # as rank 0's: no rank waits for it at a first grammar
-        elif isinstance(msg, EndRun):
-            self.executor, self.launched = None, collections.deque()
+        match msg:
+            case LaunchStep(plan=plan, finished=finished):
+                while self.finished < finished:
+                    self._finish_oldest()
+                if self.finished > finished:
+                    raise RuntimeError(f"rank {self.rank} finished {self.finished} steps, rank 0 {finished}")
+                self.launched.append(self.executor.launch(plan))
+                self.launches += 1
+            case SyncCopies():
+                sync_copies(self.group)
+            case AddAdapter(name=name):
+                self.adapters[name] = self.read(self.runner, msg)
+            case BeginRun():
+                self._end_run()
+                self.executor = StepExecutor(
+                    self.runner,
+                    self._load_slot,
+                    msg.max_model_len,
+                    seed=msg.seed,
+                    overlap_loading=msg.overlap_loading,
+                )
+                self.executor.guided.prepare()  # as rank 0's: no rank waits for it at a first grammar
+            case EndRun():
+                self._end_run()
+
+    def _finish_oldest(self) -> None:
+        if not self.launched:
+            raise RuntimeError(f"rank 0 finished a step rank {self.rank} never launched")
+        self.executor.finish(self.launched.popleft())
+        self.finished += 1
+
+    def _end_run(self) -> None:
+        """Drop the executor and its steps in flight, logging this run's host time per step (what each
+        rank spends on a step beside rank 0's, `executor.phase_seconds`)."""
+        if self.launches:
+            n = self.launches
+            per = {k: round(v / n * 1e6) for k, v in self.executor.phase_seconds.items()}
+            log.info("run of %d steps: host us per step %s, waiting for rank 0 %d", n, per,
+                     round(self.idle_s / n * 1e6))  # fmt: skip
+        self.executor, self.launched = None, collections.deque()
+        self.launches, self.finished, self.idle_s = 0, 0, 0.0
 
     def _load_slot(self, load: SlotLoad) -> None:
         """The copy goes on the compute stream, ahead of the step's forward (and of its collectives,
@@ -142,7 +163,9 @@ class Follower:
 
     def close(self) -> None:
         """Stopped by rank 0 (`StopRanks`): every rank leaves the group together."""
-        self.executor, self.launched = None, collections.deque()
+        self._end_run()
+        self.channel.close()
+        gc.unfreeze()  # what `run_rank` froze may hold a graph in a cycle, which only a collection frees
         release_graphs(self.runner)
         self.group.close(graceful=True)
 
@@ -158,6 +181,10 @@ def run_rank(argv: list[str], read: Read | None = None) -> int:
         log.error("rank 0 (pid %d) exited before rank %d started", cfg.parent_pid, cfg.spec.rank)
         return 1
     follower = Follower(cfg, read)
+    # What setup made lives as long as the rank, as in the worker stage (rank 0): a full collection
+    # walking the model, its kernels and graphs would stall this rank's steps, and rank 0's with them.
+    gc.collect()
+    gc.freeze()
     follower.run()  # an error propagates: the rank exits non-zero and rank 0 reports it
     follower.close()
     # Stopped by rank 0: leave now, without the interpreter's teardown, whose CUDA and NCCL destructors

@@ -1,7 +1,7 @@
 """A tensor-parallel group of worker processes: the collectives the sharded forward needs (the sum of
 partial outputs, the gather of vocabulary shards, on the compute device: NCCL on CUDA, gloo on the CPU)
-and the control channel on which rank 0 hands every rank its next step (msgspec bytes over a gloo group:
-no pickle)."""
+and a gloo group on the CPU for the host's agreements (the smallest capacity, the barrier after adapter
+copies). Steps travel apart from it, on `tp/channel.py`."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class TPGroup:
         self._gloo_compute = not cuda
         self.peer: PeerAllReduce | None = None
         try:
-            # control messages and host-side agreement travel on the CPU, whatever the compute device
+            # host-side agreements (and barriers) travel on the CPU, whatever the compute device
             self.control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
             self.peer = make_peer(dist.group.WORLD, device, spec.size, disabled=not spec.peer_all_reduce)
         except BaseException:
@@ -101,20 +101,7 @@ class TPGroup:
         dist.all_gather_into_tensor(out, t)
         return out.permute(1, 0, 2).reshape(t.shape[0], -1)
 
-    # -- control (CPU, gloo) ---------------------------------------------------------------------------
-    def broadcast_bytes(self, data: bytes | None) -> bytes:
-        """Rank 0's `data` on every rank (other ranks pass None)."""
-        size = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64)
-        dist.broadcast(size, 0, group=self.control)
-        buf = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if self.rank == 0 and data
-            else torch.empty(int(size.item()), dtype=torch.uint8)
-        )
-        if buf.numel():
-            dist.broadcast(buf, 0, group=self.control)
-        return data if self.rank == 0 else bytes(buf.numpy())
-
+    # -- host agreement (CPU, gloo) ---------------------------------------------------------------------
     def min_int(self, value: int) -> int:
         """The smallest `value` over ranks (what every rank can hold: KV pages, pool rows)."""
         t = torch.tensor([value], dtype=torch.int64)

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from proto.plan import BatchPlan, StepResult
-from proto.tensor_parallel import BeginRun, FinishStep, LaunchStep
+from proto.tensor_parallel import BeginRun
 from stages.worker.config import WorkerConfig
 from stages.worker.executor import StepExecutor
 from stages.worker.runner import ModelRunner, RunnerConfig
@@ -68,7 +68,8 @@ class RankZero:
 
 
 class RankZeroExecutor:
-    """A `StepExecutor` whose launches and finishes every rank does too, in the same order."""
+    """A `StepExecutor` whose launches and finishes every rank does too, in the same order (a step's
+    finish travels with the next launch)."""
 
     def __init__(self, executor: StepExecutor, ranks: RankProcesses):
         self.executor, self.ranks = executor, ranks
@@ -77,12 +78,12 @@ class RankZeroExecutor:
         return getattr(self.executor, name)
 
     def launch(self, plan: BatchPlan):
-        self.ranks.send(LaunchStep(plan=plan))
+        self.ranks.launch(plan)
         return self.executor.launch(plan)
 
     def finish(self, step):
-        self.ranks.send(FinishStep())
         result, tokens = self.executor.finish(step)
+        self.ranks.step_finished()
         if result.slots_ready:
             self.ranks.sync_copies()
         return result, tokens

@@ -1,6 +1,7 @@
 """Rank 0's view of the other ranks of a tensor-parallel worker: `RankProcesses` starts ranks 1..N-1 as
-processes, joins the group with them, hands them each message (`proto/tensor_parallel.py`), makes sure
-their adapter copies are done before rank 0 reports a slot ready, and stops them. A rank that exits
+processes, joins the group with them, hands them each message (`proto/tensor_parallel.py`, over
+`tp/channel.py`: a step is one message, sent without waiting on them), makes sure their adapter copies
+are done before rank 0 reports a slot ready, and stops them. A rank that exits
 before the group is formed, or while rank 0 waits on it, fails rank 0 with `RankFailed`; one that exits
 while rank 0 is inside a step's collectives (on CUDA, where they wait on the device) makes the watchdog
 abort the group, which fails the step, and end this process if the step still does not return."""
@@ -24,10 +25,12 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from proto.tensor_parallel import StopRanks, SyncCopies
+from proto.plan import BatchPlan
+from proto.tensor_parallel import BeginRun, LaunchStep, StopRanks, SyncCopies
 from stages.worker.runner import ModelRunner, RunnerConfig
 from stages.worker.tp.allreduce import peer_made_here
-from stages.worker.tp.follower import FollowerConfig, rank_codec, release_graphs, sync_copies
+from stages.worker.tp.channel import StepSender, rank_address
+from stages.worker.tp.follower import FollowerConfig, release_graphs, sync_copies
 from stages.worker.tp.group import TPGroup, TPSpec, check_no_group, rank_device
 
 log = logging.getLogger("lorapipe.tp")
@@ -58,7 +61,7 @@ class RankProcesses:
         signal follows it). `host_pool_name`: the shared host cache the ranks copy adapters from."""
         check_no_group()
         self.size = size
-        self.codec = rank_codec()
+        self.finished = 0  # steps rank 0 finished since the last BeginRun (told with the next launch)
         self.store = dist.TCPStore(
             "127.0.0.1", 0, size, is_master=True, timeout=_delta(timeout_s), wait_for_workers=False
         )
@@ -68,6 +71,7 @@ class RankProcesses:
             "peer_all_reduce": not (runner_cfg.disable_custom_all_reduce or peer_made_here()),
         }
         self._dir = tempfile.TemporaryDirectory(prefix="lorapipe-tp-")
+        self.channel = StepSender(self._dir.name, size)
         self.procs: list[subprocess.Popen] = []
         self._stopping = threading.Event()  # set once this side stops the ranks (or gives up on them)
         env = {
@@ -79,6 +83,7 @@ class RankProcesses:
                 runner=dataclasses.replace(runner_cfg, device=rank_device(runner_cfg.device, rank)),
                 spec=TPSpec(rank=rank, size=size, **where, timeout_s=timeout_s),
                 parent_pid=os.getpid(),
+                channel=rank_address(self._dir.name, rank),
                 host_pool_name=host_pool_name,
             )
             path = Path(self._dir.name) / f"rank{rank}.json"
@@ -90,6 +95,7 @@ class RankProcesses:
             self.group = self.watch(lambda: TPGroup(spec, device, self.store))
         except BaseException:
             self.kill()
+            self._release()
             raise
         if device.type == "cuda":
             threading.Thread(target=self._watchdog, name="tp-watchdog", daemon=True).start()
@@ -121,11 +127,21 @@ class RankProcesses:
                 raise RankFailed(f"tensor-parallel rank {rank} exited ({code}); its log is above")
 
     def send(self, msg) -> None:
-        """Hand every other rank `msg` (they act on it in the order sent); `RankFailed` if one has
-        exited, rather than waiting on it in the broadcast."""
+        """Hand every other rank `msg` (they act on it in the order sent) without waiting for them;
+        `RankFailed` if one has exited. A BeginRun starts the count of finished steps again, as it
+        does on every rank."""
         self.check()
-        (frame,) = self.codec.encode(msg)
-        self.group.broadcast_bytes(bytes(frame))
+        if isinstance(msg, BeginRun):
+            self.finished = 0
+        self.channel.send(msg, self.check)
+
+    def launch(self, plan: BatchPlan) -> None:
+        """Before rank 0 launches `plan`: the one message of its step."""
+        self.send(LaunchStep(plan=plan, finished=self.finished))
+
+    def step_finished(self) -> None:
+        """Rank 0 finished its oldest step: the other ranks hear of it with the next launch."""
+        self.finished += 1
 
     def sync_copies(self) -> None:
         """Return once every rank's adapter copies issued so far are done (rank 0's included)."""
@@ -150,7 +166,7 @@ class RankProcesses:
             log.warning("a tensor-parallel rank did not stop cleanly (%s); killing it", e)
         finally:
             self.kill()
-            self._dir.cleanup()
+            self._release()
 
     def abandon(self) -> None:
         """After a failure on rank 0: kill the other ranks (they may wait in a collective rank 0 will
@@ -158,6 +174,11 @@ class RankProcesses:
         self._stopping.set()
         self.kill()
         self._leave(graceful=False)
+        self._release()
+
+    def _release(self) -> None:
+        """Once the other ranks are gone: their channel (nothing left to deliver) and its directory."""
+        self.channel.close()
         self._dir.cleanup()
 
     def _leave(self, graceful: bool) -> None:
