@@ -161,6 +161,13 @@ class DecodeGraphs:
                 self._capture(key)
         return len(self.graphs) - before
 
+    def dry_run(self) -> None:
+        """Stage and run each graph's batch eagerly once, capturing nothing (see StepGraphs.dry_run)."""
+        for key in self.graph_keys():
+            padded, s, lora = key
+            self._stage([], padded, splits=s, lora_class=lora)
+            self._forward(key)
+
     def graph_keys(self) -> list[tuple[int, int, int]]:
         """(bucket, key splits, LoRA tile class or 0) of every graph a batch can need, largest bucket
         first: each split count a context up to max_model_len can choose, each tile class of the bucket."""

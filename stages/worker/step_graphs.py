@@ -178,6 +178,19 @@ class StepGraphs:
                 self._capture_full(key)
         return self.num_graphs - before
 
+    def dry_run(self) -> None:
+        """Stage and run each graph's step eagerly once, capturing nothing. Under the compile pool's
+        `recording()` (the warm-up) this lists the kernel specializations capture will launch, so the
+        pool compiles them with the rest rather than capture one by one; the launches are skipped."""
+        for padded, splits, has_lora, gated in self.graph_keys():
+            if gated:
+                continue  # its twin's launches, behind waits
+            step = self._stage_padding(padded, has_lora)
+            if self.piecewise:
+                self._run_pieces(step, has_lora)
+            else:
+                self._forward_full((padded, splits, has_lora, False))
+
     def graph_keys(self) -> list[tuple[int, int, bool, bool]]:
         """(bucket, key splits, adapters present, layer-gated) of every graph a step can need, largest
         bucket first: in full mode each split count a context up to the page table's reach can choose

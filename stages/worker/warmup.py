@@ -130,10 +130,14 @@ def warm_up(
         with recording() as specs, torch.inference_mode():
             _lora(runner, launches, None)
             _attention(runner, attn, None)
-            # The step-sized forward's own kernels (norms, rotary, activation) too. Recorded launches do
-            # not run, so its activations are garbage; its indices all come from host copies, and nothing
-            # of it is kept.
+            # The step-sized forward's own kernels (norms, rotary, activation) too, and those graph capture
+            # will launch (its buffers' shapes and strides, which Triton specialises on, are the graphs'
+            # own). Recorded launches do not run, so activations are garbage; indices all come from host
+            # copies, and nothing of it is kept.
             _forward(runner)
+            for graphs in (runner.step_graphs, runner.graphs):
+                if graphs is not None:
+                    graphs.dry_run()
         say(f"warm-up: {len(specs)} kernel specializations to compile in {pool.workers} processes")
         marks.append(("record", time.perf_counter()))
     progress = _Progress(len(specs) + len(launches) + len(attn), say, report)
