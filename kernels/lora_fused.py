@@ -6,8 +6,9 @@ batches, where a step's LoRA time is the latency of its launches more than its b
 Programs take their role from a ticket (an atomic counter) in the order they start, shrinks first: an
 expand program waits only on shrinks that have started already, so the wait ends whatever the hardware's
 dispatch order and however few programs fit at once. Each shrink counts itself in its tile's counter
-after its stores; an expand loads its adapter's first B^T rows and the output before it waits. The last
-program to finish resets the tickets and counters, so every launch finds them zero."""
+after its stores; an expand loads its adapter's first B^T rows and the output before it waits for the
+tile's shrinks, then counts itself in too. The program that draws the last ticket resets the tickets,
+and the one that counts a tile's counter full resets it, so that every launch finds them zero."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from kernels.batch_info import META_COLS, BatchInfo, interpreting
 from kernels.lora_expand import ExpandConfig, _b_chunk, _row_gather, b_scale_chunk
 from kernels.lora_shrink import ShrinkConfig
 
-SYNC_HEAD = 2  # sync buffer: [tickets taken, programs done, one shrink counter per grid tile]
+SYNC_HEAD = 1  # sync buffer: [tickets drawn, one counter per grid tile]
 
 
 @triton.jit
@@ -74,6 +75,13 @@ def _shrink_part(
 
 
 @triton.jit
+def _count_in(count_ptr, tile_total):
+    """Count this program in at its tile's counter; the last of the tile's programs resets it."""
+    if tl.atomic_add(count_ptr, 1, sem="release") == tile_total - 1:
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed")
+
+
+@triton.jit
 def _v_chunk(v_ptrs, k, r16, m_ok, offs_r, stride_vp, NUM_SPLITS: tl.constexpr):
     """v[:, k:k+BLOCK_K] summed over the partials (fp32), read past L1: other programs of this launch
     wrote it."""
@@ -100,13 +108,14 @@ def _chunk_dot(v, bt, bs, UPCAST: tl.constexpr, CDT: tl.constexpr):
 @triton.jit
 def _expand_part(
     v_ptr, b_ptr, bs_ptr, out_ptr, ranks_ptr, scal_ptr, rows_ptr, meta_ptr, count_ptr, pid_t, pid_n,
-    shrinks_per_tile, table_width, d0, d1, d2, o0, o1, o2, stride_vp, stride_vt, stride_vi, stride_br,
-    stride_bsr, stride_rs, stride_ri, stride_ss, stride_si, stride_ts, stride_ot,
+    shrinks_per_tile, tile_total, table_width, d0, d1, d2, o0, o1, o2, stride_vp, stride_vt, stride_vi,
+    stride_br, stride_bsr, stride_rs, stride_ri, stride_ss, stride_si, stride_ts, stride_ot,
     NUM_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, META: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     """One expand program of `lora_expand`: out[tile rows, column block pid_n] += scaling * v @ B, once
-    the tile's `shrinks_per_tile` shrink programs have counted themselves in at `count_ptr`."""
+    the tile's `shrinks_per_tile` shrink programs have counted themselves in at `count_ptr` (of
+    `tile_total` programs that count there)."""
     row = meta_ptr + (pid_t + 1) * META
     start = tl.load(row)
     end = tl.load(row + 1)
@@ -140,8 +149,9 @@ def _expand_part(
     bs = b_scale_chunk(bs_col, prow, 0, r, offs_r, stride_bsr, SCALED)
     o = tl.load(o_ptrs, mask=o_mask, other=0.0)
     seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-    while seen < shrinks_per_tile:
+    while seen < shrinks_per_tile:  # only shrinks count before any expand has passed here
         seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+    _count_in(count_ptr, tile_total)
     acc = _chunk_dot(_v_chunk(v_ptrs, 0, r16, m_ok, offs_r, stride_vp, NUM_SPLITS), bt, bs, UPCAST, cdt)
     for k in range(BLOCK_K, r, BLOCK_K):
         prow = _row_gather(t_ptrs, k, offs_r, table_width)
@@ -160,8 +170,7 @@ def _lora_fused_kernel(
     stride_rs, stride_ri, stride_ss, stride_si, stride_ts, stride_ot,
     NUM_SLICES: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
     SHRINK_N: tl.constexpr, SHRINK_K: tl.constexpr, EXPAND_N: tl.constexpr, EXPAND_K: tl.constexpr,
-    SYNC_BLOCK: tl.constexpr, UPCAST: tl.constexpr, META: tl.constexpr, PDL: tl.constexpr,
-    SCALED: tl.constexpr,
+    HEAD: tl.constexpr, UPCAST: tl.constexpr, META: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     # Grid: (grid_tiles * (shrink_cols * SPLITS + expand_cols),), one role a ticket.
     # PDL: the kernel before may still run; the tickets, v and out are read only after the wait, and
@@ -171,6 +180,8 @@ def _lora_fused_kernel(
     ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
     per_tile = shrink_cols * SPLITS
     n_shrink = grid_tiles * per_tile
+    if ticket == n_shrink + grid_tiles * expand_cols - 1:  # every ticket is drawn
+        tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
     n_tiles = tl.load(meta_ptr)  # programs past the device header's tile count only count themselves
     if ticket < n_shrink:
         pid_t = ticket // per_tile
@@ -182,27 +193,20 @@ def _lora_fused_kernel(
                 stride_rs, stride_ri, stride_ts, stride_vp, stride_vt, stride_vi,
                 NUM_SLICES, BLOCK_R, BLOCK_M, SHRINK_N, SHRINK_K, UPCAST, META, SCALED,
             )  # fmt: skip
-        # Every thread's stores before the count's release.
-        tl.debug_barrier()
-        tl.atomic_add(sync_ptr + SYNC_HEAD + pid_t, 1, sem="release")
+        tl.debug_barrier()  # every thread's stores before the count's release
+        _count_in(sync_ptr + HEAD + pid_t, per_tile + expand_cols)
     else:
         pid_t = (ticket - n_shrink) // expand_cols
         if pid_t < n_tiles:
             _expand_part(
                 v_ptr, b_ptr, bs_ptr, out_ptr, ranks_ptr, scal_ptr, rows_ptr, meta_ptr,
-                sync_ptr + SYNC_HEAD + pid_t, pid_t, (ticket - n_shrink) % expand_cols, per_tile,
-                table_width, d0, d1, d2, o0, o1, o2, stride_vp, stride_vt, stride_vi, stride_br,
-                stride_bsr, stride_rs, stride_ri, stride_ss, stride_si, stride_ts, stride_ot,
-                SPLITS, BLOCK_R, BLOCK_M, EXPAND_N, EXPAND_K, UPCAST, META, SCALED,
+                sync_ptr + HEAD + pid_t, pid_t, (ticket - n_shrink) % expand_cols, per_tile,
+                per_tile + expand_cols, table_width, d0, d1, d2, o0, o1, o2, stride_vp, stride_vt,
+                stride_vi, stride_br, stride_bsr, stride_rs, stride_ri, stride_ss, stride_si, stride_ts,
+                stride_ot, SPLITS, BLOCK_R, BLOCK_M, EXPAND_N, EXPAND_K, UPCAST, META, SCALED,
             )  # fmt: skip
-    # Every program has passed its wait once all have counted themselves done: the last one resets.
-    done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
-    if done == n_shrink + grid_tiles * expand_cols - 1:
-        offs = tl.arange(0, SYNC_BLOCK)
-        for i in range(0, grid_tiles, SYNC_BLOCK):
-            tl.store(sync_ptr + SYNC_HEAD + i + offs, 0, mask=i + offs < grid_tiles)
-        tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
-        tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed")
+        else:  # nobody waits on this tile
+            _count_in(sync_ptr + HEAD + pid_t, per_tile + expand_cols)
 
 
 @dataclass(frozen=True)
@@ -292,7 +296,7 @@ def lora_shrink_expand(
         scalings.stride(0), scalings.stride(1), rows.stride(0), out.stride(0),
         NUM_SLICES=num_slices, SPLITS=shrink.split_k, BLOCK_R=br, BLOCK_M=info.block_m,
         SHRINK_N=shrink.block_n, SHRINK_K=shrink.block_k, EXPAND_N=expand.block_n,
-        EXPAND_K=expand.block_k, SYNC_BLOCK=128, UPCAST=interpreting(),
+        EXPAND_K=expand.block_k, HEAD=SYNC_HEAD, UPCAST=interpreting(),
         META=META_COLS, PDL=pdl, SCALED=a_scales is not None, num_warps=expand.num_warps,
         num_stages=min(shrink.num_stages, 2), launch_pdl=pdl,
     )  # fmt: skip

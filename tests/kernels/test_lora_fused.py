@@ -114,7 +114,7 @@ def test_fused_launch_checks_its_buffers(device):
     args = (x, a, b, ranks, ranks.float(), rows, out, g.out_offsets, g.out_dims, info)
     with pytest.raises(ValueError, match="sync must be int32"):
         lora_shrink_expand(
-            *args, v=v, sync=torch.zeros(2, dtype=torch.int32, device=device), shrink=sc, expand=ec
+            *args, v=v, sync=torch.zeros(1, dtype=torch.int32, device=device), shrink=sc, expand=ec
         )
     with pytest.raises(ValueError, match="v must be contiguous float32"):
         # one partial more than the shrink's split leaves: the expand would sum stale data
