@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora_fused import SYNC_HEAD
 from runtime.common.lora_layout import LoraLayout
 from stages.worker.graph_capture import recording
 from stages.worker.lora.factory import make_backend
@@ -82,7 +81,7 @@ def test_designs_agree_on_decode_batches(rank, graphed):
                     o.fill_(float("nan"))  # each replay writes every output anew
                 graph.replay()
         torch.cuda.synchronize()
-        assert int(backend._sync[: SYNC_HEAD + 64].abs().sum()) == 0, design
+        assert not backend._sync.any(), design
         results[design] = {k: o.clone() for k, o in outs.items()}
     ref = make_backend("torch", pool, max_tokens=2048)
     ref.prepare(indptr, seg_slots)
