@@ -3,13 +3,14 @@ left for the expand) and the expand's (as `lora_expand`) in one grid, each expan
 kernel for its token tile's shrink programs instead of the launch boundary between two kernels. For small
 batches, where a step's LoRA time is the latency of its launches more than its bytes.
 
-A token tile's programs take their roles from the tile's ticket (an atomic counter) in the order they
-start, shrinks first: an expand program waits only on shrinks that have started already, so the wait ends
-whatever the hardware's dispatch order and however few programs fit at once. Each shrink counts itself
-in at the tile's second counter after its stores; an expand loads its adapter's first B^T rows and the
-output before it waits there for the tile's shrinks, then counts itself in too. The program that draws
-a tile's last ticket resets the ticket, and the one that counts last resets the count, so that every
-launch finds them zero. Programs of tiles past the batch's own (a graph's grid) touch neither."""
+A fixed number of programs (PROGRAMS_PER_SM a streaming multiprocessor) draw work items from an atomic
+counter until the batch's are done: every shrink item of the batch's tiles (the device header's count)
+before any expand item. An expand item waits only on shrink items drawn before it, by programs that are
+running and never wait themselves, so the wait ends whatever the hardware's dispatch order and however
+few programs fit at once. A shrink item counts itself in at its tile's counter after its stores; an
+expand item loads its adapter's first B^T rows and the output, waits there for the tile's shrinks, then
+counts itself in too. The last of a tile's items to count in resets its counter, and the last draw of
+all (one past the items per program) the item counter, so that every launch finds them zero."""
 
 from __future__ import annotations
 
@@ -21,11 +22,15 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from kernels import device_info
 from kernels.batch_info import META_COLS, BatchInfo, interpreting
 from kernels.lora_expand import ExpandConfig, _b_chunk, _row_gather, b_scale_chunk
 from kernels.lora_shrink import ShrinkConfig
 
-SYNC_PER_TILE = 2  # sync buffer: per grid tile, [tickets drawn, programs counted in]
+SYNC_HEAD = 1  # sync buffer: [work items drawn, then per tile the programs counted in]
+# Programs of a fused launch per SM: enough to hide each one's latency, few enough that empty ones (the
+# batch has fewer items than a graph's grid can hold) cost little.
+PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -171,22 +176,24 @@ def _lora_fused_kernel(
     stride_rs, stride_ri, stride_ss, stride_si, stride_ts, stride_ot,
     NUM_SLICES: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
     SHRINK_N: tl.constexpr, SHRINK_K: tl.constexpr, EXPAND_N: tl.constexpr, EXPAND_K: tl.constexpr,
-    SYNC: tl.constexpr, UPCAST: tl.constexpr, META: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
+    HEAD: tl.constexpr, UPCAST: tl.constexpr, META: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
-    # Grid: (grid tiles * (shrink_cols * SPLITS + expand_cols),): each tile's programs side by side.
+    # Grid: (a fixed number of programs,), each drawing work items until none is left: the batch's shrink
+    # items (tile, column block, split) first, then its expand items (tile, column block), so that the
+    # grid does not follow the tile count a graph must cover, only the batch's own tiles get work.
     # PDL: the kernel before may still run; every program waits first (then its completion implies its
     # predecessor's), and the prologue saved is the launch itself.
     if PDL:
         gdc_wait()
     per_tile = shrink_cols * SPLITS
-    programs = per_tile + expand_cols  # of one tile
-    pid_t = tl.program_id(0) // programs
-    if pid_t < tl.load(meta_ptr):  # the device header's tile count
-        tickets = sync_ptr + SYNC * pid_t
-        role = tl.atomic_add(tickets, 1, sem="relaxed")
-        if role == programs - 1:  # every ticket of the tile is drawn
-            tl.atomic_xchg(tickets, 0, sem="relaxed")
-        if role < per_tile:
+    n_tiles = tl.load(meta_ptr)  # the device header's tile count
+    n_shrink = n_tiles * per_tile
+    n_items = n_shrink + n_tiles * expand_cols
+    item = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    while item < n_items:
+        if item < n_shrink:
+            pid_t = item // per_tile
+            role = item % per_tile
             _shrink_part(
                 x_ptr, a_ptr, as_ptr, v_ptr, ranks_ptr, rows_ptr, meta_ptr, pid_t, role // SPLITS,
                 role % SPLITS, K, k_per_split, table_width, stride_xt, stride_ar, stride_ai, stride_asr,
@@ -194,14 +201,20 @@ def _lora_fused_kernel(
                 NUM_SLICES, BLOCK_R, BLOCK_M, SHRINK_N, SHRINK_K, UPCAST, META, SCALED,
             )  # fmt: skip
             tl.debug_barrier()  # every thread's stores before the count's release
-            _count_in(tickets + 1, programs)
+            _count_in(sync_ptr + HEAD + pid_t, per_tile + expand_cols)
         else:
+            pid_t = (item - n_shrink) // expand_cols
             _expand_part(
-                v_ptr, b_ptr, bs_ptr, out_ptr, ranks_ptr, scal_ptr, rows_ptr, meta_ptr, tickets + 1, pid_t,
-                role - per_tile, per_tile, programs, table_width, d0, d1, d2, o0, o1, o2, stride_vp,
-                stride_vt, stride_vi, stride_br, stride_bsr, stride_rs, stride_ri, stride_ss, stride_si,
-                stride_ts, stride_ot, SPLITS, BLOCK_R, BLOCK_M, EXPAND_N, EXPAND_K, UPCAST, META, SCALED,
+                v_ptr, b_ptr, bs_ptr, out_ptr, ranks_ptr, scal_ptr, rows_ptr, meta_ptr,
+                sync_ptr + HEAD + pid_t, pid_t, (item - n_shrink) % expand_cols, per_tile,
+                per_tile + expand_cols, table_width, d0, d1, d2, o0, o1, o2, stride_vp, stride_vt,
+                stride_vi, stride_br, stride_bsr, stride_rs, stride_ri, stride_ss, stride_si, stride_ts,
+                stride_ot, SPLITS, BLOCK_R, BLOCK_M, EXPAND_N, EXPAND_K, UPCAST, META, SCALED,
             )  # fmt: skip
+        item = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    # Each program draws once past the items: the last draw of all resets the counter.
+    if item == n_items + tl.num_programs(0) - 1:
+        tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
 
 
 @dataclass(frozen=True)
@@ -218,7 +231,7 @@ class FusedConfig:
 
 def sync_buffer(max_tiles: int, device) -> torch.Tensor:
     """A zeroed sync buffer for launches of at most `max_tiles` grid tiles (every launch leaves it zero)."""
-    return torch.zeros(SYNC_PER_TILE * max(1, max_tiles), dtype=torch.int32, device=device)
+    return torch.zeros(SYNC_HEAD + max(1, max_tiles), dtype=torch.int32, device=device)
 
 
 def _check(x, a, b, v, out, sync, info: BatchInfo, shrink: ShrinkConfig, expand: ExpandConfig) -> None:
@@ -227,7 +240,7 @@ def _check(x, a, b, v, out, sync, info: BatchInfo, shrink: ShrinkConfig, expand:
     shape = (shrink.split_k, T, num_slices, br)
     if tuple(v.shape) != shape or v.dtype != torch.float32 or not v.is_contiguous():
         raise ValueError(f"v must be contiguous float32 {shape}, got {v.dtype} {tuple(v.shape)}")
-    need = SYNC_PER_TILE * info.num_tiles
+    need = SYNC_HEAD + info.num_tiles
     if sync.dtype != torch.int32 or sync.numel() < need or sync.device != x.device:
         raise ValueError(
             f"sync must be int32 with at least {need} elements on {x.device}, "
@@ -263,7 +276,7 @@ def lora_shrink_expand(
     """out += the group's LoRA delta, as `lora_shrink` then `lora_expand` with these configs add it (the
     shrink never sums its partials itself: `shrink.reduce` is ignored), in one launch. Operands as for
     those two; `v` [shrink.split_k, T, slices, block_rank] fp32 scratch for the partials (any content);
-    `sync` int32 of at least SYNC_PER_TILE * info.num_tiles elements, zero (every launch leaves it zero; one
+    `sync` int32 of at least SYNC_HEAD + info.num_tiles elements, zero (every launch leaves it zero; one
     launch at a time may use it). `pdl`: launch as a programmatic dependent where the expand config
     says so."""
     if check:
@@ -282,7 +295,8 @@ def lora_shrink_expand(
     o = list(out_offsets) + [0] * (3 - num_slices)
     k_per_split = triton.cdiv(triton.cdiv(K, shrink.split_k), shrink.block_k) * shrink.block_k
     pdl = pdl and expand.pdl
-    grid = (info.num_tiles * (shrink_cols * shrink.split_k + expand_cols),)
+    items = info.num_tiles * (shrink_cols * shrink.split_k + expand_cols)  # the most a batch can have
+    grid = (min(items, PROGRAMS_PER_SM * device_info.num_sms(x.device)),)
     _lora_fused_kernel[grid](
         x, a, a if a_scales is None else a_scales, v, b, b if b_scales is None else b_scales, out, ranks,
         scalings, rows, info.meta, sync, K, k_per_split, rows.shape[1], shrink_cols,
@@ -292,7 +306,7 @@ def lora_shrink_expand(
         scalings.stride(0), scalings.stride(1), rows.stride(0), out.stride(0),
         NUM_SLICES=num_slices, SPLITS=shrink.split_k, BLOCK_R=br, BLOCK_M=info.block_m,
         SHRINK_N=shrink.block_n, SHRINK_K=shrink.block_k, EXPAND_N=expand.block_n,
-        EXPAND_K=expand.block_k, SYNC=SYNC_PER_TILE, UPCAST=interpreting(),
+        EXPAND_K=expand.block_k, HEAD=SYNC_HEAD, UPCAST=interpreting(),
         META=META_COLS, PDL=pdl, SCALED=a_scales is not None, num_warps=expand.num_warps,
         num_stages=min(shrink.num_stages, 2), launch_pdl=pdl,
     )  # fmt: skip
