@@ -1,8 +1,8 @@
-"""The one-launch shrink + expand (`kernels/lora_fused.py`) against the two launches it replaces (bit for
-bit, with the same configs) and a float64 computation of each adapter's own weights: q/k/v of unequal
-widths, ranks 1, odd, 0 and above 64, base-only and empty-adapter rows, NaN in stale pool rows, split-K
-partials, a sync buffer left zero for the next launch; and the backend's designs ("fused", "side")
-against the torch backend, on model-dtype and 8-bit (e4m3, int8) pools."""
+"""The one-launch shrink + expand (`kernels/lora_fused.py`) against the two launches it replaces (with the
+same configs: bit for bit under the interpreter) and a float64 computation of each adapter's own weights:
+q/k/v of unequal widths, ranks 1, odd, 0 and above 64, base-only and empty-adapter rows, NaN in stale
+pool rows, split-K partials, a sync buffer left zero for the next launch; and the backend's "fused"
+design against the torch backend, on model-dtype and 8-bit (e4m3, int8) pools."""
 
 from __future__ import annotations
 
@@ -92,7 +92,10 @@ def test_fused_launch_equals_the_two_launches(device, dtype, group_name, tables,
             shrink=sc, expand=ec,
         )  # fmt: skip
         assert not sync.any()
-        assert torch.equal(one, two)
+        if device.type == "cpu":  # the interpreter: the same operations in the same order
+            assert torch.equal(one, two)
+        else:  # compiled separately, the two may order a dot's steps differently: rounding apart
+            assert rel_err(one - out0, two - out0) < TOL[dtype] / 4
     want = expected(x.cpu(), mem, ranks_all[:, 0, sl], scal_all[:, 0, sl], 0, g, indptr, seg_slots)
     touched = want != 0
     assert torch.equal(one.cpu()[~touched], out0.cpu()[~touched]), "changed a base-only row or rank-0 slice"
