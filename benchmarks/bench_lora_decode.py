@@ -8,9 +8,10 @@ scattered pool rows), every variant in one process, measured in rounds of altern
         [--designs serial,serial-nopdl,side,fused] [--rank 16] [--ctx 512] [--rounds 6] [--smoke]
 
 Per case: the median µs of one step, the LoRA overhead (step / base-only - 1), base-only / step, the
-bytes bound of that ratio (weights / (weights + the distinct adapters' rows)), and each design's
-logits against "serial" (max abs difference: 0 where the kernels are the same). Prints one table,
-writes OUT_DIR/lora_decode.json and OUT_DIR/lora_decode.txt."""
+bytes bound of that ratio (weights / (weights + the distinct adapters' rows)) and the fraction of it
+reached, and each design's logits against "serial" (max abs difference: 0 where the kernels are the
+same). A variant whose step does not finish within HANG_SECONDS stops the run with a message. Prints
+one table, writes OUT_DIR/lora_decode.json and OUT_DIR/lora_decode.txt."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from stages.worker.model.weights import LayerWeights, ModelWeights  # noqa: E402
 from stages.worker.seq_input import SeqInput  # noqa: E402
 
 PAGE = 16
+HANG_SECONDS = 60.0
 VARIANTS = (*DESIGNS, "serial-nopdl")
 
 
@@ -97,20 +99,39 @@ class NoPdl:
             device_info.pdl.cache_clear()
 
 
-def step_runner(model, kv, backend, seqs, ctx: int, capture: bool):
+def finish(device: torch.device, what: str, seconds: float = HANG_SECONDS) -> None:
+    """Wait for the device's queued work, polling: a step that has not finished within `seconds` (a
+    kernel waiting forever) ends the process with a message rather than hanging the machine."""
+    if device.type != "cuda":
+        return
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + seconds
+    while not done.query():
+        if time.monotonic() > deadline:
+            print(f"{what}: the GPU did not finish within {seconds:.0f} s; stopping", flush=True)
+            os._exit(3)
+        time.sleep(0.001)
+
+
+def step_runner(model, kv, backend, seqs, ctx: int, capture: bool, what: str):
     """A callable running one decode step of `seqs` (the captured graph's replay on CUDA), and the
-    step's logits (float32 [B, V], a copy)."""
-    graphs = DecodeGraphs(
-        model, kv, backend, max_batch=len(seqs), max_model_len=ctx + 2 * PAGE, capture=capture
-    )
-    logits = graphs.run(seqs).clone()
+    step's logits (float32 [B, V], a copy). The step runs eagerly once before it is captured, and the
+    graph once after, each watched for a hang."""
+    kw = dict(max_batch=len(seqs), max_model_len=ctx + 2 * PAGE)
+    eager = DecodeGraphs(model, kv, backend, capture=False, **kw)
+    logits = eager.run(seqs).clone()
+    finish(kv.k.device, f"{what}, eager")
     if not capture:
-        return (lambda: graphs.run(seqs)), logits
+        return (lambda: eager.run(seqs)), logits
+    graphs = DecodeGraphs(model, kv, backend, capture=True, **kw)
+    logits = graphs.run(seqs).clone()
+    finish(kv.k.device, f"{what}, graphed")
     (graph,) = graphs.graphs.values()
     return graph.replay, logits
 
 
-def time_us(fn, device: torch.device, iters: int) -> float:
+def time_us(fn, device: torch.device, iters: int, what: str) -> float:
     """Mean µs of one call over `iters` back-to-back calls (after three on CUDA)."""
     if device.type != "cuda":
         t0 = time.perf_counter()
@@ -125,7 +146,7 @@ def time_us(fn, device: torch.device, iters: int) -> float:
     for _ in range(iters):
         fn()
     end.record()
-    torch.cuda.synchronize(device)
+    finish(device, what)
     return start.elapsed_time(end) / iters * 1e3
 
 
@@ -147,16 +168,21 @@ def run_case(preset, batch, n_ad, a, device, model, cfg) -> dict:
         return sorted(out, key=lambda s: s.slot)  # each adapter's tokens contiguous
 
     runners, logits = {}, {}
-    runners["base-only"], logits["base-only"] = step_runner(model, kv, None, seqs(False), a.ctx, a.capture)
+    case = f"{preset} b{batch} {n_ad}x"
+    runners["base-only"], logits["base-only"] = step_runner(
+        model, kv, None, seqs(False), a.ctx, a.capture, f"{case} base-only"
+    )
     for variant in a.designs:
         with NoPdl(variant == "serial-nopdl"):
             backend = make_backend(pool, variant, max(a.max_seqs, batch))
-            runners[variant], logits[variant] = step_runner(model, kv, backend, seqs(True), a.ctx, a.capture)
+            runners[variant], logits[variant] = step_runner(
+                model, kv, backend, seqs(True), a.ctx, a.capture, f"{case} {variant}"
+            )
     samples: dict[str, list[float]] = {k: [] for k in runners}
     order = list(runners)
     for r in range(a.rounds):
         for name in order if r % 2 == 0 else order[::-1]:
-            samples[name].append(time_us(runners[name], device, a.iters))
+            samples[name].append(time_us(runners[name], device, a.iters, f"{case} {name}"))
     us = {k: statistics.median(v) for k, v in samples.items()}
     adapter_bytes = n_ad * a.rank * layout.row_elems * 2 * layout.num_layers  # distinct adapters' rows
     wb = weight_bytes(cfg)
@@ -171,6 +197,7 @@ def run_case(preset, batch, n_ad, a, device, model, cfg) -> dict:
                 samples=samples[name],
                 overhead_pct=100 * (t / us["base-only"] - 1),
                 vs_base=us["base-only"] / t,
+                fraction_of_bound=us["base-only"] / t / (wb / (wb + adapter_bytes)),
                 logits_max_diff_vs_serial=diff,
             )
         )
@@ -232,8 +259,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| case | variant | step µs | LoRA overhead | vs base-only | bytes bound | logits vs serial |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| case | variant | step µs | LoRA overhead | vs base-only | bytes bound | fraction of bound "
+        "| logits vs serial |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in results:
         case = f"{c['preset']} b{c['batch']} {c['adapters']}x r{c['rank']}"
@@ -241,7 +269,7 @@ def table(results: list[dict]) -> str:
             diff = "" if r["logits_max_diff_vs_serial"] is None else f"{r['logits_max_diff_vs_serial']:.1e}"
             lines.append(
                 f"| {case} | {r['variant']} | {r['us']:,.1f} | {r['overhead_pct']:+.1f} % | "
-                f"{r['vs_base']:.3f} | {c['bound_vs_base']:.3f} | {diff} |"
+                f"{r['vs_base']:.3f} | {c['bound_vs_base']:.3f} | {r['fraction_of_bound']:.3f} | {diff} |"
             )
     return "\n".join(lines)
 
