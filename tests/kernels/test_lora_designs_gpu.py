@@ -17,7 +17,10 @@ from stages.worker.lora.triton_backend import TritonLoraBackend
 from tests.kernels.conftest import TOL, indptr_of, rel_err
 from tests.kernels.test_triton_backend import load_full_rank
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.timeout(300),  # a fused launch whose wait never ends fails here, not the whole run
+]
 
 
 def _pool(rank: int) -> LoraPool:
