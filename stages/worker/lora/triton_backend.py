@@ -121,7 +121,8 @@ class TritonLoraBackend(LoraBackend):
         self._sync = sync_buffer(self.max_tokens, dev)  # the fused launches' tickets and tile counters
         # "side": the stream the shrinks run on, the fork and join events, and the (layer, group) whose
         # shrink is in flight there
-        self._side = torch.cuda.Stream(dev, priority=-1) if dev.type == "cuda" else None
+        side = self.design == "side" and dev.type == "cuda"
+        self._side = torch.cuda.Stream(dev, priority=-1) if side else None
         self._fork, self._join = (torch.cuda.Event(), torch.cuda.Event()) if self._side else (None, None)
         self._pending: tuple[int, str] | None = None
 
