@@ -5,7 +5,8 @@ design of the Triton backend (`TritonLoraBackend.design`: "serial", "side", "fus
 scattered pool rows), every variant in one process, measured in rounds of alternating order (A-B-B-A).
 
     python -m benchmarks.bench_lora_decode OUT_DIR [--cases 8b:16:4,8b:64:4,1b:64:32,1b:256:32]
-        [--designs serial,serial-nopdl,side,fused] [--rank 16] [--ctx 512] [--rounds 6] [--smoke]
+        [--designs serial,serial-nopdl,side,fused] [--rank 16] [--lora-dtype auto|fp8|int8] [--ctx 512]
+        [--rounds 6] [--smoke]
 
 Per case: the median µs of one step, the LoRA overhead (step / base-only - 1), base-only / step, the
 bytes bound of that ratio (weights / (weights + the distinct adapters' rows)) and the fraction of it
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_lora_step import layout_for, make_pool  # noqa: E402
 from kernels import device_info  # noqa: E402
+from kernels.lora_quant import NUM_SCALES, QUANT_DTYPES  # noqa: E402
 from runtime.common.model_config import ModelConfig  # noqa: E402
 from runtime.synthetic.model import build_config  # noqa: E402
 from stages.worker.decode_graphs import DecodeGraphs  # noqa: E402
@@ -153,7 +155,7 @@ def time_us(fn, device: torch.device, iters: int, what: str) -> float:
 def run_case(preset, batch, n_ad, a, device, model, cfg) -> dict:
     layout = layout_for(preset, a.rank)
     model.lora_layout = layout
-    pool, _ = make_pool(layout, int(a.pool_gb * 2**30), n_ad, [a.rank], device, a.seed)
+    pool, _ = make_pool(layout, int(a.pool_gb * 2**30), n_ad, [a.rank], device, a.seed, a.lora_dtype)
     pages = a.ctx // PAGE + 2
     kv = KVCache(
         num_layers=cfg.num_layers, num_pages=batch * pages, page_size=PAGE, num_kv_heads=cfg.num_kv_heads,
@@ -184,7 +186,9 @@ def run_case(preset, batch, n_ad, a, device, model, cfg) -> dict:
         for name in order if r % 2 == 0 else order[::-1]:
             samples[name].append(time_us(runners[name], device, a.iters, f"{case} {name}"))
     us = {k: statistics.median(v) for k, v in samples.items()}
-    adapter_bytes = n_ad * a.rank * layout.row_elems * 2 * layout.num_layers  # distinct adapters' rows
+    # the distinct adapters' rows: bf16, or 8-bit with an fp32 scale per slice's A and B^T row
+    row = layout.row_elems * 2 if pool.scales is None else layout.row_elems + 4 * NUM_SCALES
+    adapter_bytes = n_ad * a.rank * row * layout.num_layers
     wb = weight_bytes(cfg)
     ref = logits.get("serial")
     rows = []
@@ -203,8 +207,8 @@ def run_case(preset, batch, n_ad, a, device, model, cfg) -> dict:
         )
     lora_moved = float((logits[a.designs[0]] - logits["base-only"]).abs().max()) if a.designs else None
     return dict(
-        preset=preset, batch=batch, adapters=n_ad, rank=a.rank, ctx=a.ctx, weight_bytes=wb,
-        adapter_bytes=adapter_bytes, bound_vs_base=wb / (wb + adapter_bytes),
+        preset=preset, batch=batch, adapters=n_ad, rank=a.rank, lora_dtype=a.lora_dtype, ctx=a.ctx,
+        weight_bytes=wb, adapter_bytes=adapter_bytes, bound_vs_base=wb / (wb + adapter_bytes),
         lora_logits_max_change=lora_moved, rows=rows,
     )  # fmt: skip
 
@@ -215,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cases", default="8b:16:4,8b:64:4,1b:64:32,1b:256:32", help="preset:batch:adapters,...")
     p.add_argument("--designs", default="serial,serial-nopdl,side,fused", help=f"of {', '.join(VARIANTS)}")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--lora-dtype", choices=("auto", *QUANT_DTYPES), default="auto", help="the pool's rows")
     p.add_argument("--ctx", type=int, default=512, help="tokens each sequence has in the KV cache")
     p.add_argument(
         "--max-seqs", type=int, default=64, help="the runner's max_running_requests (at least batch)"
