@@ -284,9 +284,9 @@ class TritonLoraBackend(LoraBackend):
             or not isinstance(self._configs[group.name][1], ExpandActConfig)
         ):
             return super().apply_act(x, gate_up, layer, group, act)
-        shrink_cfg, act_cfg, v = self._configs[group.name]
-        a, b, ranks, scalings = self._views[layer, group.name]
-        a_sc, b_sc = self._scales[layer, group.name]
+        _, act_cfg, v = self._configs[group.name]
+        _, b, ranks, scalings = self._views[layer, group.name]
+        b_sc = self._scales[layer, group.name][1]
         joined = self._shrink_or_join(x, layer, group)
         return lora_expand_silu_mul(
             v,
@@ -308,9 +308,7 @@ class TritonLoraBackend(LoraBackend):
         info = self._info
         if self.design != "side" or self._side is None or info is None or info.num_tiles == 0:
             return
-        shrink_cfg, expand_cfg, v = self._configs[group.name]
-        if isinstance(expand_cfg, FusedConfig):
-            return
+        shrink_cfg, _, v = self._configs[group.name]
         a, _, ranks, _ = self._views[layer, group.name]
         self._fork.record(torch.cuda.current_stream(x.device))
         self._side.wait_event(self._fork)
