@@ -1,8 +1,9 @@
 """The Triton backend's designs on CUDA, as the model calls them (`begin` with a group's input, the base
 projection, then `apply`): "side" (the shrink on a side stream beside the projection) as "serial" (the
-same kernels, launched apart), "fused" (one launch a group) within bf16 rounding of it and of the torch backend, eagerly and
-replayed from a CUDA graph several times (the fused launches' sync buffer left zero by each); Llama-3-8B
-widths at ranks 16 and 80 (block rank 128); decode batches with base-only rows and an empty adapter."""
+same kernels, launched apart), "fused" (one launch a group) within bf16 rounding of it and of the torch
+backend, eagerly and replayed from a CUDA graph several times (the fused launches' sync buffer left zero
+by each); Llama-3-8B widths at ranks 16 and 80 (block rank 128); decode batches with base-only rows and
+an empty adapter."""
 
 from __future__ import annotations
 
