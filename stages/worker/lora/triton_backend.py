@@ -42,6 +42,13 @@ DESIGN_ENV = "LORAPIPE_LORA_DESIGN"  # one of DESIGNS, for A/B runs
 DEFAULT_DESIGN = "serial"
 
 
+def no_pdl(cfg: ExpandConfig | ExpandActConfig) -> ExpandConfig | ExpandActConfig:
+    """`cfg` launched in plain stream order (its kernel variants say so: the warm-up compiles those)."""
+    if isinstance(cfg, ExpandActConfig):
+        return ExpandActConfig(expand=replace(cfg.expand, pdl=False), act=replace(cfg.act, pdl=False))
+    return replace(cfg, pdl=False)
+
+
 class TritonLoraBackend(LoraBackend):
     """The kernels read adapter weights as rank rows of the pool's layer `l` (`pool.mem[l]`, [total_rows,
     row_elems]) through its row table: adapter id i (the id of the batch segments, and the row of
@@ -212,6 +219,8 @@ class TritonLoraBackend(LoraBackend):
                 expand_cfg = FusedConfig(expand_config(info, g.out_dims, shrink_cfg.split_k))
             else:
                 expand_cfg = expand_config(info, g.out_dims, v.shape[0])
+            if self.design == "side":  # no dependent launches: the side shrink's and the joined
+                shrink_cfg, expand_cfg = replace(shrink_cfg, pdl=False), no_pdl(expand_cfg)  # expand's
             configs[g.name] = (shrink_cfg, expand_cfg, v)
         return configs
 
@@ -287,7 +296,7 @@ class TritonLoraBackend(LoraBackend):
         _, act_cfg, v = self._configs[group.name]
         _, b, ranks, scalings = self._views[layer, group.name]
         b_sc = self._scales[layer, group.name][1]
-        joined = self._shrink_or_join(x, layer, group)
+        self._shrink_or_join(x, layer, group)
         return lora_expand_silu_mul(
             v,
             b,
@@ -298,7 +307,7 @@ class TritonLoraBackend(LoraBackend):
             info,
             config=act_cfg,
             check=False,
-            pdl=not joined,
+            pdl=True,
             b_scales=b_sc,
         )
 
@@ -312,27 +321,23 @@ class TritonLoraBackend(LoraBackend):
         a, _, ranks, _ = self._views[layer, group.name]
         self._fork.record(torch.cuda.current_stream(x.device))
         self._side.wait_event(self._fork)
-        with torch.cuda.stream(self._side):
-            # not a dependent launch: its predecessors are the event and another stream's kernels
-            self._shrink(x, a, ranks, info, v, shrink_cfg, self._scales[layer, group.name][0], pdl=False)
+        with torch.cuda.stream(self._side):  # its config says plain order: its predecessor is an event
+            self._shrink(x, a, ranks, info, v, shrink_cfg, self._scales[layer, group.name][0])
         self._join.record(self._side)
         self._pending = (layer, group.name)
 
-    def _shrink_or_join(self, x: torch.Tensor, layer: int, group: GroupLayout) -> bool:
-        """Join the side stream where `begin` launched this group's shrink there (True), else launch
-        it here. Every fork is joined before the next group's: the shrinks share the partials buffer."""
+    def _shrink_or_join(self, x: torch.Tensor, layer: int, group: GroupLayout) -> None:
+        """Join the side stream where `begin` launched this group's shrink there, else launch it here.
+        Every fork is joined before the next group's: the shrinks share the partials buffer."""
         if self._pending == (layer, group.name):
             self._pending = None
             torch.cuda.current_stream(x.device).wait_event(self._join)
-            return True
+            return
         shrink_cfg, _, v = self._configs[group.name]
         a, _, ranks, _ = self._views[layer, group.name]
         self._shrink(x, a, ranks, self._info, v, shrink_cfg, self._scales[layer, group.name][0])
-        return False
 
-    def _shrink(
-        self, x, a, ranks, info: BatchInfo, v: torch.Tensor, cfg: ShrinkConfig, a_sc, pdl: bool = True
-    ) -> None:
+    def _shrink(self, x, a, ranks, info: BatchInfo, v: torch.Tensor, cfg: ShrinkConfig, a_sc) -> None:
         lora_shrink(
             x,
             a,
@@ -344,7 +349,7 @@ class TritonLoraBackend(LoraBackend):
             counters=self._counters,
             config=cfg,
             check=False,
-            pdl=pdl,
+            pdl=True,
             a_scales=a_sc,
         )
 
@@ -368,7 +373,7 @@ class TritonLoraBackend(LoraBackend):
                 a_scales=a_sc, b_scales=b_sc,
             )  # fmt: skip
             return
-        joined = self._shrink_or_join(x, layer, group)
+        self._shrink_or_join(x, layer, group)
         lora_expand(
             v,
             b,
@@ -381,6 +386,6 @@ class TritonLoraBackend(LoraBackend):
             info,
             config=expand_cfg,
             check=False,
-            pdl=not joined,
+            pdl=True,
             b_scales=b_sc,
         )

@@ -137,6 +137,18 @@ def test_lora_plan_is_exactly_what_the_heuristics_can_pick(sms, pdl, monkeypatch
         assert below & {(k[0], k[1], k[2], k[3]) for k in want if not k[3].pdl}
 
 
+def test_lora_plan_holds_the_side_design_launches(monkeypatch):
+    """The side design launches in plain stream order (its shrink follows an event, its expand a join):
+    its configs say so, so the plan compiles those variants, and no dependent ones."""
+    monkeypatch.setattr(device_info, "num_sms", lambda device: 132)
+    monkeypatch.setattr(device_info, "pdl", lambda device: True)
+    backend = _backend(max_tokens=300, design="side")
+    padded = (1, 8, 64)
+    planned = [launch.key for launch in lora_launches(backend, padded)]
+    assert set(planned) == _brute_force_keys(backend, padded)
+    assert not any(k[3].pdl or k[4].pdl for k in planned)
+
+
 def test_lora_plan_holds_the_fused_design_launches(monkeypatch):
     """With the one-launch design, batches without prefill runs plan the fused kernel's variants (and
     no separate shrink and expand for them); the others keep theirs."""
