@@ -6,7 +6,7 @@ memory floor is the bytes that must move (activations in and out once, each dist
 once) at the measured copy bandwidth.
     python -m benchmarks.bench_lora_step [--preset 1b] [--pool-gb 4] [--adapters 80] [--decodes 190]
         [--prefill 512,256] [--max-seqs 256] [--ranks 8,16,32,64] [--sweep] [--only TEXT] [--out FILE]
-        [--act none|unfused|fused|both] [--lora-dtype auto|fp8|int8] [--smoke]
+        [--act none|unfused|fused|both] [--lora-dtype auto|fp8|int8] [--design serial|fused] [--smoke]
 With --act the gate_up group's activation is part of the step: its expand and then `silu_mul`
 (unfused), or the two as one kernel (fused, `kernels/lora_expand_act.py`); the graphed check is then the
 layer-0 activation's, against float64. With --lora-dtype fp8 or int8 the pool's rows are 8-bit with their
@@ -40,6 +40,7 @@ from stages.worker.graph_capture import recording  # noqa: E402
 from stages.worker.lora.backend import PADDED_BLOCK_M  # noqa: E402
 from stages.worker.lora.pool import LoraPool, pool_geometry  # noqa: E402
 from stages.worker.lora.triton_backend import (  # noqa: E402
+    DESIGNS,
     TritonLoraBackend,
     padded_tile_bound,
     workspace_rows,
@@ -254,6 +255,13 @@ def main(argv: list[str] | None = None) -> None:
         help="include the gate_up activation: after the expand, fused into it, or each variant both ways",
     )
     p.add_argument("--lora-dtype", choices=("auto", *QUANT_DTYPES), default="auto", help="the pool's rows")
+    p.add_argument(
+        "--design",
+        choices=DESIGNS,
+        default=None,
+        help="the backend's design (default: $LORAPIPE_LORA_DESIGN or serial); "
+        "'side' runs as 'serial' here (no base GEMM to run beside)",
+    )
     p.add_argument("--out")
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes and pool, to check the script on the CPU"
@@ -270,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     indptr, slots = make_step(a.adapters, a.decodes, prefill, a.seed)
     tokens = indptr[-1]
     bucket = next(b for b in token_buckets(8192) if b >= tokens)
-    backend = TritonLoraBackend(pool, max_tokens=8192)
+    backend = TritonLoraBackend(pool, max_tokens=8192, design=a.design)
     torch.manual_seed(a.seed)
     xs = [
         {g.name: torch.randn((bucket, g.in_dim), device=device, dtype=torch.bfloat16) for g in layout.groups}
@@ -385,6 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
         copy_tbps=copy_tbps,
+        design=backend.design,
         preset=a.preset,
         adapters=a.adapters,
         distinct=len(set(slots)),

@@ -10,14 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_quant import FP8, FP8_MAX
 from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
 
-E4M3 = torch.float8_e4m3fn
 # --lora-dtype name -> the pool's row dtype, and the largest magnitude a segment's amax maps onto (e4m3's
 # largest finite value; int8's symmetric range, rounded to nearest)
-QUANT_DTYPES = {"fp8": E4M3, "int8": torch.int8}
-QMAX = {E4M3: 448.0, torch.int8: 127.0}
-E4M3_MAX = QMAX[E4M3]
+QUANT_DTYPES = {"fp8": FP8, "int8": torch.int8}
+QMAX = {FP8: FP8_MAX, torch.int8: 127.0}
 NUM_SCALES = 2 * NUM_SLICES  # per rank row and layer: each slice's A row, then each slice's B^T row
 
 
@@ -169,7 +168,7 @@ def quantize_rows(
 
 
 def quantize_rows_ref(
-    src: torch.Tensor, segs: list[tuple[int, int]], dtype: torch.dtype = E4M3
+    src: torch.Tensor, segs: list[tuple[int, int]], dtype: torch.dtype = FP8
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch: (q [L, r, E] in `dtype`, zero outside the segments; scales [L, r, NUM_SCALES] fp32)."""
     x, qmax = src.float(), QMAX[dtype]

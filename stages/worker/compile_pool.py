@@ -29,6 +29,7 @@ KERNEL_MODULES = (
     "kernels.lora_shrink",
     "kernels.lora_expand",
     "kernels.lora_expand_act",
+    "kernels.lora_fused",
     "kernels.paged_attention",
 )
 

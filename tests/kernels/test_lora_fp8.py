@@ -10,7 +10,8 @@ import argparse
 import pytest
 import torch
 
-from kernels.lora_quant import E4M3, E4M3_MAX, NUM_SCALES, quantize_rows_ref, segments
+from kernels.fp8_quant import FP8, FP8_MAX
+from kernels.lora_quant import NUM_SCALES, quantize_rows_ref, segments
 from runtime.common.lora_layout import NUM_SLICES, TARGET_MODULES, LoraLayout
 from runtime.common.packed import PackedAdapter
 from runtime.serve_args import add_serve_arguments
@@ -41,7 +42,7 @@ def fp8_pool(layout: LoraLayout, ranks_of: list[int], device, seed: int, lora_dt
     written (NaN, their scales too)."""
     gen = torch.Generator().manual_seed(seed)
     pool = LoraPool(layout, sum(ranks_of) + 5, len(ranks_of) + 1, torch.bfloat16, device, lora_dtype)
-    if pool.mem.dtype == E4M3:
+    if pool.mem.dtype == FP8:
         pool.mem.fill_(float("nan"))
     else:  # int8 has no NaN: stale rows are large values instead (their scales are NaN)
         pool.mem.fill_(-128)
@@ -154,15 +155,15 @@ def test_quantized_rows_follow_their_definition():
     ranks = torch.full((2, NUM_SLICES), 5, dtype=torch.int32)
     pool.load(1, PackedAdapter("a", block, ranks, torch.ones(2, NUM_SLICES)), [(9, 2), (0, 3)])
     rows = [9, 10, 0, 1, 2]
-    assert pool.mem.dtype == E4M3 and pool.scales.shape == (2, 12, NUM_SCALES)
+    assert pool.mem.dtype == FP8 and pool.scales.shape == (2, 12, NUM_SCALES)
     assert torch.equal(pool.scales[:, rows], scales)
     for j, (off, n) in enumerate(segments(layout)):
         x = block[..., off : off + n].float()
         top = x.abs().amax(-1)
-        assert torch.equal(scales[..., j], torch.where(top > 0, top / E4M3_MAX, torch.ones_like(top)))
+        assert torch.equal(scales[..., j], torch.where(top > 0, top / FP8_MAX, torch.ones_like(top)))
         got = pool.mem[:, rows, off : off + n]
         assert torch.equal(got.view(torch.uint8), q[..., off : off + n].view(torch.uint8))
-        assert torch.equal(got.float(), (x / scales[..., j, None]).to(E4M3).float())
+        assert torch.equal(got.float(), (x / scales[..., j, None]).to(FP8).float())
         deq = got.float() * pool.scales[:, rows, j, None]
         assert ((deq - x).abs() <= x.abs() / 16 + scales[..., j, None] * 2**-9).all()  # half an ulp
     assert (pool.scales[1, 0, :] == 1.0).all() and (pool.mem[1, 0].float() == 0).all()

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora_quant import E4M3, NUM_SCALES, quantize_rows, quantize_rows_ref, segments
+from kernels.fp8_quant import FP8
+from kernels.lora_quant import NUM_SCALES, quantize_rows, quantize_rows_ref, segments
 from runtime.common.lora_layout import LoraLayout
 from tests.kernels.conftest import indptr_of, rel_err, small_layout
 from tests.kernels.test_lora_fp8 import LENGTHS, SLOTS, check_backend, expected_delta, fp8_pool
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 CUDA = torch.device("cuda")
 
 
-@pytest.mark.parametrize("row_dtype", [E4M3, torch.int8])
+@pytest.mark.parametrize("row_dtype", [FP8, torch.int8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_quantize_kernel_matches_torch(dtype, row_dtype):
     """Real 1B-shaped rows (segments of 512 to 8,192 elements), magnitudes over six decades, one all-zero

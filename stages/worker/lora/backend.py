@@ -56,6 +56,12 @@ class LoraBackend(ABC):
         (positive integers). A backend whose launches do not depend on the tile count has one, 1."""
         return (1,)
 
+    def begin(self, x: torch.Tensor, layer: int, group: GroupLayout) -> None:
+        """Called with a group's input before its base projection runs, and followed by that group's
+        `apply` (or `apply_act`) before any other group's `begin`: a backend may start what needs x
+        alone (the shrink) beside the projection. Nothing by default."""
+        return None
+
     @abstractmethod
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, group: GroupLayout) -> None:
         """out[T, group.out_total] += scaling * (x[T, group.in_dim] @ A^T) @ B^T, per token's adapter."""

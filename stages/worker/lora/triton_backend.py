@@ -1,77 +1,52 @@
 """Triton LoRA backend: the batch's token tiles are planned once per forward on the host and moved with
 one non-blocking copy into a fixed device buffer; each `apply` is one shrink and one expand launch whose
 grids come from host-known sizes, with ranks, scalings and adapter rows read on the device through
-fixed tables (no host-device sync)."""
+fixed tables (no host-device sync). How a group's launches meet its base projection is the backend's
+`design` (DESIGNS): in stream order after it, the shrink on a side stream beside it, or the shrink and
+expand of a batch that holds no prefill run as one launch after it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from os import environ
 
 import torch
 
 from kernels.batch_info import BatchInfo, BatchInfoBuilder, block_rank_for
 from kernels.lora_expand import ExpandConfig, expand_config, lora_expand
 from kernels.lora_expand_act import ExpandActConfig, expand_act_config, fusable, lora_expand_silu_mul
+from kernels.lora_fused import FusedConfig, lora_shrink_expand, sync_buffer
 from kernels.lora_quant import a_scales, b_scales
 from kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config, split_counters
 from runtime.common.lora_layout import GroupLayout, LoraLayout
 from stages.worker.lora.backend import PADDED_BLOCK_M, LoraBackend
 from stages.worker.lora.pool import LoraPool
+from stages.worker.lora.tiles import class_grid, classes_of, padded_tile_bound, split_cap, workspace_rows
 
-MAX_SPLIT_K = 16
-# A padded (graphed) batch's kernel configs follow its tile count (the shrink's split-K and column block fill
-# the GPU from it), which its graph cannot know. Configs chosen for the tile bound starve a step of few tiles:
-# on an H100, 256 decodes over 8 or 32 adapters (21, 37 tiles) took 1.28 and 1.38 ms of LoRA kernels with the
-# bound's configs, 0.83 and 1.04 ms with configs for 32 tiles; 80 adapters (82 tiles) 2.38 against 2.26 ms
-# with configs for 128. So a padded size has a graph per class: configs for min(bound, c) tiles for each c
-# here, and for the bound; a batch takes the first class c with tiles <= 1.5 c.
-TILE_CLASSES = (32, 128)
 # The gate_up group's expand is fused into the activation (kernels/lora_expand_act.py) for batches of more
 # tokens than sequences (`max_seqs`, else this), which hold prefill runs: on an H100 it cuts a step's LoRA and
 # activation time by 24 % at 31 x 256 prefill tokens and 8 % at 4 x 1,024, while 256-decode steps are 2-4 %
 # slower with it.
 FUSE_MIN_TOKENS = 256
 # Per group: kernel configs (the gate_up group's expand config is an ExpandActConfig when it is fused with
-# the activation), shrink output view.
-Configs = tuple[ShrinkConfig, ExpandConfig | ExpandActConfig, torch.Tensor]
+# the activation; a FusedConfig when the shrink and expand are one launch), shrink output view.
+Configs = tuple[ShrinkConfig, ExpandConfig | ExpandActConfig | FusedConfig, torch.Tensor]
+# "serial": shrink and expand in stream order after the base projection (dependent launches where the
+# device has them). "side": the shrink, which needs the projection's input alone, on a side stream forked
+# before the projection and joined before the expand (`begin`), so that it runs beside the GEMM.
+# "fused": shrink and expand as one launch (kernels/lora_fused.py) in batches without prefill runs.
+DESIGNS = ("serial", "side", "fused")
+DESIGN_ENV = "LORAPIPE_LORA_DESIGN"  # one of DESIGNS, for A/B runs
+DEFAULT_DESIGN = "serial"
 
 
-def workspace_rows(max_tokens: int) -> int:
-    """Token rows of the shrink's fp32 partials buffer: room for split-K on decode-sized batches."""
-    return max(2 * max_tokens, MAX_SPLIT_K * 256)
-
-
-def split_cap(num_tokens: int, ws_rows: int) -> int:
-    """Largest power-of-two split-K (at most MAX_SPLIT_K) whose partials fit `ws_rows` token rows."""
-    cap = 1
-    while cap < MAX_SPLIT_K and 2 * cap * max(1, num_tokens) <= ws_rows:
-        cap *= 2
-    return cap
-
-
-def padded_tile_bound(pad_to: int, block_m: int, num_ids: int, max_seqs: int | None) -> int:
-    """Most tiles of `block_m` tokens a padded batch of `pad_to` tokens can have. Runs are one per
-    adapter id (the runner orders tokens by id) and one per sequence at most, and sum(ceil(len /
-    block_m)) is at most the run count plus pad_to // block_m. Every program past a step's own tiles
-    still launches and returns, so the bound is kept tight: with a large pool (762 ids in 4 GB at 1B
-    shapes) the ids alone would make a 1,024-token graph launch 3x the programs that 256 sequences can
-    need."""
-    return min(pad_to, min(num_ids, max_seqs or pad_to) + pad_to // block_m)
-
-
-def class_grid(tile_class: int, bound: int) -> int:
-    """Tiles the grids of a padded batch's class cover: the bound for the bound's class, else 1.5 times
-    the class (at most the bound). "auto" puts a batch in the first class whose grid holds its tiles: a
-    decode step of few adapters on the bound's grid would launch 8x the programs it needs, and the empty
-    ones cost a third of its LoRA time."""
-    return bound if tile_class == bound else min(bound, tile_class * 3 // 2)
-
-
-def classes_of(bound: int) -> tuple[int, ...]:
-    """The tile classes of a padded batch whose tile bound is `bound`, ascending: the bound last."""
-    return tuple(sorted({min(bound, c) for c in TILE_CLASSES} | {bound}))
+def no_pdl(cfg: ExpandConfig | ExpandActConfig) -> ExpandConfig | ExpandActConfig:
+    """`cfg` launched in plain stream order (its kernel variants say so: the warm-up compiles those)."""
+    if isinstance(cfg, ExpandActConfig):
+        return ExpandActConfig(expand=replace(cfg.expand, pdl=False), act=replace(cfg.act, pdl=False))
+    return replace(cfg, pdl=False)
 
 
 class TritonLoraBackend(LoraBackend):
@@ -84,10 +59,21 @@ class TritonLoraBackend(LoraBackend):
 
     name = "triton"
 
-    def __init__(self, pool: LoraPool, max_tokens: int, max_seqs: int | None = None, fuse_act: bool = True):
-        """`fuse_act`: the gate_up group's expand and the activation in one kernel (`apply_act`)."""
+    def __init__(
+        self,
+        pool: LoraPool,
+        max_tokens: int,
+        max_seqs: int | None = None,
+        fuse_act: bool = True,
+        design: str | None = None,
+    ):
+        """`fuse_act`: the gate_up group's expand and the activation in one kernel (`apply_act`).
+        `design`: one of DESIGNS (None: $LORAPIPE_LORA_DESIGN, else DEFAULT_DESIGN)."""
         super().__init__(pool, max_tokens, max_seqs)
         self.fuse_act = fuse_act
+        self.design = design or environ.get(DESIGN_ENV) or DEFAULT_DESIGN
+        if self.design not in DESIGNS:
+            raise ValueError(f"unknown LoRA design {self.design!r} (one of {', '.join(DESIGNS)})")
         self._init_metadata()
         self._init_workspace()
         self._init_views()
@@ -125,8 +111,8 @@ class TritonLoraBackend(LoraBackend):
         self._builder = BatchInfoBuilder(self.max_tokens, self.pool.device)
         self._info: BatchInfo | None = None
         self._configs: dict[str, Configs] = {}
-        # (pad_to, block_m, class, fuse_act) -> configs
-        self._padded_configs: dict[tuple[int, int, int, bool], dict[str, Configs]] = {}
+        # (pad_to, block_m, class, fuse_act, design) -> configs
+        self._padded_configs: dict[tuple[int, int, int, bool, str], dict[str, Configs]] = {}
 
     def _init_workspace(self) -> None:
         # The shrink's split-K fp32 partials (its output when the expand sums them), its summed output
@@ -139,6 +125,13 @@ class TritonLoraBackend(LoraBackend):
         self._workspace = torch.empty(self._ws_rows * max_slices * br, dtype=torch.float32, device=dev)
         self._v = torch.empty(self.max_tokens * max_slices * br, dtype=torch.float32, device=dev)
         self._counters = split_counters(self.max_tokens, max_slices, br, dev)
+        self._sync = sync_buffer(self.max_tokens, dev)  # the fused launches' tickets and tile counters
+        # "side": the stream the shrinks run on, the fork and join events, and the (layer, group) whose
+        # shrink is in flight there
+        side = self.design == "side" and dev.type == "cuda"
+        self._side = torch.cuda.Stream(dev, priority=-1) if side else None
+        self._fork, self._join = (torch.cuda.Event(), torch.cuda.Event()) if self._side else (None, None)
+        self._pending: tuple[int, str] | None = None
 
     @property
     def batch_info(self) -> BatchInfo | None:
@@ -206,7 +199,7 @@ class TritonLoraBackend(LoraBackend):
             num_slots_used=real.num_slots_used,
             row_blocks=real.row_blocks,
         )
-        key = (pad_to, block_m, tile_class, self.fuse_act)  # tools flip `fuse_act` to compare
+        key = (pad_to, block_m, tile_class, self.fuse_act, self.design)  # tools flip these to compare
         cached = self._padded_configs.get(key)
         if cached is None:  # configs as for the class's tile count
             cached = self._padded_configs[key] = self._make_configs(replace(info, num_tiles=tile_class))
@@ -220,8 +213,14 @@ class TritonLoraBackend(LoraBackend):
             v = self.shrink_output(info, g, shrink_cfg)
             if self.fuses(g) and info.num_tokens > (self.max_seqs or FUSE_MIN_TOKENS):
                 expand_cfg = expand_act_config(info, g.out_dims, v.shape[0])  # both kernels' configs
+            elif self.design == "fused" and info.num_tokens <= (self.max_seqs or FUSE_MIN_TOKENS):
+                shrink_cfg = replace(shrink_cfg, reduce=False)  # the expand programs sum the partials
+                v = self.shrink_output(info, g, shrink_cfg)
+                expand_cfg = FusedConfig(expand_config(info, g.out_dims, shrink_cfg.split_k))
             else:
                 expand_cfg = expand_config(info, g.out_dims, v.shape[0])
+            if self.design == "side":  # no dependent launches: the side shrink's and the joined
+                shrink_cfg, expand_cfg = replace(shrink_cfg, pdl=False), no_pdl(expand_cfg)  # expand's
             configs[g.name] = (shrink_cfg, expand_cfg, v)
         return configs
 
@@ -294,10 +293,10 @@ class TritonLoraBackend(LoraBackend):
             or not isinstance(self._configs[group.name][1], ExpandActConfig)
         ):
             return super().apply_act(x, gate_up, layer, group, act)
-        shrink_cfg, act_cfg, v = self._configs[group.name]
-        a, b, ranks, scalings = self._views[layer, group.name]
-        a_sc, b_sc = self._scales[layer, group.name]
-        self._shrink(x, a, ranks, info, v, shrink_cfg, a_sc)
+        _, act_cfg, v = self._configs[group.name]
+        _, b, ranks, scalings = self._views[layer, group.name]
+        b_sc = self._scales[layer, group.name][1]
+        self._shrink_or_join(x, layer, group)
         return lora_expand_silu_mul(
             v,
             b,
@@ -311,6 +310,32 @@ class TritonLoraBackend(LoraBackend):
             pdl=True,
             b_scales=b_sc,
         )
+
+    def begin(self, x: torch.Tensor, layer: int, group: GroupLayout) -> None:
+        """ "side": fork the side stream from the current one and launch the group's shrink there (its
+        expand, in `apply`/`apply_act`, joins it). The other designs start nothing before the GEMM."""
+        info = self._info
+        if self.design != "side" or self._side is None or info is None or info.num_tiles == 0:
+            return
+        shrink_cfg, _, v = self._configs[group.name]
+        a, _, ranks, _ = self._views[layer, group.name]
+        self._fork.record(torch.cuda.current_stream(x.device))
+        self._side.wait_event(self._fork)
+        with torch.cuda.stream(self._side):  # its config says plain order: its predecessor is an event
+            self._shrink(x, a, ranks, info, v, shrink_cfg, self._scales[layer, group.name][0])
+        self._join.record(self._side)
+        self._pending = (layer, group.name)
+
+    def _shrink_or_join(self, x: torch.Tensor, layer: int, group: GroupLayout) -> None:
+        """Join the side stream where `begin` launched this group's shrink there, else launch it here.
+        Every fork is joined before the next group's: the shrinks share the partials buffer."""
+        if self._pending == (layer, group.name):
+            self._pending = None
+            torch.cuda.current_stream(x.device).wait_event(self._join)
+            return
+        shrink_cfg, _, v = self._configs[group.name]
+        a, _, ranks, _ = self._views[layer, group.name]
+        self._shrink(x, a, ranks, self._info, v, shrink_cfg, self._scales[layer, group.name][0])
 
     def _shrink(self, x, a, ranks, info: BatchInfo, v: torch.Tensor, cfg: ShrinkConfig, a_sc) -> None:
         lora_shrink(
@@ -341,7 +366,14 @@ class TritonLoraBackend(LoraBackend):
         a_sc, b_sc = self._scales[layer, group.name]
         # The views and configs were made here, once; the kernels' argument checks would cost a
         # measurable share of an eager step's host time (128 launches per forward of a 16-layer model).
-        self._shrink(x, a, ranks, info, v, shrink_cfg, a_sc)
+        if isinstance(expand_cfg, FusedConfig):
+            lora_shrink_expand(
+                x, a, b, ranks, scalings, self.pool.rows, out, group.out_offsets, group.out_dims, info,
+                v=v, sync=self._sync, shrink=shrink_cfg, expand=expand_cfg.expand, check=False, pdl=True,
+                a_scales=a_sc, b_scales=b_sc,
+            )  # fmt: skip
+            return
+        self._shrink_or_join(x, layer, group)
         lora_expand(
             v,
             b,

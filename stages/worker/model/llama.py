@@ -73,6 +73,7 @@ class LlamaModel:
         """Layer i up to attention: norm, QKV (+ LoRA), rotary, the K/V write. Returns q [T, heads, D]."""
         cfg, lw = self.cfg, self.w.layers[i]
         x = self.ops.norm(h, lw.input_norm, cfg.rms_norm_eps)
+        self._begin(lora, x, i, "qkv")
         qkv = linear(x, lw.qkv, lw.qkv_bias)  # [T, q + 2 kv]
         self._lora(lora, x, qkv, i, "qkv")
         return self.ops.rope_kv(qkv, cos, sin, kv_rows, kv, i, cfg.num_heads, cfg.num_kv_heads)  # [T, H, D]
@@ -80,6 +81,7 @@ class LlamaModel:
     def post_attention(self, i: int, h, attn, lora) -> torch.Tensor:
         """Layer i after attention: O (+ LoRA) and the residual, then the MLP block. Returns h [T, H]."""
         lw = self.w.layers[i]
+        self._begin(lora, attn, i, "o")
         o = linear(attn, lw.o, lw.o_bias)  # [T, H]
         self._lora(lora, attn, o, i, "o")
         o = self.split.sum_partial(o)
@@ -90,16 +92,22 @@ class LlamaModel:
         last = self.ops.norm(h[logits_indices], self.w.norm, self.cfg.rms_norm_eps)  # [B, H]
         return self.split.vocab_logits(last, self.w.lm_head)  # [B, V]
 
+    def _begin(self, lora: LoraBackend | None, x, layer: int, group: str) -> None:
+        if lora is not None:  # the backend may start the group's shrink beside the projection
+            lora.begin(x, layer, self.lora_layout.group(group))
+
     def _lora(self, lora: LoraBackend | None, x, out, layer: int, group: str) -> None:
         if lora is not None:
             lora.apply(x, out, layer, self.lora_layout.group(group))
 
     def _mlp(self, i, lw: LayerWeights, x, lora) -> torch.Tensor:
+        self._begin(lora, x, i, "gate_up")
         gate_up = linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2I]
         if lora is None:
             act = self.ops.act(gate_up)  # silu(gate) * up, [T, I]
         else:  # the backend may fuse the delta into the activation
             act = lora.apply_act(x, gate_up, i, self.lora_layout.group("gate_up"), self.ops.act)
+        self._begin(lora, act, i, "down")
         down = linear(act, lw.down, lw.down_bias)  # [T, H]
         self._lora(lora, act, down, i, "down")
         return self.split.sum_partial(down)

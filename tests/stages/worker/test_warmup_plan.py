@@ -15,6 +15,7 @@ import torch
 from kernels import device_info
 from kernels.batch_info import BatchInfoBuilder, choose_block_m, plan_runs, plan_tiles
 from kernels.lora_expand_act import ExpandActConfig
+from kernels.lora_fused import FusedConfig
 from kernels.paged_attention import choose_splits, plan_blocks
 from runtime.common.lora_layout import LoraLayout
 from stages.worker.lora.pool import LoraPool
@@ -63,7 +64,7 @@ def test_block_m_spans_give_choose_block_m_at_every_length():
 
 
 def _backend(
-    max_tokens: int, max_rank: int = 24, slots: int = 3, lora_dtype: str = "auto"
+    max_tokens: int, max_rank: int = 24, slots: int = 3, lora_dtype: str = "auto", design: str = "serial"
 ) -> TritonLoraBackend:
     # Real projection widths, so that split-K (bounded by in_dim) takes every value it can.
     layout = LoraLayout.build(
@@ -72,7 +73,7 @@ def _backend(
     pool = LoraPool(
         layout, max_rank * slots, slots, torch.float32, torch.device("cpu"), lora_dtype
     )  # `slots` ids
-    return TritonLoraBackend(pool, max_tokens)
+    return TritonLoraBackend(pool, max_tokens, design=design)
 
 
 def _brute_force_keys(backend: TritonLoraBackend, padded: tuple[int, ...]) -> set[tuple]:
@@ -134,6 +135,38 @@ def test_lora_plan_is_exactly_what_the_heuristics_can_pick(sms, pdl, monkeypatch
     if pdl:  # a shrink config reached on both sides of the bound is two variants, both planned
         below = {(k[0], k[1], k[2], replace(k[3], pdl=False)) for k in want if k[3].pdl}
         assert below & {(k[0], k[1], k[2], k[3]) for k in want if not k[3].pdl}
+
+
+def test_lora_plan_holds_the_side_design_launches(monkeypatch):
+    """The side design launches in plain stream order (its shrink follows an event, its expand a join):
+    its configs say so, so the plan compiles those variants, and no dependent ones."""
+    monkeypatch.setattr(device_info, "num_sms", lambda device: 132)
+    monkeypatch.setattr(device_info, "pdl", lambda device: True)
+    backend = _backend(max_tokens=300, design="side")
+    padded = (1, 8, 64)
+    planned = [launch.key for launch in lora_launches(backend, padded)]
+    assert set(planned) == _brute_force_keys(backend, padded)
+    assert not any(k[3].pdl or k[4].pdl for k in planned)
+
+
+def test_lora_plan_holds_the_fused_design_launches(monkeypatch):
+    """With the one-launch design, batches without prefill runs plan the fused kernel's variants (and
+    no separate shrink and expand for them); the others keep theirs."""
+    monkeypatch.setattr(device_info, "num_sms", lambda device: 132)
+    monkeypatch.setattr(device_info, "pdl", lambda device: True)
+    backend = _backend(max_tokens=300, design="fused")
+    padded = (1, 8, 16, 64)
+    planned = [launch.key for launch in lora_launches(backend, padded)]
+    assert len(planned) == len(set(planned)), "a variant planned twice"
+    assert set(planned) == _brute_force_keys(backend, padded)
+    fused = [k for k in planned if isinstance(k[4], FusedConfig)]
+    assert fused and all(not k[3].reduce for k in fused)
+    assert {
+        launch.num_tokens <= 256
+        for launch in lora_launches(backend, padded)
+        if isinstance(launch.key[4], FusedConfig)
+    } == {True}
+    assert any(not isinstance(k[4], FusedConfig) for k in planned)  # prefill-sized batches: two launches
 
 
 def test_lora_plan_names_the_pool_row_dtype():
