@@ -104,15 +104,15 @@ def warm_up(
     if runner.device.type != "cuda":
         return WarmupStats(0, 0, 0.0, cache_dir)
     from stages.worker.compile_pool import counting_compiles, recording
+    from stages.worker.plan_cache import cached_plan, fingerprint
     from stages.worker.warmup_plan import attention_variants, lora_launches, plan_axes
 
     graphs = runner.graphs_sizes()
-    lora = runner.lora
-    launches = lora_launches(lora, graphs) if lora.name == "triton" else []  # type: ignore[arg-type]
-    attn = []
+    lora = runner.lora if runner.lora.name == "triton" else None
+    m = runner.model_cfg
+    attn_args = {}
     if runner.attention_backend == "triton":
-        m = runner.model_cfg
-        attn = attention_variants(
+        attn_args = dict(
             num_heads=m.num_heads,
             num_kv_heads=m.num_kv_heads,
             max_tokens=runner.cfg.max_tokens_per_step,
@@ -120,10 +120,19 @@ def warm_up(
             max_model_len=runner.max_context,
             device=runner.device,
         )
+
+    def plan() -> tuple[list, list]:
+        launches = lora_launches(lora, graphs) if lora is not None else []  # type: ignore[arg-type]
+        return launches, attention_variants(**attn_args) if attn_args else []
+
+    key = fingerprint(lora, graphs, attn_args)
+    (launches, attn), read = cached_plan(os.environ.get("TRITON_CACHE_DIR"), key, plan)
+    if lora is not None:
+        lora.prepare([0], [])  # an empty batch: its header says 0 tiles (what the launches below read)
     marks = [("plan", time.perf_counter())]
     say(
         f"warm-up: {len(launches)} LoRA and {len(attn)} attention kernel variants to compile or load "
-        f"(cache: {cache_dir}); {plan_axes(launches, attn)}"
+        f"(cache: {cache_dir}; plan {'read from it' if read else 'computed'}); {plan_axes(launches, attn)}"
     )
     specs = []
     if pool is not None:
