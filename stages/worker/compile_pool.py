@@ -30,6 +30,7 @@ KERNEL_MODULES = (
     "kernels.lora_expand",
     "kernels.lora_expand_act",
     "kernels.paged_attention",
+    "kernels.fp8_gemm",
 )
 
 

@@ -49,6 +49,7 @@ class WarmupStats:
     kernels: int = 0  # distinct kernel specializations the launches need (recorded for the pool)
     compiled: int = 0  # of those, compiled by the pool (the rest were in the cache)
     compiled_here: int = 0  # kernels the launches compiled in this process (not found in the cache)
+    fp8: int = 0  # weight-only fp8 GEMM variants launched
 
 
 Report = Callable[[int, int], None]  # (steps done, total): compiles of the pool, then variant launches
@@ -101,8 +102,9 @@ def warm_up(
     start = time.perf_counter()
     if runner.device.type != "cuda":
         return WarmupStats(0, 0, 0.0, cache_dir)
+    from kernels import device_info
     from stages.worker.compile_pool import counting_compiles, recording
-    from stages.worker.warmup_plan import attention_variants, lora_launches, plan_axes
+    from stages.worker.warmup_plan import attention_variants, fp8_launches, lora_launches, plan_axes
 
     graphs = runner.graphs_sizes()
     lora = runner.lora
@@ -118,8 +120,10 @@ def warm_up(
             max_model_len=runner.max_context,
             device=runner.device,
         )
+    fp8 = fp8_launches(runner.model.w.layers[0], device_info.num_sms(runner.device))
     say(
-        f"warm-up: {len(launches)} LoRA and {len(attn)} attention kernel variants to compile or load "
+        f"warm-up: {len(launches)} LoRA, {len(attn)} attention and {len(fp8)} fp8 GEMM kernel variants "
+        f"to compile or load "
         f"(cache: {cache_dir}); {plan_axes(launches, attn)}"
     )
     specs = []
@@ -127,21 +131,23 @@ def warm_up(
         with recording() as specs, torch.inference_mode():
             _lora(runner, launches, None)
             _attention(runner, attn, None)
+            _fp8(runner, fp8, None)
             # The step-sized forward's own kernels (norms, rotary, activation) too. Recorded launches do
             # not run, so its activations are garbage; its indices all come from host copies, and nothing
             # of it is kept.
             _forward(runner)
         say(f"warm-up: {len(specs)} kernel specializations to compile in {pool.workers} processes")
-    progress = _Progress(len(specs) + len(launches) + len(attn), say, report)
+    progress = _Progress(len(specs) + len(launches) + len(attn) + len(fp8), say, report)
     compiled = pool.compile(specs, lambda: progress.step("compiled")) if specs else 0
     with torch.inference_mode(), counting_compiles() as here:
         _lora(runner, launches, progress)
         _attention(runner, attn, progress)
+        _fp8(runner, fp8, progress)
         _forward(runner)
     torch.cuda.synchronize(runner.device)
     took = time.perf_counter() - start
     say(done_line(took, compiled, len(specs), sum(here), len(here)))
-    return WarmupStats(len(launches), len(attn), took, cache_dir, len(specs), compiled, sum(here))
+    return WarmupStats(len(launches), len(attn), took, cache_dir, len(specs), compiled, sum(here), len(fp8))
 
 
 def done_line(seconds: float, pool_compiled: int, kernels: int, here_compiled: int, here: int) -> str:
@@ -212,6 +218,19 @@ def _attention(runner: ModelRunner, variants: list[tuple[int, int]], progress: _
             attention.triton_paged_attention(q, runner.kv, layer, fb, runner.model.scale, m.sliding_window)
         if progress is not None:
             progress.step(f"attention block_m={block_m} splits={splits}")
+
+
+def _fp8(runner: ModelRunner, launches: list, progress: _Progress | None) -> None:
+    """Each weight-only fp8 GEMM variant once, on layer 0's weights and a zero input."""
+    from kernels.fp8_gemm import w8a16_matmul
+
+    layer = runner.model.w.layers[0]
+    for launch in launches:
+        w, bias = getattr(layer, launch.proj), getattr(layer, f"{launch.proj}_bias")
+        x = torch.zeros((launch.num_tokens, w.shape[1]), dtype=runner.dtype, device=runner.device)
+        w8a16_matmul(x, w.q, w.scale, bias, config=launch.config)
+        if progress is not None:
+            progress.step(f"fp8 GEMM {launch.proj} block_m={launch.config.block_m}")
 
 
 def _forward(runner: ModelRunner) -> None:

@@ -2,7 +2,7 @@
 Triton kernel. A compile hook records every compile while random mixed batches run: prefills and decodes,
 base-only and adapters of every rank class, sizes from one token to the step limit, each batch once on
 its graphs (decode graphs, step graphs per token bucket) and once eagerly (as a step with in-flight
-adapter copies runs).
+adapter copies runs); with bf16 weights and with fp8 weights.
 Runs only where CUDA is available (the GPU machine)."""
 
 from __future__ import annotations
@@ -51,17 +51,19 @@ def long_llama(tmp_path_factory):
     )  # fmt: skip
 
 
-def test_no_kernel_compiles_after_warm_up(long_llama, tmp_path):
+@pytest.mark.parametrize("quantization", [None, "fp8"])  # fp8: the weight-only GEMM's variants too
+def test_no_kernel_compiles_after_warm_up(long_llama, tmp_path, quantization):
     import triton
 
     cfg = RunnerConfig(
         model_dir=str(long_llama), device="cuda", dtype="bfloat16", max_lora_rank=64, lora_backend="triton",
         page_size=PAGE, num_pages=4096, max_tokens_per_step=MAX_TOKENS, max_model_len=2048,
         cuda_graph_max_batch=32, cuda_graph_max_tokens=MAX_TOKENS, max_running_requests=64, warmup=True,
-        lora_gpu_memory_gb=0.05,
+        lora_gpu_memory_gb=0.05, quantization=quantization,
     )  # fmt: skip
     runner = ModelRunner(cfg)
     assert runner.warmup.lora > 0 and runner.warmup.attention > 0
+    assert (runner.warmup.fp8 > 0) == (quantization == "fp8")
     assert runner.step_graphs is not None and runner.step_graphs.num_graphs > 0
     paths = make_adapters(long_llama, tmp_path, n=4, ranks=(8, 24, 40, 64), seed=5)  # every rank class
     row = 0
