@@ -31,8 +31,7 @@ MIN_SPLIT_ITERS = 4
 MAX_SPLIT = 8
 # Programs wanted in flight per SM: two keep loads outstanding while the other's MMAs and epilogue run.
 PROGRAMS_PER_SM = 2
-# How the codes are widened to the activations' dtype (`_widen`): by moving bits (a few integer
-# operations and one multiply an element) rather than Triton's conversion instructions.
+# How e4m3 codes are widened to bfloat16 (`_widen`): by bit moves rather than Triton's conversion.
 BITS = True
 # Column-block counters per device: enough for N = 2^16 * 16 output channels at the narrowest block.
 COUNTERS = 1 << 16
@@ -90,7 +89,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N, 
             xt = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
         if UPCAST:  # the CPU interpreter multiplies 16-bit float bit patterns as integers
             xt = xt.to(tl.float32)
-        acc = tl.dot(_widen(w, xt.dtype, BITS), xt, acc)
+        acc = tl.dot(_widen(w, xt.dtype, BITS, UPCAST), xt, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     ok = (rn < N)[:, None] & (rm < M)[None, :]
@@ -109,26 +108,50 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N, 
         _epilogue(acc, rn, rm, ok, s_ptr, b_ptr, out_ptr, N, stride_om, HAS_BIAS)
 
 
+# e4m3 → bfloat16 for four codes in one 32-bit register (`_widen`, pack=4): each code's byte goes to the
+# high byte of a 16-bit half (prmt); its exponent and mantissa bits move down by 4 into bfloat16's fields
+# with the sign left in place, which reads as the code's value times 2^-120 (the exponent biases differ
+# by 120, and e4m3's subnormals land on bfloat16's); one fma by 2^120 (0x7B80; + -0) rescales exactly.
+# $0 holds codes 0 and 1, $1 codes 2 and 3, the lower-numbered code in the low half.
+_E4M3_TO_BF16 = tl.constexpr("""{
+.reg .b32 z, a, b, s, t, k, nz;
+mov.b32 z, 0;
+mov.b32 k, 0x7B807B80;
+mov.b32 nz, 0x80008000;
+prmt.b32 a, $2, z, 0x1404;
+prmt.b32 b, $2, z, 0x3424;
+and.b32 s, a, 0x80008000;
+shr.b32 t, a, 4;
+and.b32 t, t, 0x07F007F0;
+or.b32 a, t, s;
+fma.rn.bf16x2 $0, a, k, nz;
+and.b32 s, b, 0x80008000;
+shr.b32 t, b, 4;
+and.b32 t, t, 0x07F007F0;
+or.b32 b, t, s;
+fma.rn.bf16x2 $1, b, k, nz;
+}""")
+
+
 @triton.jit
-def _widen(w, CDT: tl.constexpr, BITS: tl.constexpr):
-    """e4m3 codes → CDT (bfloat16, float16 or float32), exactly. BITS: by moving the code's sign,
-    exponent and mantissa bits into CDT's fields, which gives the value times 2^(e4m3's exponent bias
-    (7) - CDT's), and one multiply by the inverse power of two (exact, subnormal codes included);
-    otherwise Triton's conversion."""
-    if BITS:
-        u = w.to(tl.uint8, bitcast=True)
-        if CDT == tl.float32:
+def _widen(w, CDT: tl.constexpr, BITS: tl.constexpr, UPCAST: tl.constexpr):
+    """e4m3 codes → CDT exactly (the NaN code aside). BITS with bfloat16: by bit moves
+    (`_E4M3_TO_BF16`: a few integer operations and one fma per two codes, where Triton's conversion
+    goes through float16 with a slow conversion per code); otherwise Triton's conversion. UPCAST (the
+    CPU interpreter, which has no inline assembly): float32, BITS by the same bit moves in float32's
+    fields, so that the interpreter checks their arithmetic."""
+    u = w.to(tl.uint8, bitcast=True)
+    if UPCAST:
+        if BITS:
             u = u.to(tl.uint32)
             v = (((u & 0x80) << 24) | ((u & 0x7F) << 20)).to(tl.float32, bitcast=True) * 1.329227995784916e36
-        elif CDT == tl.bfloat16:  # 8 exponent bits, 7 mantissa bits: 2^-120
-            u = u.to(tl.uint16)
-            v = (((u & 0x80) << 8) | ((u & 0x7F) << 4)).to(tl.bfloat16, bitcast=True) * 1.329227995784916e36
-        else:  # float16: 5 exponent bits, 10 mantissa bits: 2^-8
-            u = u.to(tl.uint16)
-            v = (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.float16, bitcast=True) * 256.0
-        return v
+        else:
+            v = w.to(tl.float32)
+    elif BITS and CDT == tl.bfloat16:
+        v = tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [u], dtype=tl.bfloat16, is_pure=True, pack=4)
     else:
-        return w.to(CDT)
+        v = w.to(CDT)
+    return v
 
 
 @triton.jit
