@@ -59,8 +59,8 @@ def timed_us(fn, args: list, iters: int) -> float:
 
 def candidates(m: int, n: int, k: int, sms: int) -> list[GemmConfig]:
     """The sweep's grid for m tokens: block_n x block_k x pipeline depth (codes widened by bit moves; the
-    main rows time Triton's conversion), each at the split rule's count and at twice it (capped by K),
-    and the chosen config."""
+    main rows time Triton's conversion), each at the split rule's count, at the count that just spills
+    into a second wave and at twice the rule's (capped by K), and the chosen config."""
     bm = max(16, 1 << (m - 1).bit_length())
     out = {choose_config(m, n, k, sms)} if m <= MAX_M else set()
     for bn, bk, stages in itertools.product((32, 64, 128), (128, 256), (3, 4)):
@@ -69,7 +69,8 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[GemmConfig]:
             continue
         warps = 8 if bn * bm >= 128 * 64 else 4
         base = split_for(n, k, bn, bk, sms)
-        for split in sorted({base, min(2 * base, max(1, k // (2 * bk)))}):
+        more = -(-2 * sms // -(-n // bn))  # the splits that make a second, partial wave
+        for split in sorted({base, min(more, k // bk), min(2 * base, k // (2 * bk))} - {0}):
             out.add(GemmConfig(bm, bn, bk, split, warps, stages))
     return sorted(out, key=lambda c: (c.block_n, c.block_k, c.num_stages, c.split, c.bits))
 

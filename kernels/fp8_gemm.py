@@ -170,9 +170,10 @@ def block_m_for(m: int) -> int:
 
 
 def split_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
-    """K slices of a product with `n` output channels: split while the column blocks alone give fewer
-    than PROGRAMS_PER_SM programs an SM, and each slice keeps at least MIN_SPLIT_ITERS iterations."""
-    want = triton.cdiv(PROGRAMS_PER_SM * sms, triton.cdiv(n, block_n))
+    """K slices of a product with `n` output channels: as many as keep the programs within one wave of
+    PROGRAMS_PER_SM an SM (equal programs that all run at once end together; a second wave of a few
+    would stream at a fraction of the bandwidth), each slice at least MIN_SPLIT_ITERS iterations long."""
+    want = PROGRAMS_PER_SM * sms // triton.cdiv(n, block_n)
     return max(1, min(want, triton.cdiv(k, block_k) // MIN_SPLIT_ITERS, MAX_SPLIT))
 
 
