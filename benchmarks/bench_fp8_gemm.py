@@ -5,14 +5,16 @@
 For each projection and token count M: bf16 `F.linear`; the per-token activation quantization alone;
 `torch._scaled_mm` alone and with the quantization (the path above kernels.fp8_gemm.MAX_M tokens); the
 weight-only kernel (`kernels/fp8_gemm.py`) with its chosen config, the codes widened by bit moves and by
-Triton's conversion; and `fp8_linear`, what serving runs. Microseconds per call, each a CUDA-graph
-replay of --iters calls that cycle over copies of the weight larger than L2 together (every call reads
-its weight from device memory, as a forward does), and each as a fraction of its bytes floor: the bytes
-it must move (weights, input, output) at the copy bandwidth `tools/roofline.py` probes.
---sweep (default on) also times a fixed grid of the weight-only kernel's tiles, K splits and pipeline
-depths at every M up to 128 (M = 128: the crossover against `_scaled_mm`, beyond what serving sends
-it), the best per projection and M against the chosen one. Every weight-only result is checked against
-float32 products of the dequantized weights. One table; everything goes to OUT_DIR/fp8_gemm.json."""
+Triton's conversion, and its w8a8 variant (x quantized per token and K block in the kernel, an fp8
+MMA); and `fp8_linear`, what serving runs. Microseconds per call, each a CUDA-graph replay of --iters
+calls that cycle over copies of the weight larger than L2 together (every call reads its weight from
+device memory, as a forward does), and each as a fraction of its bytes floor: the bytes it must move
+(weights, input, output) at the copy bandwidth `tools/roofline.py` probes.
+--sweep (default on) also times a fixed grid of the kernel's tiles, K splits and pipeline depths at
+every M up to 128 (M = 128: the crossover against `_scaled_mm`, beyond what serving sends it; the w8a8
+variant of each tile too), the best per projection and M against the chosen one. Each kernel result's
+relative error against float32 products of the dequantized weights and the unquantized input is
+recorded (w8a8: the activations' e4m3 error). One table; everything goes to OUT_DIR/fp8_gemm.json."""
 
 from __future__ import annotations
 
@@ -72,7 +74,8 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[GemmConfig]:
         more = -(-2 * sms // -(-n // bn))  # the splits that make a second, partial wave
         for split in sorted({base, min(more, k // bk), min(2 * base, k // (2 * bk))} - {0}):
             out.add(GemmConfig(bm, bn, bk, split, warps, stages))
-    return sorted(out, key=lambda c: (c.block_n, c.block_k, c.num_stages, c.split, c.bits))
+        out.add(GemmConfig(bm, bn, bk, base, warps, stages, a8=True))
+    return sorted(out, key=lambda c: (c.a8, c.block_n, c.block_k, c.num_stages, c.split, c.bits))
 
 
 def scaled_mm(xq_xs: tuple, w8) -> torch.Tensor:
@@ -113,8 +116,12 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], a: argparse.Namespace,
         if m <= MAX_M:
             chosen = choose_config(m, n, k, sms)
             row["config"] = chosen.__dict__
-            for key, bits in (("w8a16_us", True), ("w8a16_cast_us", False)):
-                cfg = GemmConfig(**{**chosen.__dict__, "bits": bits})
+            for key, change in (
+                ("w8a16_us", {}),
+                ("w8a16_cast_us", {"bits": False}),
+                ("w8a8_us", {"a8": True}),
+            ):
+                cfg = GemmConfig(**{**chosen.__dict__, **change})
                 row[key] = timed_us(lambda x_, w8, c=cfg: w8a16_matmul(x_, w8.q, w8.scale, config=c),
                                     [(x, w8) for w8 in w8s], a.iters)  # fmt: skip
                 row[key.replace("_us", "_rel_err")] = rel_err(
@@ -122,7 +129,14 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], a: argparse.Namespace,
                 )
         row["floor_frac"] = {
             key: frac(row[key], bf16_bytes if key == "bf16_us" else fp8_bytes)
-            for key in ("bf16_us", "scaled_mm_quant_us", "fp8_linear_us", "w8a16_us", "w8a16_cast_us")
+            for key in (
+                "bf16_us",
+                "scaled_mm_quant_us",
+                "fp8_linear_us",
+                "w8a16_us",
+                "w8a16_cast_us",
+                "w8a8_us",
+            )
             if key in row
         }
         row["floor_us"] = (fp8_bytes + act_bytes) / bw * 1e6
@@ -156,11 +170,12 @@ def report(r: dict) -> None:
     print(f"fp8 GEMMs, 8B shapes, {r['device']}, copy bandwidth {r['bandwidth_gb_s']:.0f} GB/s; "
           f"us a call (fraction of the bytes floor)")  # fmt: skip
     print(f"{'proj':<8}{'M':>6}{'floor':>8}{'bf16':>15}{'quant':>7}{'_scaled_mm':>11}{'+quant':>15}"
-          f"{'w8a16':>15}{'w8a16 cast':>12}{'fp8_linear':>15}{'fp8/bf16':>9}")  # fmt: skip
+          f"{'w8a16':>15}{'w8a16 cast':>12}{'w8a8':>12}{'fp8_linear':>15}{'fp8/bf16':>9}")  # fmt: skip
     for row in r["rows"]:
         print(f"{row['proj']:<8}{row['m']:>6}{row['floor_us']:>8.1f}{cell(row, 'bf16_us')}"
               f"{row['quant_us']:>7.1f}{row['scaled_mm_us']:>11.1f}{cell(row, 'scaled_mm_quant_us')}"
-              f"{cell(row, 'w8a16_us')}{cell(row, 'w8a16_cast_us', 12)}{cell(row, 'fp8_linear_us')}"
+              f"{cell(row, 'w8a16_us')}{cell(row, 'w8a16_cast_us', 12)}{cell(row, 'w8a8_us', 12)}"
+              f"{cell(row, 'fp8_linear_us')}"
               f"{row['bf16_us'] / row['fp8_linear_us']:>8.2f}x")  # fmt: skip
     print("one layer (qkv + o + gate_up + down), us: bf16 -> fp8_linear")
     for m in sorted({row["m"] for row in r["rows"]}):

@@ -21,8 +21,8 @@ import triton.language as tl
 
 from kernels import device_info
 from kernels.batch_info import interpreting
+from kernels.fp8_quant import FP8, FP8_MAX, MIN_AMAX
 
-FP8 = torch.float8_e4m3fn
 # Largest token count the skinny kernel serves; more tokens take torch._scaled_mm (linear.py).
 MAX_M = 64
 # Least K iterations (of BLOCK_K) one split-K slice takes: shorter slices spend more on the partials
@@ -33,6 +33,11 @@ MAX_SPLIT = 8
 PROGRAMS_PER_SM = 2
 # How e4m3 codes are widened to bfloat16 (`_widen`): by bit moves rather than Triton's conversion.
 BITS = True
+# The alternative to widening the codes: each program quantizes its x tile to e4m3 per token and K block
+# (finer than per token: no pass over the whole row first) and multiplies codes by codes on the fp8
+# tensor cores, scaling each block's product by the tile's scales. No conversion of the weights, but the
+# activations lose precision the weight-only product keeps.
+A8 = False
 # Column-block counters per device: enough for N = 2^16 * 16 output channels at the narrowest block.
 COUNTERS = 1 << 16
 
@@ -46,6 +51,7 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     bits: bool = BITS  # widen the codes by bit moves (`_widen`) rather than Triton's conversion
+    a8: bool = A8  # quantize x in the kernel and multiply in fp8 instead (w8a8; CUDA only)
 
 
 # (block_m → block_n, block_k, warps, stages): the tile per token class. smem per stage is
@@ -63,8 +69,9 @@ TILES = {
 @triton.jit(do_not_specialize=["M", "split"])
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, k_per_split, split,
                   stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                  EVEN_K: tl.constexpr, BITS: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                  EVEN_K: tl.constexpr, BITS: tl.constexpr, A8: tl.constexpr, UPCAST: tl.constexpr,
+                  FMAX: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):  # fmt: skip
     # Grid: (column blocks, K slices). acc [BLOCK_N, BLOCK_M] holds out^T of this block and slice.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -87,9 +94,14 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N, 
             k_ok = (k + rk) < k_hi
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
-        if UPCAST:  # the CPU interpreter multiplies 16-bit float bit patterns as integers
-            xt = xt.to(tl.float32)
-        acc = tl.dot(_widen(w, xt.dtype, BITS, UPCAST), xt, acc)
+        if A8:  # x^T's columns quantized per K block to e4m3 (largest magnitude to FMAX), an fp8 MMA
+            xf = xt.to(tl.float32)
+            xs = tl.maximum(tl.max(tl.abs(xf), axis=0), MIN_AMAX) / FMAX  # [BLOCK_M]
+            acc += tl.dot(w, (xf / xs[None, :]).to(w.dtype)) * xs[None, :]
+        else:
+            if UPCAST:  # the CPU interpreter multiplies 16-bit float bit patterns as integers
+                xt = xt.to(tl.float32)
+            acc = tl.dot(_widen(w, xt.dtype, BITS, UPCAST), xt, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     ok = (rn < N)[:, None] & (rm < M)[None, :]
@@ -232,6 +244,8 @@ def w8a16_matmul(
     cfg = config or choose_config(M, N, K, device_info.num_sms(x.device))
     if M > cfg.block_m:
         raise ValueError(f"w8a16_matmul: {M} tokens exceed the config's block_m {cfg.block_m}")
+    if cfg.a8 and interpreting():  # its float-to-e4m3 rounding is not the GPU's
+        raise ValueError("w8a16_matmul: a8 runs on CUDA only, not under the Triton interpreter")
     k_per = triton.cdiv(triton.cdiv(K, cfg.split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(K, k_per)  # slices that hold any K
     blocks = triton.cdiv(N, cfg.block_n)
@@ -243,7 +257,7 @@ def w8a16_matmul(
         x, q, scale, bias if bias is not None else scale, out, part, cnt,
         M, N, K, k_per, split, x.stride(0), q.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=split > 1, EVEN_K=K % cfg.block_k == 0, BITS=cfg.bits,
-        UPCAST=interpreting(),
+        A8=cfg.a8, UPCAST=interpreting(), FMAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

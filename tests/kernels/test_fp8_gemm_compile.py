@@ -2,9 +2,9 @@
 variant the warm-up plans for the 8B shapes (and the fix-up and bias variants): code the CPU interpreter
 accepts and the compiler refuses (inline assembly, a global that is not a constexpr, the atomics) fails
 here, not first on the GPU machine. The bit-move widening emits its prmt/fma sequence and no conversion
-instruction; Triton's conversion emits no bf16 fma. The checks run in a child process: this directory's
-conftest makes kernels interpreted in the tests' own process, and an interpreted kernel cannot be
-compiled."""
+instruction; Triton's conversion emits no bf16 fma; the w8a8 variant multiplies e4m3 by e4m3. The
+checks run in a child process: this directory's conftest makes kernels interpreted in the tests' own
+process, and an interpreted kernel cannot be compiled."""
 
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o
 
 
 def _compile(cfg: fp8_gemm.GemmConfig, split: bool, bias: bool, act: str = "bf16"):
+    consts = dict(HAS_BIAS=bias, SPLIT_K=split, EVEN_K=True, BITS=cfg.bits, A8=cfg.a8, UPCAST=False,
+                  FMAX=448.0, MIN_AMAX=1e-12, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  BLOCK_K=cfg.block_k)  # fmt: skip
     pointers = {"x_ptr": act, "w_ptr": "fp8e4nv", "s_ptr": "fp32", "b_ptr": act, "out_ptr": act,
                 "part_ptr": "fp32", "cnt_ptr": "i32"}  # fmt: skip
-    consts = dict(HAS_BIAS=bias, SPLIT_K=split, EVEN_K=True, BITS=cfg.bits, UPCAST=False,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)  # fmt: skip
     fn = fp8_gemm._w8a16_kernel
     signature = {
         n: "constexpr" if n in consts else ("*" + pointers[n] if n in pointers else "i32")
@@ -50,6 +51,9 @@ def check_variants_compile() -> None:
                 assert ("prmt.b32" in ptx and "fma.rn.bf16x2" in ptx) == bits, (cfg, bits)
                 assert ("cvt.rn.f16x2.e4m3x2" in ptx) != bits, (cfg, bits)
                 assert ("atom.global.gpu.acq_rel.add" in ptx) == split
+            # the w8a8 variant: the codes go to the fp8 tensor cores as they are, x quantized in the kernel
+            ptx = _compile(replace(cfg, bits=bits, a8=True), True, False).asm["ptx"]
+            assert "e4m3.e4m3" in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx and "fma.rn.bf16x2" not in ptx
         print(cfg.block_m)
     _compile(fp8_gemm.choose_config(16, 4096, 4096, 132), True, True, "fp16")  # float16 activations
     print("fp16")
