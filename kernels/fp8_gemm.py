@@ -8,7 +8,8 @@ fills the GPU. The slices' float32 partial sums go to a workspace, and the last 
 block to arrive (an atomic counter per block) adds them up and writes the output, in the same launch;
 it then resets its counter, so the counters are zero between launches (and CUDA-graph replays).
 The MMA's row dimension is the output channels (acc [BLOCK_N, BLOCK_M]), so a batch of one to 16 tokens
-pads only the narrow side.
+pads only the narrow side. A variant (`GemmConfig.a8`) quantizes x in the kernel and multiplies e4m3 by
+e4m3 instead; `benchmarks/bench_fp8_gemm.py` measures both.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ BITS = True
 # tensor cores, scaling each block's product by the tile's scales. No conversion of the weights, but the
 # activations lose precision the weight-only product keeps.
 A8 = False
-# Column-block counters per device: enough for N = 2^16 * 16 output channels at the narrowest block.
+# Column-block counters per device: N up to 2^16 column blocks.
 COUNTERS = 1 << 16
 
 
