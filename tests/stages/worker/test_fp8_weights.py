@@ -22,7 +22,7 @@ from runtime.synthetic.adapters import make_adapters
 from runtime.synthetic.fp8 import write_fp8
 from runtime.synthetic.model import make_model
 from stages.loader.adapter_reader import read_adapter
-from stages.worker.model.linear import FP8_MAX, Fp8Weight, cat_weights, quantize_weight
+from stages.worker.model.linear import FP8_MAX, Fp8Weight, cat_weights, linear, quantize_weight
 from stages.worker.model.weights import load_weights
 from stages.worker.runner import ModelRunner, RunnerConfig, SeqInput
 from stages.worker.tp.shard import shard_weights
@@ -217,3 +217,22 @@ def test_group_formats_and_zero_points(bf16_model, tmp_path):
     save_file({**tensors, **zeros, name: torch.ones_like(zeros[name])}, str(file))
     with pytest.raises(ModelConfigError, match=f"{name} is not zero"):
         load_weights(fp8, ModelConfig.from_dir(fp8), torch.bfloat16, CPU)
+
+
+@pytest.mark.parametrize("tokens", [1, MAX_M, MAX_M + 1])
+def test_fp8_linear_quantizes_activations_only_past_max_m(tokens):
+    """Up to MAX_M tokens the fp8 GEMM takes the input as it is (weight-only), beyond it each token's
+    input rounded to e4m3 with its own scale; the bias is added before the one rounding either way."""
+    gen = torch.Generator().manual_seed(tokens)
+    w8 = quantize_weight(torch.randn((48, 96), generator=gen).bfloat16())
+    x = torch.randn((tokens, 96), generator=gen).bfloat16()
+    bias = torch.randn(48, generator=gen).bfloat16()
+    x64 = x.double()
+    if tokens > MAX_M:
+        xs = x64.abs().amax(dim=1, keepdim=True) / FP8_MAX
+        x64 = (x64 / xs).float().to(torch.float8_e4m3fn).double() * xs
+    want = x64 @ w8.dequantize().t() + bias.double()
+    got = linear(x, w8, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, 48)
+    rel = (got.double() - want).norm() / want.norm()
+    assert rel < (4e-3 if tokens <= MAX_M else 6e-3)  # bf16 rounding (of the product, then of the sum)
