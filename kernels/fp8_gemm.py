@@ -121,38 +121,33 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N, 
         _epilogue(acc, rn, rm, ok, s_ptr, b_ptr, out_ptr, N, stride_om, HAS_BIAS)
 
 
-# e4m3 → bfloat16 for four codes in one 32-bit register (`_widen`, pack=4): each code's byte goes to the
-# high byte of a 16-bit half (prmt); its exponent and mantissa bits move down by 4 into bfloat16's fields
-# with the sign left in place, which reads as the code's value times 2^-120 (the exponent biases differ
-# by 120, and e4m3's subnormals land on bfloat16's); one fma by 2^120 (0x7B80; + -0) rescales exactly.
-# $0 holds codes 0 and 1, $1 codes 2 and 3, the lower-numbered code in the low half.
+# e4m3 → bfloat16 for two codes in one 16-bit register (`_widen`, pack=2, the pairs the MMA operand's
+# layout holds): each code's byte goes to the high byte of a 16-bit half (prmt); its exponent and
+# mantissa bits move down by 4 into bfloat16's fields with the sign left in place, which reads as the
+# code's value times 2^-120 (the exponent biases differ by 120, and e4m3's subnormals land on bfloat16's);
+# one fma by 2^120 (0x7B80; + -0) rescales exactly. The lower-numbered code is in the low half.
 _E4M3_TO_BF16 = tl.constexpr("""{
-.reg .b32 z, a, b, s, t, k, nz;
+.reg .b32 z, w, a, s, t, k, nz;
 mov.b32 z, 0;
 mov.b32 k, 0x7B807B80;
 mov.b32 nz, 0x80008000;
-prmt.b32 a, $2, z, 0x1404;
-prmt.b32 b, $2, z, 0x3424;
+cvt.u32.u16 w, $1;
+prmt.b32 a, w, z, 0x1404;
 and.b32 s, a, 0x80008000;
 shr.b32 t, a, 4;
 and.b32 t, t, 0x07F007F0;
 or.b32 a, t, s;
 fma.rn.bf16x2 $0, a, k, nz;
-and.b32 s, b, 0x80008000;
-shr.b32 t, b, 4;
-and.b32 t, t, 0x07F007F0;
-or.b32 b, t, s;
-fma.rn.bf16x2 $1, b, k, nz;
 }""")
 
 
 @triton.jit
 def _widen(w, CDT: tl.constexpr, BITS: tl.constexpr, UPCAST: tl.constexpr):
-    """e4m3 codes → CDT exactly (the NaN code aside). BITS with bfloat16: by bit moves
-    (`_E4M3_TO_BF16`: a few integer operations and one fma per two codes, where Triton's conversion
-    goes through float16 with a slow conversion per code); otherwise Triton's conversion. UPCAST (the
-    CPU interpreter, which has no inline assembly): float32, BITS by the same bit moves in float32's
-    fields, so that the interpreter checks their arithmetic."""
+    """e4m3 codes → CDT exactly (BITS reads the NaN code as 480; quantized weights hold none). BITS with
+    bfloat16: by bit moves (`_E4M3_TO_BF16`: four integer operations and one fma per two codes, where
+    Triton's conversion goes through float16 with a slow conversion per code); otherwise Triton's
+    conversion. UPCAST (the CPU interpreter, which has no inline assembly): float32, BITS by the same
+    bit moves in float32's fields, so that the interpreter checks their arithmetic."""
     u = w.to(tl.uint8, bitcast=True)
     if UPCAST:
         if BITS:
@@ -161,7 +156,7 @@ def _widen(w, CDT: tl.constexpr, BITS: tl.constexpr, UPCAST: tl.constexpr):
         else:
             v = w.to(tl.float32)
     elif BITS and CDT == tl.bfloat16:
-        v = tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [u], dtype=tl.bfloat16, is_pure=True, pack=4)
+        v = tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,h", [u], dtype=tl.bfloat16, is_pure=True, pack=2)
     else:
         v = w.to(CDT)
     return v
