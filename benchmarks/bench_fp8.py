@@ -13,8 +13,9 @@
   a float32, a bf16 and an fp8-base engine: mean KL and top-1 agreement of bf16 against fp8 (the
   target), of float32 against bf16 (the noise floor) and against fp8, and the relative error of the
   hidden state after every layer; --quality-only runs only this part;
-- the GEMMs alone: bf16 `F.linear` against the fp8 path (per-token quantization + `_scaled_mm`) at the
-  model's projection shapes.
+- the GEMMs alone: bf16 `F.linear` against the fp8 path (`fp8_linear`: weight-only up to
+  kernels.fp8_gemm.MAX_M tokens, else per-token quantization + `_scaled_mm`) at the model's projection
+  shapes (`bench_fp8_gemm.py` takes them apart).
 The checkpoints are made on the device, written to --scratch (default: in the temporary directory),
 and removed once read (--keep-checkpoints keeps them). Prints one summary table; everything goes to
 OUT_DIR/fp8_bench.json."""
@@ -91,10 +92,10 @@ def _scaled_mm(fast: bool):
 
 def gemms(cfg: dict, device: str, iters: int = 50) -> list[dict]:
     """Microseconds per call of each projection at a few token counts: bf16 `F.linear`, the fp8 path
-    (`fp8_linear`), and its parts: the per-token quantization, `_scaled_mm` alone, and `_scaled_mm` with
-    fast accumulation (not used: it trades accuracy for speed). Each call takes the next of several
-    copies of the weight, together larger than the L2 cache, so that every call reads its weight from
-    device memory as in a forward."""
+    (`fp8_linear`), and the parts of its large-M path: the per-token quantization, `_scaled_mm` alone,
+    and `_scaled_mm` with fast accumulation (not used: it trades accuracy for speed). Each call takes
+    the next of several copies of the weight, together larger than the L2 cache, so that every call
+    reads its weight from device memory as in a forward."""
     if device != "cuda":
         return []
     h, i = cfg["hidden_size"], cfg["intermediate_size"]

@@ -31,6 +31,7 @@ KERNEL_MODULES = (
     "kernels.lora_expand_act",
     "kernels.lora_fused",
     "kernels.paged_attention",
+    "kernels.fp8_gemm",
 )
 
 

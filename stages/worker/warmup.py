@@ -51,6 +51,7 @@ class WarmupStats:
     compiled_here: int = 0  # kernels the launches compiled in this process (not found in the cache)
     # wall seconds of its parts: the plan, recording the launches, the pool's compiles, the launch pass
     parts: tuple[tuple[str, float], ...] = ()
+    fp8: int = 0  # weight-only fp8 GEMM variants launched
 
 
 Report = Callable[[int, int], None]  # (steps done, total): compiles of the pool, then variant launches
@@ -103,9 +104,10 @@ def warm_up(
     start = time.perf_counter()
     if runner.device.type != "cuda":
         return WarmupStats(0, 0, 0.0, cache_dir)
+    from kernels import device_info
     from stages.worker.compile_pool import counting_compiles, recording
     from stages.worker.plan_cache import cached_plan, fingerprint
-    from stages.worker.warmup_plan import attention_variants, lora_launches, plan_axes
+    from stages.worker.warmup_plan import attention_variants, fp8_launches, lora_launches, plan_axes
 
     graphs = runner.graphs_sizes()
     lora = runner.lora if runner.lora.name == "triton" else None
@@ -129,16 +131,19 @@ def warm_up(
     (launches, attn), read = cached_plan(os.environ.get("TRITON_CACHE_DIR"), key, plan)
     if lora is not None:
         lora.prepare([0], [])  # an empty batch: its header says 0 tiles (what the launches below read)
+    fp8 = fp8_launches(runner.model.w.layers[0], device_info.num_sms(runner.device))
     marks = [("plan", time.perf_counter())]
     say(
-        f"warm-up: {len(launches)} LoRA and {len(attn)} attention kernel variants to compile or load "
-        f"(cache: {cache_dir}; plan {'read from it' if read else 'computed'}); {plan_axes(launches, attn)}"
+        f"warm-up: {len(launches)} LoRA and {len(attn)} attention kernel variants, and {len(fp8)} fp8 GEMM "
+        f"ones, to compile or load (cache: {cache_dir}; plan {'read from it' if read else 'computed'}); "
+        f"{plan_axes(launches, attn)}"
     )
     specs = []
     if pool is not None:
         with recording() as specs, torch.inference_mode():
             _lora(runner, launches, None)
             _attention(runner, attn, None)
+            _fp8(runner, fp8, None)
             # The step-sized forward's own kernels (norms, rotary, activation) too, and those graph capture
             # will launch (its buffers' shapes and strides, which Triton specialises on, are the graphs'
             # own). Recorded launches do not run, so activations are garbage; indices all come from host
@@ -149,12 +154,13 @@ def warm_up(
                     graphs.dry_run()
         say(f"warm-up: {len(specs)} kernel specializations to compile in {pool.workers} processes")
         marks.append(("record", time.perf_counter()))
-    progress = _Progress(len(specs) + len(launches) + len(attn), say, report)
+    progress = _Progress(len(specs) + len(launches) + len(attn) + len(fp8), say, report)
     compiled = pool.compile(specs, lambda: progress.step("compiled")) if specs else 0
     marks.append(("compile", time.perf_counter()))
     with torch.inference_mode(), counting_compiles() as here:
         _lora(runner, launches, progress)
         _attention(runner, attn, progress)
+        _fp8(runner, fp8, progress)
         _forward(runner)
     torch.cuda.synchronize(runner.device)
     marks.append(("launch", time.perf_counter()))
@@ -162,7 +168,9 @@ def warm_up(
     say(done_line(took, compiled, len(specs), sum(here), len(here)))
     times = [start] + [t for _, t in marks]
     parts = tuple((name, b - a) for (name, _), a, b in zip(marks, times[:-1], times[1:], strict=True))
-    return WarmupStats(len(launches), len(attn), took, cache_dir, len(specs), compiled, sum(here), parts)
+    return WarmupStats(
+        len(launches), len(attn), took, cache_dir, len(specs), compiled, sum(here), parts, len(fp8)
+    )
 
 
 def done_line(seconds: float, pool_compiled: int, kernels: int, here_compiled: int, here: int) -> str:
@@ -233,6 +241,19 @@ def _attention(runner: ModelRunner, variants: list[tuple[int, int]], progress: _
             attention.triton_paged_attention(q, runner.kv, layer, fb, runner.model.scale, m.sliding_window)
         if progress is not None:
             progress.step(f"attention block_m={block_m} splits={splits}")
+
+
+def _fp8(runner: ModelRunner, launches: list, progress: _Progress | None) -> None:
+    """Each weight-only fp8 GEMM variant once, on layer 0's weights and a zero input."""
+    from kernels.fp8_gemm import w8a16_matmul
+
+    layer = runner.model.w.layers[0]
+    for launch in launches:
+        w, bias = getattr(layer, launch.proj), getattr(layer, f"{launch.proj}_bias")
+        x = torch.zeros((launch.num_tokens, w.shape[1]), dtype=runner.dtype, device=runner.device)
+        w8a16_matmul(x, w.q, w.scale, bias, config=launch.config)
+        if progress is not None:
+            progress.step(f"fp8 GEMM {launch.proj} block_m={launch.config.block_m}")
 
 
 def _forward(runner: ModelRunner) -> None:

@@ -14,6 +14,8 @@ either not passed or not specialised on). The heuristics see a batch only throug
   tile class of a decode size, one (the tile bound's) for a step graph.
 - attention (`kernels.paged_attention`): `block_m` from the rows of the longest query
   (`decode_block_m`) and the key splits (`choose_splits`) over every block count and context length.
+- the weight-only fp8 GEMM (`kernels.fp8_gemm.choose_config`), with fp8 base weights: each projection's
+  shape and bias with the config of every token count 1..MAX_M (more tokens run `torch._scaled_mm`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kernels.batch_info import BatchInfo, block_rank_for, choose_block_m
+from kernels.fp8_gemm import GemmConfig, configs_for
 from kernels.paged_attention import choose_splits, decode_block_m
 from stages.worker.lora.triton_backend import TritonLoraBackend, split_cap, workspace_rows
+from stages.worker.model.linear import Fp8Weight
+from stages.worker.model.weights import LayerWeights
 
 
 @dataclass(frozen=True)
@@ -183,6 +188,27 @@ def attention_variants(
             for k in _key_samples(max_model_len)
         }
         out.extend((bm, s) for s in sorted(splits))
+    return out
+
+
+@dataclass(frozen=True)
+class Fp8Launch:
+    """One weight-only fp8 GEMM variant: a projection and the token count whose config it is."""
+
+    proj: str  # a LayerWeights field: qkv, o, gate_up, down
+    num_tokens: int
+    config: GemmConfig
+
+
+def fp8_launches(layer: LayerWeights, sms: int) -> list[Fp8Launch]:
+    """One launch per variant of the weight-only fp8 GEMM a step can reach (none without fp8 weights).
+    Every layer's projection has the same shape and bias as layer 0's."""
+    out = []
+    for proj in ("qkv", "o", "gate_up", "down"):
+        w = getattr(layer, proj)
+        if isinstance(w, Fp8Weight):
+            for config, (m, _, _) in configs_for([tuple(w.shape)], sms).items():
+                out.append(Fp8Launch(proj, m, config))
     return out
 
 

@@ -1,8 +1,10 @@
 """The base model's linear layers: a plain weight tensor runs `F.linear`; an `Fp8Weight` (e4m3 codes and
-one float32 scale per output row) runs an fp8 GEMM whose input is quantized per token at each call
-(`kernels/fp8_quant.py`) and whose output is in the activations' dtype, which the LoRA backend then adds
-its delta to, unquantized. On CUDA the GEMM is `torch._scaled_mm` with row-wise scales (compute
-capability 8.9+, bfloat16 output); elsewhere the same products are taken in float32."""
+one float32 scale per output row) runs an fp8 GEMM whose output is in the activations' dtype, which the
+LoRA backend then adds its delta to, unquantized. Up to `kernels.fp8_gemm.MAX_M` tokens (decode) the
+GEMM is weight-only (`kernels/fp8_gemm.py`: the activations unquantized, the codes widened in
+registers), since those steps are bound by the weight bytes; more tokens quantize the input per token
+(`kernels/fp8_quant.py`) and run `torch._scaled_mm` with row-wise scales (compute capability 8.9+,
+bfloat16 output). Off CUDA the same products are taken in float32."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8_gemm import MAX_M, w8a16_matmul, w8a16_matmul_ref
 from kernels.fp8_quant import FP8, FP8_MAX, MIN_AMAX, quantize_per_token, quantize_per_token_ref
 
 Weight = torch.Tensor  # or Fp8Weight
@@ -72,6 +75,9 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if x.shape[0] == 0:
         return x.new_zeros((0, w.shape[0]))
+    if x.shape[0] <= MAX_M:  # weight-only; the bias is added before the one rounding to x's dtype
+        gemm = w8a16_matmul if x.is_cuda else w8a16_matmul_ref
+        return gemm(x, w.q, w.scale, bias)
     if x.is_cuda:
         xq, xs = quantize_per_token(x)  # [T, K] e4m3, [T, 1]
         # row-wise scales: [T, 1] for the tokens, [1, N] for the output channels; W^T column-major

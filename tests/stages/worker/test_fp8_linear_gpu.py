@@ -1,13 +1,15 @@
-"""On a GPU: the fp8 GEMM (per-token activation quantization by the Triton kernel, `torch._scaled_mm`
-with row-wise scales) against float64 products of the dequantized weights, eagerly and replayed in a CUDA
-graph; then the offline engine on an fp8 checkpoint with adapters against transformers + PEFT on its
-dequantized copy, greedy. Runs only where CUDA is available (the GPU machine)."""
+"""On a GPU: the fp8 GEMM (up to MAX_M tokens weight-only, `kernels/fp8_gemm.py`; more tokens with the
+per-token activation quantization by the Triton kernel and `torch._scaled_mm` with row-wise scales)
+against float64 products of the dequantized weights, eagerly and replayed in a CUDA graph; then the
+offline engine on an fp8 checkpoint with adapters against transformers + PEFT on its dequantized copy,
+greedy. Runs only where CUDA is available (the GPU machine)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels.fp8_gemm import MAX_M
 from kernels.fp8_quant import quantize_per_token, quantize_per_token_ref
 from proto.sampling import SamplingParams
 from runtime.offline import LLM
@@ -25,7 +27,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("m", [1, 16, 33, 300])
+def _gemm_input(x: torch.Tensor) -> torch.Tensor:
+    """What the fp8 GEMM multiplies, float64: x itself up to MAX_M tokens, else its per-token e4m3 codes
+    times their scales."""
+    if x.shape[0] <= MAX_M:
+        return x.double()
+    xq, xs = quantize_per_token_ref(x)
+    return xq.double() * xs.double()
+
+
+@pytest.mark.parametrize("m", [1, 16, 33, MAX_M, MAX_M + 1, 300])
 @pytest.mark.parametrize("n, k", [(128, 64), (6144, 4096), (4096, 14336)])
 def test_fp8_gemm_matches_float64_of_dequantized_weights(m, n, k):
     gen = torch.Generator(device="cuda").manual_seed(m * 7 + n + k)
@@ -36,9 +47,7 @@ def test_fp8_gemm_matches_float64_of_dequantized_weights(m, n, k):
     w8 = quantize_weight(w)
     got = fp8_linear(x, w8, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-    xq, xs = quantize_per_token_ref(x)
-    x_deq = xq.double() * xs.double()  # [m, k]: the input the GEMM multiplies
-    want = x_deq @ w8.dequantize().t() + bias.double()
+    want = _gemm_input(x) @ w8.dequantize().t() + bias.double()
     assert _rel(got, want) < 6e-3  # bf16 rounding of the output, fp32 accumulation
     exact = x.double() @ w.double().t() + bias.double()
     assert _rel(got, exact) < 6e-2  # fp8 codes: 3 mantissa bits, per row and per token scales
@@ -55,8 +64,9 @@ def test_quant_kernel_matches_reference():
     assert ((q.float() * s - qr.float() * sr).abs() <= 2**-3 * x.float().abs() + 1e-30).all()
 
 
-def test_fp8_gemm_replays_in_a_cuda_graph():
-    x = torch.randn((16, 4096), device="cuda").bfloat16()
+@pytest.mark.parametrize("m", [16, MAX_M + 16])
+def test_fp8_gemm_replays_in_a_cuda_graph(m):
+    x = torch.randn((m, 4096), device="cuda").bfloat16()
     w8 = quantize_weight(torch.randn((1024, 4096), device="cuda").bfloat16() * 0.02)
     eager = fp8_linear(x, w8)
     fp8_linear(x, w8)  # compile the kernel outside the capture
@@ -73,10 +83,9 @@ def test_per_tensor_scales_run_as_rows():
     one = quantize_weight(w)
     per_tensor = Fp8Weight(one.q, one.scale.max().expand(256).contiguous())
     x = torch.randn((8, 512), device="cuda").bfloat16()
-    want = (
-        quantize_per_token_ref(x)[0].double() * quantize_per_token_ref(x)[1].double()
-    ) @ per_tensor.dequantize().t()
-    assert _rel(fp8_linear(x, per_tensor), want) < 6e-3
+    for rows in (x, x.repeat(MAX_M // 8 + 1, 1)):  # weight-only, and with the input quantized
+        want = _gemm_input(rows) @ per_tensor.dequantize().t()
+        assert _rel(fp8_linear(rows, per_tensor), want) < 6e-3
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """fp8 base weights on the CPU: pre-quantized checkpoints in every layout the worker reads (per-tensor and
 per-channel scales) load to exactly the codes and scales in the files; a bf16 checkpoint quantized at load
 is within half an e4m3 step of its float64 weights, one scale per output row; the LoRA delta is added in
-bf16 to the fp8 GEMM's output; a checkpoint quantized in a way the worker cannot run is refused at start,
-with one line naming the format. (The fp8 GEMM itself on CUDA: test_fp8_linear_gpu.py.)"""
+bf16 to the fp8 GEMM's output, weight-only (few tokens) or with the activations quantized per token; a
+checkpoint quantized in a way the worker cannot run is refused at start, with one line naming the format.
+(The fp8 GEMM itself on CUDA: test_fp8_linear_gpu.py.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels.fp8_gemm import MAX_M
 from runtime.common.model_config import ModelConfig, ModelConfigError
 from runtime.serve_args import ServeArgsError
 from runtime.serve_checks import parse_serve_args
@@ -20,7 +22,7 @@ from runtime.synthetic.adapters import make_adapters
 from runtime.synthetic.fp8 import write_fp8
 from runtime.synthetic.model import make_model
 from stages.loader.adapter_reader import read_adapter
-from stages.worker.model.linear import FP8_MAX, Fp8Weight, cat_weights, quantize_weight
+from stages.worker.model.linear import FP8_MAX, Fp8Weight, cat_weights, linear, quantize_weight
 from stages.worker.model.weights import load_weights
 from stages.worker.runner import ModelRunner, RunnerConfig, SeqInput
 from stages.worker.tp.shard import shard_weights
@@ -84,7 +86,8 @@ def test_load_time_quantization_per_output_channel(bf16_model):
             assert torch.allclose(deq.abs().amax(dim=1), amax, rtol=1e-6)  # each row's largest is exact
 
 
-def test_lora_delta_is_added_in_bf16_to_the_fp8_output(bf16_model, tmp_path):
+@pytest.mark.parametrize("tokens", [4, MAX_M + 5])  # the weight-only GEMM, then activations quantized
+def test_lora_delta_is_added_in_bf16_to_the_fp8_output(bf16_model, tmp_path, tokens):
     (adapter,) = make_adapters(bf16_model, tmp_path / "adapters", n=1, ranks=(8,), alpha=16, seed=3)
     file = adapter / "adapter_model.safetensors"
     tensors = {k: t * 10 if "lora_B" in k else t for k, t in load_file(str(file)).items()}
@@ -102,14 +105,17 @@ def test_lora_delta_is_added_in_bf16_to_the_fp8_output(bf16_model, tmp_path):
         seen.append((layer, group.name, x.clone(), before, out.clone()))
 
     runner.lora.apply = recording
-    runner.execute([SeqInput([5, 9, 2, 7], 0, [0], 0)])
+    ids = [2 + (7 * i) % 97 for i in range(tokens)]
+    runner.execute([SeqInput(ids, 0, list(range(-(-tokens // runner.cfg.page_size))), 0)])
     layer, name, x, before, after = next(s for s in seen if s[:2] == (0, "qkv"))
     assert x.dtype == before.dtype == after.dtype == torch.bfloat16
     qkv = runner.model.w.layers[0].qkv
     assert isinstance(qkv, Fp8Weight)
     x64 = x.double()
-    xs = x64.abs().amax(dim=1, keepdim=True) / FP8_MAX  # the GEMM's per-token input scale
-    x_deq = (x64 / xs).float().to(torch.float8_e4m3fn).double() * xs
+    x_deq = x64  # up to MAX_M tokens the GEMM takes the input as it is
+    if tokens > MAX_M:
+        xs = x64.abs().amax(dim=1, keepdim=True) / FP8_MAX  # the GEMM's per-token input scale
+        x_deq = (x64 / xs).float().to(torch.float8_e4m3fn).double() * xs
     gemm = x_deq @ qkv.dequantize().t()
     assert ((before.double() - gemm).norm() / gemm.norm()).item() < 4e-3  # bf16 rounding of the output
     scaling = json.loads((adapter / "adapter_config.json").read_text())["lora_alpha"] / 8
@@ -211,3 +217,22 @@ def test_group_formats_and_zero_points(bf16_model, tmp_path):
     save_file({**tensors, **zeros, name: torch.ones_like(zeros[name])}, str(file))
     with pytest.raises(ModelConfigError, match=f"{name} is not zero"):
         load_weights(fp8, ModelConfig.from_dir(fp8), torch.bfloat16, CPU)
+
+
+@pytest.mark.parametrize("tokens", [1, MAX_M, MAX_M + 1])
+def test_fp8_linear_quantizes_activations_only_past_max_m(tokens):
+    """Up to MAX_M tokens the fp8 GEMM takes the input as it is (weight-only), beyond it each token's
+    input rounded to e4m3 with its own scale; the bias is added before the one rounding either way."""
+    gen = torch.Generator().manual_seed(tokens)
+    w8 = quantize_weight(torch.randn((48, 96), generator=gen).bfloat16())
+    x = torch.randn((tokens, 96), generator=gen).bfloat16()
+    bias = torch.randn(48, generator=gen).bfloat16()
+    x64 = x.double()
+    if tokens > MAX_M:
+        xs = x64.abs().amax(dim=1, keepdim=True) / FP8_MAX
+        x64 = (x64 / xs).float().to(torch.float8_e4m3fn).double() * xs
+    want = x64 @ w8.dequantize().t() + bias.double()
+    got = linear(x, w8, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, 48)
+    rel = (got.double() - want).norm() / want.norm()
+    assert rel < (4e-3 if tokens <= MAX_M else 6e-3)  # bf16 rounding (of the product, then of the sum)

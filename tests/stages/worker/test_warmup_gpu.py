@@ -2,7 +2,7 @@
 Triton kernel. A compile hook records every compile while random mixed batches run: prefills and decodes,
 base-only and adapters of every rank class, sizes from one token to the step limit, each batch once on
 its graphs (decode graphs, step graphs per token bucket) and once eagerly (as a step with in-flight
-adapter copies runs).
+adapter copies runs); with bf16 weights and with fp8 weights.
 Runs only where CUDA is available (the GPU machine)."""
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def long_llama(tmp_path_factory):
     )  # fmt: skip
 
 
-def test_no_kernel_compiles_after_warm_up(long_llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "fp8"])  # fp8: the weight-only GEMM's variants too
+def test_no_kernel_compiles_after_warm_up(long_llama, tmp_path, monkeypatch, quantization):
     import triton
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # empty: the pool compiles it all
@@ -60,10 +61,11 @@ def test_no_kernel_compiles_after_warm_up(long_llama, tmp_path, monkeypatch):
         model_dir=str(long_llama), device="cuda", dtype="bfloat16", max_lora_rank=64, lora_backend="triton",
         page_size=PAGE, num_pages=4096, max_tokens_per_step=MAX_TOKENS, max_model_len=2048,
         cuda_graph_max_batch=32, cuda_graph_max_tokens=MAX_TOKENS, max_running_requests=64, warmup=True,
-        lora_gpu_memory_gb=0.05,
+        lora_gpu_memory_gb=0.05, quantization=quantization,
     )  # fmt: skip
     runner = ModelRunner(cfg)
     assert runner.warmup.lora > 0 and runner.warmup.attention > 0
+    assert (runner.warmup.fp8 > 0) == (quantization == "fp8")
     # graph capture launches only what the warm-up's pool compiled (kernels this process had loaded
     # before, from earlier tests, are not seen either way)
     assert not runner.capture_compiled, f"graph capture compiled {runner.capture_compiled}"

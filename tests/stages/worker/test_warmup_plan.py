@@ -14,17 +14,21 @@ import torch
 
 from kernels import device_info
 from kernels.batch_info import BatchInfoBuilder, choose_block_m, plan_runs, plan_tiles
+from kernels.fp8_gemm import MAX_M, choose_config
 from kernels.lora_expand_act import ExpandActConfig
 from kernels.lora_fused import FusedConfig
 from kernels.paged_attention import choose_splits, plan_blocks
 from runtime.common.lora_layout import LoraLayout
 from stages.worker.lora.pool import LoraPool
 from stages.worker.lora.triton_backend import TritonLoraBackend
+from stages.worker.model.linear import FP8, Fp8Weight
+from stages.worker.model.weights import LayerWeights
 from stages.worker.runner import ModelRunner, RunnerConfig
 from stages.worker.warmup import warm_up
 from stages.worker.warmup_plan import (
     attention_variants,
     block_m_spans,
+    fp8_launches,
     lora_launches,
     plan_axes,
     rank_classes,
@@ -201,6 +205,27 @@ def test_attention_plan_holds_every_choice_of_real_batches(sms, monkeypatch):
         chosen.add((bm, choose_splits(meta.shape[0], kv_heads, most_keys, "cpu")))
     assert chosen <= planned
     assert len({s for _, s in chosen}) > 1 and len({b for b, _ in chosen}) > 1
+
+
+@pytest.mark.parametrize("sms", [4, 132])
+def test_fp8_plan_holds_each_config_of_every_token_count(sms):
+    """Every projection with fp8 weights at every token count the weight-only GEMM serves gets its config
+    planned once, on that projection; unquantized projections get none."""
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    ws = {k: torch.empty(s, dtype=torch.bfloat16) for k, s in shapes.items()}
+    for proj in ("gate_up", "down"):  # the plan reads the shapes only
+        ws[proj] = Fp8Weight(torch.empty(shapes[proj], dtype=FP8), torch.empty(shapes[proj][0]))
+    none = dict(qkv_bias=None, o_bias=None, gate_up_bias=None, down_bias=None)
+    layer = LayerWeights(input_norm=None, post_norm=None, **ws, **none)
+    plan = fp8_launches(layer, sms)
+    keys = [(launch.proj, launch.config) for launch in plan]
+    assert len(keys) == len(set(keys)) and {p for p, _ in keys} == {"gate_up", "down"}
+    for proj in ("gate_up", "down"):
+        n, k = shapes[proj]
+        assert {c for p, c in keys if p == proj} == {choose_config(m, n, k, sms) for m in range(1, MAX_M + 1)}
+    for launch in plan:
+        n, k = shapes[launch.proj]
+        assert choose_config(launch.num_tokens, n, k, sms) == launch.config
 
 
 def test_warm_up_does_nothing_on_cpu(tiny_llama):
