@@ -67,7 +67,7 @@ def cached_plan(cache_dir: str | None, key: str, compute: Callable[[], Plan]) ->
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("warm-up plan %s unreadable (%s): computing it again", path, exc)
     plan = compute()
-    if path is not None:
+    if path is not None:  # written before the kernels are: the warm-up then fills the cache it names
         lora, attention = plan
         data = {
             "lora": [

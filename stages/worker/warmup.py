@@ -149,7 +149,10 @@ def warm_up(
             # own). Recorded launches do not run, so activations are garbage; indices all come from host
             # copies, and nothing of it is kept.
             _forward(runner)
-            for graphs in (runner.step_graphs, runner.graphs):
+            # A plan read from the cache was written by a warm-up whose capture then filled the cache with
+            # the graphs' kernels too: only a computed plan needs the graphs' dry runs (seconds of host
+            # work, about what compiling their few extra kernels one by one in capture would cost).
+            for graphs in (runner.step_graphs, runner.graphs) if not read else ():
                 if graphs is not None:
                     graphs.dry_run()
         say(f"warm-up: {len(specs)} kernel specializations to compile in {pool.workers} processes")
