@@ -24,8 +24,9 @@ from proto.pipeline import TokenBatch, TokenDelta
 from proto.plan import BatchPlan, FinishedRequest, RequestError, SlotError, SlotLoad, StepResult
 from stages.worker import prompt_logprobs
 from stages.worker.guided import GuidedMasks
+from stages.worker.guided_steps import grammar_ends, step_masks
 from stages.worker.runner import ModelRunner, SeqInput, inverse_of
-from stages.worker.sampler import Allowed, SampledTokens, Sampler
+from stages.worker.sampler import Sampler
 from stages.worker.seq_input import has_placeholders
 from stages.worker.slot_loads import LoadHandle, PendingLoads
 from stages.worker.step_state import InFlightStep, WorkerRequest
@@ -122,7 +123,7 @@ class StepExecutor:
                 [r.sampling for r in reqs],
                 picks,
                 prompts=lambda k: reqs[k].token_ids[: reqs[k].prompt_len],
-                allowed=self._masks(reqs, before, logits.shape[-1]),
+                allowed=step_masks(self.guided, reqs, before, logits.shape[-1]) if self.guided else None,
             )
             for row, req in enumerate(reqs):
                 step.rows.append((req, len(req.token_ids)))
@@ -132,34 +133,6 @@ class StepExecutor:
         ph["forward"] += t_forward - t_plan
         ph["sample"] += time.perf_counter() - t_forward
         return step
-
-    def _masks(self, reqs: list[WorkerRequest], before: SampledTokens | None, width: int) -> Allowed | None:
-        """The token masks of the requests with a grammar (None when none has one). Each matcher is fed
-        its request's outputs first: with overlapped scheduling the last may be the step before's token,
-        still a placeholder here, so the host waits for that step's tokens, which the device computed
-        before this step's forward, queued already; the masks are then computed while it runs."""
-        if not self.guided:
-            return None
-        rows = {k: r.request_id for k, r in enumerate(reqs) if r.request_id in self.guided}
-        if not rows:
-            return None
-        known = (
-            before.result()[0]
-            if before is not None
-            and any(t < 0 for k in rows for t in reqs[k].token_ids[reqs[k].prompt_len :])
-            else []
-        )
-        failed: dict[int, str] = {}
-        for k, rid in rows.items():
-            req = reqs[k]
-            outputs = [t if t >= 0 else known[-1 - t] for t in req.token_ids[req.prompt_len :]]
-            if (why := self.guided.advance(rid, outputs)) is not None:
-                failed[k] = why
-        ids = list(rows.values())
-        masks, broken = self.guided.allowed(ids, width)
-        order = list(rows)
-        failed |= {order[j]: why for j, why in broken.items()}
-        return Allowed(masks, {k: j for j, k in enumerate(order)}, failed)
 
     def finish(self, step: InFlightStep) -> tuple[StepResult, TokenBatch]:
         """Read the step's tokens (waits for them), decide who stops, build its result and tokens.
@@ -178,6 +151,7 @@ class StepExecutor:
         for i, lps in step.prompt_lps.entries().items() if step.prompt_lps is not None else ():
             req = step.scheduled[i][0]
             req.prompt_lps = (req.prompt_lps or []) + lps  # sent with its first token
+        kept = []  # (row, request, where its token is, why it stops or None)
         for row, ((req, at), tok) in enumerate(zip(step.rows, tokens, strict=True)):
             if req.dropped_from(step.launch):
                 self.dropped_rows += 1
@@ -188,19 +162,13 @@ class StepExecutor:
                 errors.append(RequestError(request_id=req.request_id, message=bad[row]))
                 continue
             req.token_ids[at] = tok
-            reason = self._finish_reason(req, tok, at + 1)
-            if req.request_id in self.guided and reason is None:
-                # the step launched after this one may have fed the matcher this token already
-                why = self.guided.advance(req.request_id, req.token_ids[req.prompt_len : at + 1])
-                if why is not None:
-                    req.end(step.launch)
-                    del req.token_ids[at:]
-                    errors.append(RequestError(request_id=req.request_id, message=why))
-                    continue
-                reason = "stop" if self.guided.stopped(req.request_id) else None
+            kept.append((row, req, at, self._finish_reason(req, tok, at + 1)))
+        if self.guided:
+            kept = grammar_ends(self.guided, kept, step.launch, errors)
+        for row, req, at, reason in kept:
             lp = [logprobs[row]] if row in logprobs else None
             delta = TokenDelta(
-                request_id=req.request_id, token_ids=[tok], finish_reason=reason, logprobs=lp,
+                request_id=req.request_id, token_ids=[req.token_ids[at]], finish_reason=reason, logprobs=lp,
                 prompt_logprobs=req.prompt_lps,
             )  # fmt: skip
             req.prompt_lps = None

@@ -1,9 +1,10 @@
 """Structured output on the worker: one llguidance matcher per request that asks (`SamplingParams.guided`),
-fed the request's output tokens as they become known, and the step's token masks: computed on the host
-by llguidance's own thread pool (it drops the GIL) while the device runs the step's forward, packed 32
-tokens a word, copied to the device and unpacked there into the rows the sampler masks. Matchers and
-the tokenizer they share are built on a thread of their own when a request first asks; a step in which
-no request asks never touches any of this."""
+fed the request's output tokens as they become known (a step's new tokens in one call, spread over
+llguidance's own thread pool, which drops the GIL), and the step's token masks: computed by that pool
+while the device runs the step's forward, packed 32 tokens a word, copied to the device and unpacked
+there into the rows the sampler masks; the step thread itself does a few look-ups a request. Matchers
+and the tokenizer they share are built on a thread of their own when a request first asks; a step in
+which no request asks never touches any of this."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import torch
 from proto.sampling import Guided
 from runtime.common.grammar import grammar_of, matcher_tokenizer, rust_call
 
-MASK_THREADS = min(8, max(1, (os.cpu_count() or 2) // 2))  # llguidance's pool: masks of one step in parallel
+# llguidance's pool (masks and token consumption of one step, in parallel): every core but two, which the
+# step thread and the stage's event loop keep
+MASK_THREADS = min(32, max(1, (os.cpu_count() or 2) - 2))
 
 
 @functools.lru_cache(maxsize=2)  # an offline engine makes an executor, so a GuidedMasks, per generate()
@@ -34,6 +37,7 @@ class _Request:
     matcher: Future[llguidance.LLMatcher]
     consumed: int = 0  # output tokens the matcher has taken
     error: str | None = None
+    built: llguidance.LLMatcher | None = None  # the matcher, once its build is known to have succeeded
 
 
 class GuidedMasks:
@@ -45,7 +49,7 @@ class GuidedMasks:
         self._builder: ThreadPoolExecutor | None = None
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._executor: llguidance.LLExecutor | None = None
-        self._bits: torch.Tensor | None = None  # [32] int32 on the device: 1 << j
+        self._bits: torch.Tensor | None = None  # [8] uint8 on the device: 1 << j
 
     def prepare(self) -> None:
         """Start building the tokenizer matchers share, on the builder thread (once)."""
@@ -53,8 +57,7 @@ class GuidedMasks:
             self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
             self._tokenizer = self._builder.submit(self._build_tokenizer)
             self._executor = llguidance.LLExecutor(MASK_THREADS)
-            bits = [1 << j if j < 31 else -(1 << 31) for j in range(32)]  # bit j of an int32 word
-            self._bits = torch.tensor(bits, dtype=torch.int32, device=self.device)
+            self._bits = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=self.device)
 
     def add(self, request_id: str, guided: Guided) -> None:
         """Start building the request's matcher (off the step thread; the first mask waits for it)."""
@@ -85,21 +88,54 @@ class GuidedMasks:
     def advance(self, request_id: str, outputs: Sequence[int]) -> str | None:
         """Feed the matcher the request's outputs it has not taken yet (all known on the host); returns
         why they break its grammar, if they do (then and after)."""
-        r = self._requests[request_id]
-        if r.error is None and r.consumed < len(outputs):
+        self.feed([(request_id, self.unfed(request_id, outputs, 0))])
+        return self._requests[request_id].error
+
+    def unfed(
+        self, request_id: str, token_ids: Sequence[int], start: int, end: int | None = None
+    ) -> list[int]:
+        """The tokens of `token_ids[start:end]` (the request's outputs) its matcher has not taken yet: a
+        slice of the few newest, never a copy of the whole output."""
+        return list(token_ids[start + self._requests[request_id].consumed : end])
+
+    def feed(self, items: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """Feed each request's matcher its next output tokens (`unfed`, all known on the host). The
+        requests with one new token, a step's usual case, go in one call over the thread pool; a token
+        that breaks a grammar leaves the reason in `error` (then and after)."""
+        singles: list[tuple[llguidance.LLMatcher, int]] = []
+        owners: list[_Request] = []
+        for rid, tokens in items:
+            r = self._requests[rid]
+            if r.error is not None or not tokens:
+                continue
             matcher = self._matcher(r)
-            if matcher is not None:
-                if not matcher.consume_tokens(list(outputs[r.consumed :])):
-                    r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
-                r.consumed = len(outputs)
-        return r.error
+            if matcher is None:
+                continue
+            r.consumed += len(tokens)
+            if len(tokens) == 1:
+                singles.append((matcher, tokens[0]))
+                owners.append(r)
+            elif not matcher.consume_tokens(list(tokens)):
+                r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
+        if singles:
+            assert self._executor is not None
+            for r, ok in zip(owners, self._executor.consume_token_par(singles), strict=True):
+                if not ok:
+                    r.error = f"the output left its grammar: {r.built.get_error()}"[:2000]
+
+    def error(self, request_id: str) -> str | None:
+        """Why the request's grammar failed (could not be built, or its output left it), if it did."""
+        return self._requests[request_id].error
 
     def stopped(self, request_id: str) -> bool:
         """Whether the grammar is complete and allows nothing more (the request ends there)."""
         r = self._requests[request_id]
-        return r.error is None and r.matcher.done() and self._matcher(r).is_stopped()
+        return r.error is None and r.built is not None and r.built.is_stopped()
 
     def _matcher(self, r: _Request) -> llguidance.LLMatcher | None:
+        """The request's matcher (waits for its build), or None when it failed (`r.error` says why)."""
+        if r.built is not None:
+            return r.built
         try:
             matcher = r.matcher.result()
         except Exception as exc:  # a grammar the tokenizer stage let through, or no tokenizer.json
@@ -108,6 +144,7 @@ class GuidedMasks:
         if matcher.is_error():
             r.error = f"its grammar could not be built: {matcher.get_error()}"[:2000]
             return None
+        r.built = matcher
         return matcher
 
     def allowed(self, request_ids: Sequence[str], width: int) -> tuple[torch.Tensor, dict[int, str]]:
@@ -115,22 +152,26 @@ class GuidedMasks:
         True where the token is allowed, and {k: why} for the requests whose grammar failed (their rows
         allow nothing; the caller fails them)."""
         assert self._executor is not None and self._bits is not None
+        n = len(request_ids)
         pin = self.device.type == "cuda"
-        packed = torch.zeros((len(request_ids), self.words), dtype=torch.int32, pin_memory=pin)  # [n, W]
+        packed = torch.empty((n, self.words), dtype=torch.int32, pin_memory=pin)  # [n, W]
         work, failed = [], {}
         for k, rid in enumerate(request_ids):
             r = self._requests[rid]
             matcher = self._matcher(r) if r.error is None else None
             if matcher is None:
                 failed[k] = r.error or "its grammar failed"
+                packed[k] = 0
             else:
                 work.append((matcher, k))
         if work:
-            # one call for the whole step: llguidance spreads the matchers over its threads, GIL dropped
-            self._executor.unsafe_compute_mask_ptr(work, packed.data_ptr(), self.words * 4, len(request_ids))
-        words = packed.to(self.device, non_blocking=True)  # [n, W]
-        allowed = ((words.unsqueeze(-1) & self._bits) != 0).view(len(request_ids), -1)  # [n, 32 W] bool
+            # one call for the whole step: llguidance spreads the matchers over its threads, GIL dropped;
+            # it writes every word of each row it is given
+            self._executor.unsafe_compute_mask_ptr(work, packed.data_ptr(), self.words * 4, n)
+        # token 8 b + j is bit j of byte b (the words are little-endian, on the host and on the device)
+        octets = packed.to(self.device, non_blocking=True).view(torch.uint8)  # [n, 4 W]
+        allowed = ((octets.unsqueeze(-1) & self._bits) != 0).view(n, -1)  # [n, 32 W] bool
         if allowed.shape[1] >= width:
             return allowed[:, :width], failed
-        pad = torch.zeros((len(request_ids), width - allowed.shape[1]), dtype=torch.bool, device=self.device)
+        pad = torch.zeros((n, width - allowed.shape[1]), dtype=torch.bool, device=self.device)
         return torch.cat((allowed, pad), dim=1), failed
