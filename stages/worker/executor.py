@@ -14,6 +14,7 @@ ended has its row of the later step dropped at finish, so results equal the seri
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -24,9 +25,9 @@ from proto.pipeline import TokenBatch, TokenDelta
 from proto.plan import BatchPlan, FinishedRequest, RequestError, SlotError, SlotLoad, StepResult
 from stages.worker import prompt_logprobs
 from stages.worker.guided import GuidedMasks
-from stages.worker.guided_steps import grammar_ends, step_masks
+from stages.worker.guided_steps import StepMasks, grammar_ends, step_masks
 from stages.worker.runner import ModelRunner, SeqInput, inverse_of
-from stages.worker.sampler import Sampler
+from stages.worker.sampler import SampledTokens, Sampler
 from stages.worker.seq_input import has_placeholders
 from stages.worker.slot_loads import LoadHandle, PendingLoads
 from stages.worker.step_state import InFlightStep, WorkerRequest
@@ -65,6 +66,8 @@ class StepExecutor:
         self._launches = itertools.count(1)
         self._last_launch = 0
         self._unfinished: list[InFlightStep] = []  # launched, not finished: at most one when launching
+        # a launched step whose sampling waits for its grammar masks, issued when the step before finishes
+        self._deferred: tuple[InFlightStep, StepMasks, Callable[[], SampledTokens]] | None = None
         # Host seconds per phase of the steps that computed: plan applied, forward issued, tokens
         # sampled (issue + waiting for the GPU's tokens), results built. A per-stage metric, and where
         # a profile starts. With overlapped scheduling the wait is shorter: the next launch ran first.
@@ -80,6 +83,7 @@ class StepExecutor:
         ones the inputs can hold, and they are read from its device tokens."""
         if len(self._unfinished) > 1:
             raise RuntimeError("a step is launched while two earlier ones are unfinished")
+        self._issue_deferred()
         before = self._unfinished[-1].sampled if self._unfinished else None
         self._last_launch = next(self._launches)
         step = InFlightStep(plan, self._last_launch)
@@ -117,14 +121,16 @@ class StepExecutor:
                 if rows_at == list(range(logits.shape[0]))
                 else (rows_at, self.runner.index_uploads(rows_at))
             )
-            step.sampled = self.sampler.issue(
-                logits,
-                [r.request_id for r in reqs],
-                [r.sampling for r in reqs],
-                picks,
+            issue = functools.partial(
+                self.sampler.issue, logits, [r.request_id for r in reqs], [r.sampling for r in reqs], picks,
                 prompts=lambda k: reqs[k].token_ids[: reqs[k].prompt_len],
-                allowed=step_masks(self.guided, reqs, before, logits.shape[-1]) if self.guided else None,
-            )
+            )  # fmt: skip
+            masks = step_masks(self.guided, reqs, before, before is not None) if self.guided else None
+            if masks is not None and before is not None:
+                # the step before is finished next, while llguidance computes the masks: then this samples
+                self._deferred = (step, masks, lambda: issue(allowed=masks.allowed(logits.shape[-1])))
+            else:
+                step.sampled = issue(allowed=masks.allowed(logits.shape[-1]) if masks is not None else None)
             for row, req in enumerate(reqs):
                 step.rows.append((req, len(req.token_ids)))
                 req.token_ids.append(-1 - row)
@@ -136,7 +142,25 @@ class StepExecutor:
 
     def finish(self, step: InFlightStep) -> tuple[StepResult, TokenBatch]:
         """Read the step's tokens (waits for them), decide who stops, build its result and tokens.
-        Steps finish in launch order."""
+        Steps finish in launch order. A sampling left to this finish by the next launch is issued at its
+        end, whatever happens."""
+        if self._deferred is not None and self._deferred[0] is step:
+            self._issue_deferred()
+        try:
+            return self._finish(step)
+        finally:
+            self._issue_deferred()
+
+    def _issue_deferred(self) -> None:
+        """Issue the sampling that a launch left to the step before's finish (its grammar masks were
+        being computed on llguidance's threads meanwhile)."""
+        if self._deferred is not None:
+            (step, _, issue), self._deferred = self._deferred, None
+            t_start = time.perf_counter()
+            step.sampled = issue()
+            self.phase_seconds["sample"] += time.perf_counter() - t_start
+
+    def _finish(self, step: InFlightStep) -> tuple[StepResult, TokenBatch]:
         if not self._unfinished or self._unfinished[0] is not step:
             raise RuntimeError("steps finish in the order they were launched")
         t_start = time.perf_counter()
@@ -261,6 +285,9 @@ class StepExecutor:
         failed = [s.launch for s in self._unfinished if s.plan is plan]
         at = failed[0] if failed else self._last_launch
         self._unfinished = [s for s in self._unfinished if s.plan is not plan]
+        if self._deferred is not None and self._deferred[0] not in self._unfinished:
+            self._deferred[1].job.wait()  # its matchers are free again
+            self._deferred = None
         ids = {r.request_id for r in plan.new_requests} | {r.request_id for r in plan.cached_requests}
         ids |= {rid for rid, r in self.requests.items() if r.active}
         for rid in ids:

@@ -38,6 +38,35 @@ class _Request:
     consumed: int = 0  # output tokens the matcher has taken
     error: str | None = None
     built: llguidance.LLMatcher | None = None  # the matcher, once its build is known to have succeeded
+    # whether the grammar was complete after the last tokens fed: read back without touching the matcher,
+    # which a mask job may hold on its thread meanwhile
+    stopped: bool = False
+
+
+class MaskJob:
+    """One step's masks, computed by llguidance's pool on the masks thread (or at once): `result` waits for
+    them and unpacks them on the device."""
+
+    def __init__(self, guided: GuidedMasks, n: int, packed: torch.Tensor, failed: dict[int, str], done):
+        self._guided, self._n, self._packed, self.failed, self._done = guided, n, packed, failed, done
+
+    def wait(self) -> None:
+        """Wait for the host's part (the matchers are free again after it)."""
+        if isinstance(self._done, Future):
+            self._done.result()
+
+    def result(self, width: int) -> torch.Tensor:
+        """[n, width] bool on the device, True where the token is allowed (the rows of `failed`, the
+        requests whose grammar failed, allow nothing; the caller fails them)."""
+        self.wait()
+        n, device, bits = self._n, self._guided.device, self._guided._bits
+        # token 8 b + j is bit j of byte b (the words are little-endian, on the host and on the device)
+        octets = self._packed.to(device, non_blocking=True).view(torch.uint8)  # [n, 4 W]
+        allowed = ((octets.unsqueeze(-1) & bits) != 0).view(n, -1)  # [n, 32 W] bool
+        if allowed.shape[1] >= width:
+            return allowed[:, :width]
+        pad = torch.zeros((n, width - allowed.shape[1]), dtype=torch.bool, device=device)
+        return torch.cat((allowed, pad), dim=1)
 
 
 class GuidedMasks:
@@ -49,6 +78,7 @@ class GuidedMasks:
         self._builder: ThreadPoolExecutor | None = None
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._executor: llguidance.LLExecutor | None = None
+        self._masker: ThreadPoolExecutor | None = None  # hands a step's mask call to llguidance's pool
         self._bits: torch.Tensor | None = None  # [8] uint8 on the device: 1 << j
 
     def prepare(self) -> None:
@@ -57,6 +87,7 @@ class GuidedMasks:
             self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
             self._tokenizer = self._builder.submit(self._build_tokenizer)
             self._executor = llguidance.LLExecutor(MASK_THREADS)
+            self._masker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
             self._bits = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=self.device)
 
     def add(self, request_id: str, guided: Guided) -> None:
@@ -77,6 +108,8 @@ class GuidedMasks:
     def close(self) -> None:
         if self._builder is not None:
             self._builder.shutdown(wait=False, cancel_futures=True)
+        if self._masker is not None:
+            self._masker.shutdown(wait=False, cancel_futures=True)
 
     def _build_tokenizer(self) -> llguidance.LLTokenizer:
         return _tokenizer(self.model_dir, self.vocab, self.eos_ids)
@@ -122,6 +155,10 @@ class GuidedMasks:
             for r, ok in zip(owners, self._executor.consume_token_par(singles), strict=True):
                 if not ok:
                     r.error = f"the output left its grammar: {r.built.get_error()}"[:2000]
+        for rid, tokens in items:
+            r = self._requests[rid]
+            if tokens and r.error is None and r.built is not None:
+                r.stopped = r.built.is_stopped()
 
     def error(self, request_id: str) -> str | None:
         """Why the request's grammar failed (could not be built, or its output left it), if it did."""
@@ -130,7 +167,7 @@ class GuidedMasks:
     def stopped(self, request_id: str) -> bool:
         """Whether the grammar is complete and allows nothing more (the request ends there)."""
         r = self._requests[request_id]
-        return r.error is None and r.built is not None and r.built.is_stopped()
+        return r.error is None and r.stopped
 
     def _matcher(self, r: _Request) -> llguidance.LLMatcher | None:
         """The request's matcher (waits for its build), or None when it failed (`r.error` says why)."""
@@ -148,10 +185,15 @@ class GuidedMasks:
         return matcher
 
     def allowed(self, request_ids: Sequence[str], width: int) -> tuple[torch.Tensor, dict[int, str]]:
-        """The next token's mask of each request (all fed their outputs): [n, width] bool on the device,
-        True where the token is allowed, and {k: why} for the requests whose grammar failed (their rows
-        allow nothing; the caller fails them)."""
-        assert self._executor is not None and self._bits is not None
+        """The next token's mask of each request (all fed their outputs), at once: `start`'s."""
+        job = self.start(request_ids, background=False)
+        return job.result(width), job.failed
+
+    def start(self, request_ids: Sequence[str], background: bool = True) -> MaskJob:
+        """Start computing the next token's mask of each request (all fed their outputs; its grammar
+        built, else it fails: `MaskJob.failed`, {k: why}). In the background, the step thread must not
+        call these requests' matchers until the job's `result`: a matcher is held by its mask call."""
+        assert self._executor is not None and self._masker is not None
         n = len(request_ids)
         pin = self.device.type == "cuda"
         packed = torch.empty((n, self.words), dtype=torch.int32, pin_memory=pin)  # [n, W]
@@ -164,14 +206,10 @@ class GuidedMasks:
                 packed[k] = 0
             else:
                 work.append((matcher, k))
+        done = None
         if work:
             # one call for the whole step: llguidance spreads the matchers over its threads, GIL dropped;
             # it writes every word of each row it is given
-            self._executor.unsafe_compute_mask_ptr(work, packed.data_ptr(), self.words * 4, n)
-        # token 8 b + j is bit j of byte b (the words are little-endian, on the host and on the device)
-        octets = packed.to(self.device, non_blocking=True).view(torch.uint8)  # [n, 4 W]
-        allowed = ((octets.unsqueeze(-1) & self._bits) != 0).view(n, -1)  # [n, 32 W] bool
-        if allowed.shape[1] >= width:
-            return allowed[:, :width], failed
-        pad = torch.zeros((n, width - allowed.shape[1]), dtype=torch.bool, device=self.device)
-        return torch.cat((allowed, pad), dim=1), failed
+            call = (self._executor.unsafe_compute_mask_ptr, work, packed.data_ptr(), self.words * 4, n)
+            done = self._masker.submit(*call) if background else call[0](*call[1:])
+        return MaskJob(self, n, packed, failed, done)

@@ -6,18 +6,32 @@ few look-ups a request whatever the outputs' lengths."""
 from __future__ import annotations
 
 from proto.plan import RequestError
-from stages.worker.guided import GuidedMasks
+from stages.worker.guided import GuidedMasks, MaskJob
 from stages.worker.sampler import Allowed, SampledTokens
 from stages.worker.step_state import WorkerRequest
 
 
+class StepMasks:
+    """A launch's masks, started: `allowed` waits for them and puts them on the device for the sampler."""
+
+    def __init__(self, rows: list[int], job: MaskJob):
+        self.rows, self.job = rows, job
+
+    def allowed(self, width: int) -> Allowed:
+        masks = self.job.result(width)
+        failed = {self.rows[j]: why for j, why in self.job.failed.items()}
+        return Allowed(masks, {k: j for j, k in enumerate(self.rows)}, failed)
+
+
 def step_masks(
-    guided: GuidedMasks, reqs: list[WorkerRequest], before: SampledTokens | None, width: int
-) -> Allowed | None:
-    """The token masks of the requests with a grammar (None when none has one). Each matcher is fed its
-    request's outputs first: with overlapped scheduling the last may be the step before's token, still a
-    placeholder here, so the host waits for that step's tokens, which the device computed before this
-    step's forward, queued already; the masks are then computed while it runs."""
+    guided: GuidedMasks, reqs: list[WorkerRequest], before: SampledTokens | None, background: bool
+) -> StepMasks | None:
+    """The token masks of the requests with a grammar, started (None when none has one). Each matcher
+    is fed its request's outputs first: with overlapped scheduling the last may be the step before's
+    token, still a placeholder here, so the host waits for that step's tokens, which the device computed
+    before this step's forward, queued already; the masks are then computed while it runs, `background`:
+    on llguidance's threads while the step thread goes on (the step before's finish), until `allowed`.
+    A grammar that failed (now or before) allows nothing, and its request is named in `failed`."""
     rows = [k for k, r in enumerate(reqs) if r.request_id in guided]
     if not rows:
         return None
@@ -29,10 +43,7 @@ def step_masks(
         known = before.result()[0]
         tails = [[t if t >= 0 else known[-1 - t] for t in tail] for tail in tails]
     guided.feed(list(zip(ids, tails, strict=True)))
-    masks, broken = guided.allowed(ids, width)
-    # a grammar that failed (now or before) allows nothing: `allowed` names it
-    failed = {rows[j]: why for j, why in broken.items()}
-    return Allowed(masks, {k: j for j, k in enumerate(rows)}, failed)
+    return StepMasks(rows, guided.start(ids, background))
 
 
 def grammar_ends(
