@@ -60,8 +60,16 @@ class MaskJob:
         requests whose grammar failed, allow nothing; the caller fails them)."""
         self.wait()
         n, device, bits = self._n, self._guided.device, self._guided._bits
+        copies = self._guided._copies
+        if copies is None:
+            words = self._packed.to(device)
+        else:  # on a stream of its own: it need not wait for the forward queued before it
+            with torch.cuda.stream(copies):
+                words = self._packed.to(device, non_blocking=True)
+            torch.cuda.current_stream(device).wait_stream(copies)
+            words.record_stream(torch.cuda.current_stream(device))
         # token 8 b + j is bit j of byte b (the words are little-endian, on the host and on the device)
-        octets = self._packed.to(device, non_blocking=True).view(torch.uint8)  # [n, 4 W]
+        octets = words.view(torch.uint8)  # [n, 4 W]
         allowed = ((octets.unsqueeze(-1) & bits) != 0).view(n, -1)  # [n, 32 W] bool
         if allowed.shape[1] >= width:
             return allowed[:, :width]
@@ -79,6 +87,7 @@ class GuidedMasks:
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._masker: ThreadPoolExecutor | None = None  # hands a step's mask call to llguidance's pool
+        self._copies: torch.cuda.Stream | None = None  # the masks' copies to a CUDA device
         self._bits: torch.Tensor | None = None  # [8] uint8 on the device: 1 << j
 
     def prepare(self) -> None:
@@ -88,6 +97,8 @@ class GuidedMasks:
             self._tokenizer = self._builder.submit(self._build_tokenizer)
             self._executor = llguidance.LLExecutor(MASK_THREADS)
             self._masker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+            if self.device.type == "cuda":
+                self._copies = torch.cuda.Stream(self.device)
             self._bits = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=self.device)
 
     def add(self, request_id: str, guided: Guided) -> None:
