@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,44 +143,56 @@ class GuidedMasks:
     def advance(self, request_id: str, outputs: Sequence[int]) -> str | None:
         """Feed the matcher the request's outputs it has not taken yet (all known on the host); returns
         why they break its grammar, if they do (then and after)."""
-        self.feed([(request_id, self.unfed(request_id, outputs, 0))])
+        self.feed([(request_id, outputs, 0, len(outputs))])
         return self._requests[request_id].error
 
-    def unfed(
-        self, request_id: str, token_ids: Sequence[int], start: int, end: int | None = None
-    ) -> list[int]:
-        """The tokens of `token_ids[start:end]` (the request's outputs) its matcher has not taken yet: a
-        slice of the few newest, never a copy of the whole output."""
-        return list(token_ids[start + self._requests[request_id].consumed : end])
-
-    def feed(self, items: Sequence[tuple[str, Sequence[int]]]) -> None:
-        """Feed each request's matcher its next output tokens (`unfed`, all known on the host). The
-        requests with one new token, a step's usual case, go in one call over the thread pool; a token
-        that breaks a grammar leaves the reason in `error` (then and after)."""
+    def feed(
+        self,
+        items: Sequence[tuple[str, Sequence[int], int, int]],
+        known: Callable[[], list[int]] | None = None,
+    ) -> None:
+        """Feed each request's matcher the tokens of its outputs `token_ids[start:end]` (id, token_ids,
+        start, end) it has not taken yet: the newest one or few, never a copy of the whole output. A
+        placeholder (-1 - row) is the token of that row in `known()` (the step before's tokens, read
+        only when one is met). The requests with one new token, a step's usual case, go in one call
+        over the thread pool; a token that breaks a grammar leaves the reason in `error` (then and
+        after), a complete grammar sets `stopped`."""
         singles: list[tuple[llguidance.LLMatcher, int]] = []
         owners: list[_Request] = []
-        for rid, tokens in items:
+        resolved: list[int] = []
+        for rid, ids, start, end in items:
             r = self._requests[rid]
-            if r.error is not None or not tokens:
+            at = start + r.consumed
+            if r.error is not None or at >= end:
                 continue
-            matcher = self._matcher(r)
+            matcher = r.built if r.built is not None else self._matcher(r)
             if matcher is None:
                 continue
-            r.consumed += len(tokens)
-            if len(tokens) == 1:
-                singles.append((matcher, tokens[0]))
+            r.consumed = end - start
+            if end - at == 1 and ids[at] >= 0:
+                singles.append((matcher, ids[at]))
                 owners.append(r)
-            elif not matcher.consume_tokens(list(tokens)):
+                continue
+            tail = list(ids[at:end])
+            if any(t < 0 for t in tail):
+                assert known is not None, "a placeholder token without the step that samples it"
+                resolved = resolved or known()
+                tail = [t if t >= 0 else resolved[-1 - t] for t in tail]
+            if len(tail) == 1:
+                singles.append((matcher, tail[0]))
+                owners.append(r)
+            elif matcher.consume_tokens(tail):
+                r.stopped = matcher.is_stopped()
+            else:
                 r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
         if singles:
             assert self._executor is not None
-            for r, ok in zip(owners, self._executor.consume_token_par(singles), strict=True):
-                if not ok:
-                    r.error = f"the output left its grammar: {r.built.get_error()}"[:2000]
-        for rid, tokens in items:
-            r = self._requests[rid]
-            if tokens and r.error is None and r.built is not None:
-                r.stopped = r.built.is_stopped()
+            oks = self._executor.consume_token_par(singles)
+            for (matcher, _), r, ok in zip(singles, owners, oks, strict=True):
+                if ok:
+                    r.stopped = matcher.is_stopped()
+                else:
+                    r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
 
     def error(self, request_id: str) -> str | None:
         """Why the request's grammar failed (could not be built, or its output left it), if it did."""
@@ -232,5 +245,18 @@ class GuidedMasks:
             # one call for the whole step: llguidance spreads the matchers over its threads, GIL dropped;
             # it writes every word of each row it is given
             call = (self._executor.unsafe_compute_mask_ptr, work, packed.data_ptr(), self.words * 4, n)
-            done = self._masker.submit(*call) if background else call[0](*call[1:])
+            if background:
+                started = threading.Event()
+                done = self._masker.submit(_started, started, *call)
+                # The masks thread needs the GIL to make its call: waiting here hands it over at once
+                # (else it waits for the step thread's next switch interval, milliseconds of pure Python).
+                started.wait()
+            else:
+                call[0](*call[1:])
         return MaskJob(self, n, packed, failed, done)
+
+
+def _started(started: threading.Event, fn, *args) -> None:
+    """`fn(*args)`, on the masks thread, once it has said that it runs (it drops the GIL in `fn`)."""
+    started.set()
+    fn(*args)

@@ -36,13 +36,11 @@ def step_masks(
     if not rows:
         return None
     ids = [reqs[k].request_id for k in rows]
-    tails = [
-        guided.unfed(rid, reqs[k].token_ids, reqs[k].prompt_len) for k, rid in zip(rows, ids, strict=True)
-    ]
-    if before is not None and any(t < 0 for tail in tails for t in tail):
-        known = before.result()[0]
-        tails = [[t if t >= 0 else known[-1 - t] for t in tail] for tail in tails]
-    guided.feed(list(zip(ids, tails, strict=True)))
+    known = (lambda: before.result()[0]) if before is not None else None
+    guided.feed(
+        [(r.request_id, r.token_ids, r.prompt_len, len(r.token_ids)) for r in map(reqs.__getitem__, rows)],
+        known,
+    )
     return StepMasks(rows, guided.start(ids, background))
 
 
@@ -57,10 +55,7 @@ def grammar_ends(
     if not asks:
         return kept
     guided.feed(
-        [
-            (r.request_id, guided.unfed(r.request_id, r.token_ids, r.prompt_len, at + 1))
-            for _, r, at, _ in (kept[i] for i in asks)
-        ]
+        [(r.request_id, r.token_ids, r.prompt_len, at + 1) for _, r, at, _ in map(kept.__getitem__, asks)]
     )
     failed = set()
     for i in asks:

@@ -68,10 +68,8 @@ def test_masks_follow_each_requests_own_tokens(setup, background):
         # one token a request this step, two for r1 while it can: several at once go apart
         step = []
         for rid, (_, toks) in plan.items():
-            take = 2 if rid == "r1" else 1
-            new = toks[fed[rid] : fed[rid] + take]
-            fed[rid] += len(new)
-            step.append((f"{rid}{background}", new))
+            fed[rid] = min(len(toks), fed[rid] + (2 if rid == "r1" else 1))
+            step.append((f"{rid}{background}", toks, 0, fed[rid]))
         masks.feed(step)
         assert all(masks.error(rid) is None for rid in ids)
         job = masks.start(ids, background=background)
@@ -88,7 +86,8 @@ def test_a_token_outside_the_grammar_fails_its_request_alone(setup):
     masks.add("bad", g)
     masks.add("good", g)
     masks.add("done", Guided("choice", json.dumps(["ab"])))
-    masks.feed([("bad", _encode(tok, "9")), ("good", _encode(tok, "a")), ("done", _encode(tok, "ab"))])
+    fed = {"bad": _encode(tok, "9"), "good": _encode(tok, "a"), "done": _encode(tok, "ab")}
+    masks.feed([(rid, toks, 0, len(toks)) for rid, toks in fed.items()])
     assert masks.error("bad") is not None and "left its grammar" in masks.error("bad")
     assert masks.error("good") is None and not masks.stopped("good")
     assert masks.stopped("done")  # the choice is complete: its request ends
@@ -96,5 +95,29 @@ def test_a_token_outside_the_grammar_fails_its_request_alone(setup):
     assert list(failed) == [0] and failed[0] == masks.error("bad")
     assert not allowed[0].any()  # the failed row allows nothing
     assert torch.equal(allowed[1], _reference(tok, g, _encode(tok, "a"), vocab))
-    masks.feed([("bad", _encode(tok, "a"))])  # nothing more is fed to a failed matcher
+    masks.feed([("bad", fed["bad"] + _encode(tok, "a"), 0, 2)])  # nothing more is fed to a failed matcher
     assert "left its grammar" in masks.error("bad")
+
+
+def test_placeholders_are_the_step_befores_tokens(setup):
+    """A token still on the device is a placeholder -1 - row, read from `known()` (the step before's
+    tokens) only when one is met; one new token or several, the matcher takes the real ids."""
+    masks, tok, vocab = setup
+    g = Guided("regex", REGEX)
+    text = _encode(tok, "abc-12")
+    masks.add("one", g)
+    masks.add("two", g)
+    reads = []
+
+    def known() -> list[int]:
+        reads.append(1)
+        return [text[3], text[1]]  # rows 0 and 1 of the step before
+
+    masks.feed([("one", text[:3] + [-1], 0, 4), ("two", [text[0], -2], 0, 2)], known)
+    assert reads and masks.error("one") is None and masks.error("two") is None
+    allowed, _ = masks.allowed(["one", "two"], vocab)
+    assert torch.equal(allowed[0], _reference(tok, g, text[:4], vocab))
+    assert torch.equal(allowed[1], _reference(tok, g, text[:2], vocab))
+    reads.clear()
+    masks.feed([("one", text[:5], 0, 5)], known)  # no placeholder: the step before's tokens are not read
+    assert not reads and torch.equal(masks.allowed(["one"], vocab)[0][0], _reference(tok, g, text[:5], vocab))
