@@ -166,7 +166,7 @@ class Sampler:
                 adjuster = self._adjuster(request_ids[i], p, prompts, i, row.shape[-1])
                 row = adjuster.apply(row)
             if mask is not None:
-                row = row.masked_fill(~allowed.masks[mask], float("-inf"))
+                row = torch.where(allowed.masks[mask], row, float("-inf"))
             if p.greedy:
                 tokens[i] = row.argmax()
             else:
@@ -200,11 +200,11 @@ def _greedy_masked(
         return set()
     rows, masks = [at[i] for i in fast], [allowed.rows[i] for i in fast]
     if fast == rows == masks and len(fast) == tokens.shape[0] == logits.shape[0]:  # all of them, in order
-        tokens.copy_(logits.masked_fill(~allowed.masks, float("-inf")).argmax(dim=-1))
+        tokens.copy_(torch.where(allowed.masks, logits, float("-inf")).argmax(dim=-1))
         return set(fast)
     index = _upload([rows, masks, fast], logits.device)  # [3, n]
     picked = logits.index_select(0, index[0])  # [n, V]
-    picked = picked.masked_fill(~allowed.masks.index_select(0, index[1]), float("-inf"))
+    picked = torch.where(allowed.masks.index_select(0, index[1]), picked, float("-inf"))
     tokens.index_copy_(0, index[2], picked.argmax(dim=-1))
     return set(fast)
 
