@@ -22,9 +22,10 @@ import torch
 from proto.sampling import Guided
 from runtime.common.grammar import grammar_of, matcher_tokenizer, rust_call
 
-# llguidance's pool (masks and token consumption of one step, in parallel): every core but two, which the
-# step thread and the stage's event loop keep
-MASK_THREADS = min(32, max(1, (os.cpu_count() or 2) - 2))
+# llguidance's pool (masks and token consumption of one step, in parallel): every core this process may
+# run on but two, which the step thread and the stage's event loop keep
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+MASK_THREADS = min(32, max(1, _CORES - 2))
 
 
 @functools.lru_cache(maxsize=2)  # an offline engine makes an executor, so a GuidedMasks, per generate()
