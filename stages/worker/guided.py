@@ -188,7 +188,7 @@ class GuidedMasks:
                 r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
         if singles:
             assert self._executor is not None
-            oks = self._executor.consume_token_par(singles)
+            oks = rust_call(self._executor.consume_token_par, singles)
             for (matcher, _), r, ok in zip(singles, owners, oks, strict=True):
                 if ok:
                     r.stopped = matcher.is_stopped()
@@ -253,11 +253,11 @@ class GuidedMasks:
                 # (else it waits for the step thread's next switch interval, milliseconds of pure Python).
                 started.wait()
             else:
-                call[0](*call[1:])
+                rust_call(*call)
         return MaskJob(self, n, packed, failed, done)
 
 
 def _started(started: threading.Event, fn, *args) -> None:
     """`fn(*args)`, on the masks thread, once it has said that it runs (it drops the GIL in `fn`)."""
     started.set()
-    fn(*args)
+    rust_call(fn, *args)  # a panic of its Rust code fails the step, not the stage
