@@ -26,6 +26,7 @@ from proto.plan import BatchPlan, FinishedRequest, RequestError, SlotError, Slot
 from stages.worker import prompt_logprobs
 from stages.worker.guided import GuidedMasks
 from stages.worker.guided_steps import StepMasks, grammar_ends, step_masks
+from stages.worker.retry_apart import execute_apart
 from stages.worker.runner import ModelRunner, SeqInput, inverse_of
 from stages.worker.sampler import SampledTokens, Sampler
 from stages.worker.seq_input import has_placeholders
@@ -175,21 +176,10 @@ class StepExecutor:
         for i, lps in step.prompt_lps.entries().items() if step.prompt_lps is not None else ():
             req = step.scheduled[i][0]
             req.prompt_lps = (req.prompt_lps or []) + lps  # sent with its first token
-        kept = []  # (row, request, where its token is, why it stops or None)
-        for row, ((req, at), tok) in enumerate(zip(step.rows, tokens, strict=True)):
-            if req.dropped_from(step.launch):
-                self.dropped_rows += 1
-                continue
-            if row in bad:  # fails alone: its batch-mates keep their tokens
-                req.end(step.launch)
-                del req.token_ids[at:]
-                errors.append(RequestError(request_id=req.request_id, message=bad[row]))
-                continue
-            req.token_ids[at] = tok
-            kept.append((row, req, at, self._finish_reason(req, tok, at + 1)))
-        if self.guided:
-            kept = grammar_ends(self.guided, kept, step.launch, errors)
-        for row, req, at, reason in kept:
+        guided = self.guided if self.guided else None
+        asks = []  # rows whose grammar has a say: (row, request, where its token is, None)
+
+        def emit(row: int, req: WorkerRequest, at: int, reason: str | None) -> None:
             lp = [logprobs[row]] if row in logprobs else None
             delta = TokenDelta(
                 request_id=req.request_id, token_ids=[req.token_ids[at]], finish_reason=reason, logprobs=lp,
@@ -204,6 +194,24 @@ class StepExecutor:
                 finished.append(
                     FinishedRequest(request_id=req.request_id, reason=reason, num_output_tokens=n_out)
                 )
+
+        for row, ((req, at), tok) in enumerate(zip(step.rows, tokens, strict=True)):
+            if req.dropped_from(step.launch):
+                self.dropped_rows += 1
+                continue
+            if row in bad:  # fails alone: its batch-mates keep their tokens
+                req.end(step.launch)
+                del req.token_ids[at:]
+                errors.append(RequestError(request_id=req.request_id, message=bad[row]))
+                continue
+            req.token_ids[at] = tok
+            reason = self._finish_reason(req, tok, at + 1)
+            if guided is not None and reason is None and req.request_id in guided:
+                asks.append((row, req, at, None))
+                continue
+            emit(row, req, at, reason)
+        for row, req, at, reason in grammar_ends(guided, asks, step.launch, errors) if asks else ():
+            emit(row, req, at, reason)
         self._settle(step.waited)
         slots_ready = step.slots_ready + self.pending.poll()
         if step.scheduled:
@@ -243,40 +251,8 @@ class StepExecutor:
                 or (len({req.slot for req, _ in step.scheduled}) < 2 and len(step.scheduled) < 2)
             ):
                 raise  # nothing to tell apart (or no rank may): the caller fails this step's requests
-            return self._execute_apart(step, seqs, layer_waits, pending, exc), None
-
-    def _execute_apart(
-        self,
-        step: InFlightStep,
-        seqs: list[SeqInput],
-        layer_waits: list[list] | None,
-        pending: torch.Tensor | None,
-        exc: Exception,
-    ) -> torch.Tensor:
-        """The batch's forward failed: run it again one adapter at a time (requests without one alone),
-        so only the group that fails again is failed (and leaves `step.scheduled`). Recomputing writes
-        the same KV positions again, so the partial writes of the failed attempt are overwritten."""
-        groups: dict[object, list[int]] = {}
-        for i, (req, _) in enumerate(step.scheduled):
-            groups.setdefault(req.slot if req.slot >= 0 else ("base", i), []).append(i)
-        kept: list[int] = []
-        parts: list[torch.Tensor] = []
-        for rows in groups.values():
-            try:
-                parts.append(self.runner.execute([seqs[i] for i in rows], layer_waits, pending))
-            except Exception as again:
-                for i in rows:
-                    req = step.scheduled[i][0]
-                    req.end(step.launch)
-                    why = f"worker step failed: {type(again).__name__}: {again}"
-                    step.errors.append(RequestError(request_id=req.request_id, message=why[:2000]))
-                continue
-            kept.extend(rows)
-        self.retried_steps += 1
-        if not parts:
-            raise exc
-        step.scheduled = [step.scheduled[i] for i in kept]
-        return torch.cat(parts)
+            self.retried_steps += 1
+            return execute_apart(self.runner, step, seqs, layer_waits, pending, exc), None
 
     def fail_step(self, plan: BatchPlan, message: str) -> StepResult:
         """The plan's step failed (its forward, or reading its tokens): every request it ran is failed
