@@ -9,6 +9,8 @@
 # top_logprobs=5, a JSON schema on every request, and a bounded schema whose every output must validate.
 # Knobs: NUM_PROMPTS (256), INPUT_LEN (128), OUTPUT_LEN (128), PRESET (1b), DEVICE (cuda), DTYPE
 # (bfloat16), SCRATCH; PRESET=tiny DEVICE=cpu DTYPE=float32 NUM_PROMPTS=8 is a plumbing check.
+# PROFILE=1: one more process of this tree runs each variant under torch.profiler and cProfile too
+# (bench_sampling_features.py --profile), into OUT_DIR/profile.json; it is not counted in the table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 here=$(pwd)
@@ -33,8 +35,9 @@ fi
 args=(--model "$model" --adapter-dir "$adir" --num-adapters "$nad" --num-prompts "${NUM_PROMPTS:-256}"
   --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-128}" --device "$device" --dtype "${DTYPE:-bfloat16}")
 bench=$here/benchmarks/bench_sampling_features.py
-run() { # LABEL TREE VARIANTS
-  (cd "$2" && PYTHONPATH=$2${PYTHONPATH:+:$PYTHONPATH} "$py" "$bench" "${args[@]}" --label "$1" --variants "$3" "$out/run_$1.json")
+run() { # LABEL TREE VARIANTS [OUT_FILE [EXTRA_ARG]]
+  (cd "$2" && PYTHONPATH=$2${PYTHONPATH:+:$PYTHONPATH} "$py" "$bench" "${args[@]}" --label "$1" --variants "$3" \
+    "${4:-$out/run_$1.json}" ${5:+"$5"})
 }
 if [ -n "$old" ]; then
   run A1 "$old" plain
@@ -44,20 +47,24 @@ if [ -n "$old" ]; then
 else
   run B1 "$here" plain,logprobs5,guided,guided_check,plain
 fi
+if [ "${PROFILE:-0}" = 1 ]; then run P "$here" plain,logprobs5,guided "$out/profile.json" --profile; fi
 "$py" - "$out" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 rows = [r for f in sorted(out.glob("run_*.json")) for r in json.loads(f.read_text())]
-tput = {}
+tput, step_ms = {}, {}
 for r in rows:
     tput.setdefault((r["label"][0], r["variant"]), []).append(r["tok_s"])
+    if "ms_per_step" in r:
+        step_ms.setdefault((r["label"][0], r["variant"]), []).append(r["ms_per_step"])
 print("| build | variant | output tok/s (each run) | median |\n| --- | --- | --- | --- |")
 for (side, variant), v in sorted(tput.items()):
     print(f"| {side} | {variant} | {', '.join(f'{x:.0f}' for x in v)} | {statistics.median(v):.0f} |")
 med = {k: statistics.median(v) for k, v in tput.items()}
 plain = med[("B", "plain")]
 summary = {"median": {f"{s}/{v}": x for (s, v), x in med.items()}}
+summary["median_ms_per_step"] = {f"{s}/{v}": statistics.median(x) for (s, v), x in step_ms.items()}
 if ("A", "plain") in med:
     summary["B_plain_over_A_plain"] = plain / med[("A", "plain")]
 for v in ("logprobs5", "guided"):

@@ -14,6 +14,7 @@ ended has its row of the later step dropped at finish, so results equal the seri
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -24,8 +25,10 @@ from proto.pipeline import TokenBatch, TokenDelta
 from proto.plan import BatchPlan, FinishedRequest, RequestError, SlotError, SlotLoad, StepResult
 from stages.worker import prompt_logprobs
 from stages.worker.guided import GuidedMasks
+from stages.worker.guided_steps import StepMasks, grammar_ends, step_masks
+from stages.worker.retry_apart import execute_apart
 from stages.worker.runner import ModelRunner, SeqInput, inverse_of
-from stages.worker.sampler import Allowed, SampledTokens, Sampler
+from stages.worker.sampler import SampledTokens, Sampler
 from stages.worker.seq_input import has_placeholders
 from stages.worker.slot_loads import LoadHandle, PendingLoads
 from stages.worker.step_state import InFlightStep, WorkerRequest
@@ -64,6 +67,8 @@ class StepExecutor:
         self._launches = itertools.count(1)
         self._last_launch = 0
         self._unfinished: list[InFlightStep] = []  # launched, not finished: at most one when launching
+        # a launched step whose sampling waits for its grammar masks, issued when the step before finishes
+        self._deferred: tuple[InFlightStep, StepMasks, Callable[[], SampledTokens]] | None = None
         # Host seconds per phase of the steps that computed: plan applied, forward issued, tokens
         # sampled (issue + waiting for the GPU's tokens), results built. A per-stage metric, and where
         # a profile starts. With overlapped scheduling the wait is shorter: the next launch ran first.
@@ -79,6 +84,7 @@ class StepExecutor:
         ones the inputs can hold, and they are read from its device tokens."""
         if len(self._unfinished) > 1:
             raise RuntimeError("a step is launched while two earlier ones are unfinished")
+        self._issue_deferred()
         before = self._unfinished[-1].sampled if self._unfinished else None
         self._last_launch = next(self._launches)
         step = InFlightStep(plan, self._last_launch)
@@ -116,14 +122,16 @@ class StepExecutor:
                 if rows_at == list(range(logits.shape[0]))
                 else (rows_at, self.runner.index_uploads(rows_at))
             )
-            step.sampled = self.sampler.issue(
-                logits,
-                [r.request_id for r in reqs],
-                [r.sampling for r in reqs],
-                picks,
+            issue = functools.partial(
+                self.sampler.issue, logits, [r.request_id for r in reqs], [r.sampling for r in reqs], picks,
                 prompts=lambda k: reqs[k].token_ids[: reqs[k].prompt_len],
-                allowed=self._masks(reqs, before, logits.shape[-1]),
-            )
+            )  # fmt: skip
+            masks = step_masks(self.guided, reqs, before, before is not None) if self.guided else None
+            if masks is not None and before is not None:
+                # the step before is finished next, while llguidance computes the masks: then this samples
+                self._deferred = (step, masks, lambda: issue(allowed=masks.allowed(logits.shape[-1])))
+            else:
+                step.sampled = issue(allowed=masks.allowed(logits.shape[-1]) if masks is not None else None)
             for row, req in enumerate(reqs):
                 step.rows.append((req, len(req.token_ids)))
                 req.token_ids.append(-1 - row)
@@ -133,37 +141,27 @@ class StepExecutor:
         ph["sample"] += time.perf_counter() - t_forward
         return step
 
-    def _masks(self, reqs: list[WorkerRequest], before: SampledTokens | None, width: int) -> Allowed | None:
-        """The token masks of the requests with a grammar (None when none has one). Each matcher is fed
-        its request's outputs first: with overlapped scheduling the last may be the step before's token,
-        still a placeholder here, so the host waits for that step's tokens, which the device computed
-        before this step's forward, queued already; the masks are then computed while it runs."""
-        if not self.guided:
-            return None
-        rows = {k: r.request_id for k, r in enumerate(reqs) if r.request_id in self.guided}
-        if not rows:
-            return None
-        known = (
-            before.result()[0]
-            if before is not None
-            and any(t < 0 for k in rows for t in reqs[k].token_ids[reqs[k].prompt_len :])
-            else []
-        )
-        failed: dict[int, str] = {}
-        for k, rid in rows.items():
-            req = reqs[k]
-            outputs = [t if t >= 0 else known[-1 - t] for t in req.token_ids[req.prompt_len :]]
-            if (why := self.guided.advance(rid, outputs)) is not None:
-                failed[k] = why
-        ids = list(rows.values())
-        masks, broken = self.guided.allowed(ids, width)
-        order = list(rows)
-        failed |= {order[j]: why for j, why in broken.items()}
-        return Allowed(masks, {k: j for j, k in enumerate(order)}, failed)
-
     def finish(self, step: InFlightStep) -> tuple[StepResult, TokenBatch]:
         """Read the step's tokens (waits for them), decide who stops, build its result and tokens.
-        Steps finish in launch order."""
+        Steps finish in launch order. A sampling left to this finish by the next launch is issued at its
+        end, whatever happens."""
+        if self._deferred is not None and self._deferred[0] is step:
+            self._issue_deferred()
+        try:
+            return self._finish(step)
+        finally:
+            self._issue_deferred()
+
+    def _issue_deferred(self) -> None:
+        """Issue the sampling that a launch left to the step before's finish (its grammar masks were
+        being computed on llguidance's threads meanwhile)."""
+        if self._deferred is not None:
+            (step, _, issue), self._deferred = self._deferred, None
+            t_start = time.perf_counter()
+            step.sampled = issue()
+            self.phase_seconds["sample"] += time.perf_counter() - t_start
+
+    def _finish(self, step: InFlightStep) -> tuple[StepResult, TokenBatch]:
         if not self._unfinished or self._unfinished[0] is not step:
             raise RuntimeError("steps finish in the order they were launched")
         t_start = time.perf_counter()
@@ -178,29 +176,13 @@ class StepExecutor:
         for i, lps in step.prompt_lps.entries().items() if step.prompt_lps is not None else ():
             req = step.scheduled[i][0]
             req.prompt_lps = (req.prompt_lps or []) + lps  # sent with its first token
-        for row, ((req, at), tok) in enumerate(zip(step.rows, tokens, strict=True)):
-            if req.dropped_from(step.launch):
-                self.dropped_rows += 1
-                continue
-            if row in bad:  # fails alone: its batch-mates keep their tokens
-                req.end(step.launch)
-                del req.token_ids[at:]
-                errors.append(RequestError(request_id=req.request_id, message=bad[row]))
-                continue
-            req.token_ids[at] = tok
-            reason = self._finish_reason(req, tok, at + 1)
-            if req.request_id in self.guided and reason is None:
-                # the step launched after this one may have fed the matcher this token already
-                why = self.guided.advance(req.request_id, req.token_ids[req.prompt_len : at + 1])
-                if why is not None:
-                    req.end(step.launch)
-                    del req.token_ids[at:]
-                    errors.append(RequestError(request_id=req.request_id, message=why))
-                    continue
-                reason = "stop" if self.guided.stopped(req.request_id) else None
+        guided = self.guided if self.guided else None
+        asks = []  # rows whose grammar has a say: (row, request, where its token is, None)
+
+        def emit(row: int, req: WorkerRequest, at: int, reason: str | None) -> None:
             lp = [logprobs[row]] if row in logprobs else None
             delta = TokenDelta(
-                request_id=req.request_id, token_ids=[tok], finish_reason=reason, logprobs=lp,
+                request_id=req.request_id, token_ids=[req.token_ids[at]], finish_reason=reason, logprobs=lp,
                 prompt_logprobs=req.prompt_lps,
             )  # fmt: skip
             req.prompt_lps = None
@@ -212,6 +194,24 @@ class StepExecutor:
                 finished.append(
                     FinishedRequest(request_id=req.request_id, reason=reason, num_output_tokens=n_out)
                 )
+
+        for row, ((req, at), tok) in enumerate(zip(step.rows, tokens, strict=True)):
+            if req.dropped_from(step.launch):
+                self.dropped_rows += 1
+                continue
+            if row in bad:  # fails alone: its batch-mates keep their tokens
+                req.end(step.launch)
+                del req.token_ids[at:]
+                errors.append(RequestError(request_id=req.request_id, message=bad[row]))
+                continue
+            req.token_ids[at] = tok
+            reason = self._finish_reason(req, tok, at + 1)
+            if guided is not None and reason is None and req.request_id in guided:
+                asks.append((row, req, at, None))
+                continue
+            emit(row, req, at, reason)
+        for row, req, at, reason in grammar_ends(guided, asks, step.launch, errors) if asks else ():
+            emit(row, req, at, reason)
         self._settle(step.waited)
         slots_ready = step.slots_ready + self.pending.poll()
         if step.scheduled:
@@ -251,40 +251,8 @@ class StepExecutor:
                 or (len({req.slot for req, _ in step.scheduled}) < 2 and len(step.scheduled) < 2)
             ):
                 raise  # nothing to tell apart (or no rank may): the caller fails this step's requests
-            return self._execute_apart(step, seqs, layer_waits, pending, exc), None
-
-    def _execute_apart(
-        self,
-        step: InFlightStep,
-        seqs: list[SeqInput],
-        layer_waits: list[list] | None,
-        pending: torch.Tensor | None,
-        exc: Exception,
-    ) -> torch.Tensor:
-        """The batch's forward failed: run it again one adapter at a time (requests without one alone),
-        so only the group that fails again is failed (and leaves `step.scheduled`). Recomputing writes
-        the same KV positions again, so the partial writes of the failed attempt are overwritten."""
-        groups: dict[object, list[int]] = {}
-        for i, (req, _) in enumerate(step.scheduled):
-            groups.setdefault(req.slot if req.slot >= 0 else ("base", i), []).append(i)
-        kept: list[int] = []
-        parts: list[torch.Tensor] = []
-        for rows in groups.values():
-            try:
-                parts.append(self.runner.execute([seqs[i] for i in rows], layer_waits, pending))
-            except Exception as again:
-                for i in rows:
-                    req = step.scheduled[i][0]
-                    req.end(step.launch)
-                    why = f"worker step failed: {type(again).__name__}: {again}"
-                    step.errors.append(RequestError(request_id=req.request_id, message=why[:2000]))
-                continue
-            kept.extend(rows)
-        self.retried_steps += 1
-        if not parts:
-            raise exc
-        step.scheduled = [step.scheduled[i] for i in kept]
-        return torch.cat(parts)
+            self.retried_steps += 1
+            return execute_apart(self.runner, step, seqs, layer_waits, pending, exc), None
 
     def fail_step(self, plan: BatchPlan, message: str) -> StepResult:
         """The plan's step failed (its forward, or reading its tokens): every request it ran is failed
@@ -293,6 +261,9 @@ class StepExecutor:
         failed = [s.launch for s in self._unfinished if s.plan is plan]
         at = failed[0] if failed else self._last_launch
         self._unfinished = [s for s in self._unfinished if s.plan is not plan]
+        if self._deferred is not None and self._deferred[0] not in self._unfinished:
+            self._deferred[1].job.wait()  # its matchers are free again
+            self._deferred = None
         ids = {r.request_id for r in plan.new_requests} | {r.request_id for r in plan.cached_requests}
         ids |= {rid for rid, r in self.requests.items() if r.active}
         for rid in ids:

@@ -1,15 +1,17 @@
 """Structured output on the worker: one llguidance matcher per request that asks (`SamplingParams.guided`),
-fed the request's output tokens as they become known, and the step's token masks: computed on the host
-by llguidance's own thread pool (it drops the GIL) while the device runs the step's forward, packed 32
-tokens a word, copied to the device and unpacked there into the rows the sampler masks. Matchers and
-the tokenizer they share are built on a thread of their own when a request first asks; a step in which
-no request asks never touches any of this."""
+fed the request's output tokens as they become known (a step's new tokens in one call, spread over
+llguidance's own thread pool, which drops the GIL), and the step's token masks: computed by that pool
+while the device runs the step's forward, packed 32 tokens a word, copied to the device and unpacked
+there into the rows the sampler masks; the step thread itself does a few look-ups a request. Matchers
+and the tokenizer they share are built on a thread of their own when a request first asks; a step in
+which no request asks never touches any of this."""
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,10 @@ import torch
 from proto.sampling import Guided
 from runtime.common.grammar import grammar_of, matcher_tokenizer, rust_call
 
-MASK_THREADS = min(8, max(1, (os.cpu_count() or 2) // 2))  # llguidance's pool: masks of one step in parallel
+# llguidance's pool (masks and token consumption of one step, in parallel): every core this process may
+# run on but two, which the step thread and the stage's event loop keep
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+MASK_THREADS = min(32, max(1, _CORES - 2))
 
 
 @functools.lru_cache(maxsize=2)  # an offline engine makes an executor, so a GuidedMasks, per generate()
@@ -29,11 +34,58 @@ def _tokenizer(model_dir: str, vocab: int, eos_ids: tuple[int, ...]) -> llguidan
     return matcher_tokenizer(text, vocab, eos_ids)
 
 
+@functools.lru_cache(maxsize=64)
+def _template(model_dir: str, vocab: int, eos_ids: tuple[int, ...], guided: Guided) -> llguidance.LLMatcher:
+    """A fresh matcher of `guided`, never fed: requests with the same grammar (often all of a burst) each
+    get a copy of it, microseconds against a millisecond or more for compiling the grammar again."""
+    return rust_call(
+        llguidance.LLMatcher, _tokenizer(model_dir, vocab, eos_ids), grammar_of(guided), log_level=0
+    )
+
+
 @dataclass(eq=False)
 class _Request:
     matcher: Future[llguidance.LLMatcher]
     consumed: int = 0  # output tokens the matcher has taken
     error: str | None = None
+    built: llguidance.LLMatcher | None = None  # the matcher, once its build is known to have succeeded
+    # whether the grammar was complete after the last tokens fed: read back without touching the matcher,
+    # which a mask job may hold on its thread meanwhile
+    stopped: bool = False
+
+
+class MaskJob:
+    """One step's masks, computed by llguidance's pool on the masks thread (or at once): `result` waits for
+    them and unpacks them on the device."""
+
+    def __init__(self, guided: GuidedMasks, n: int, packed: torch.Tensor, failed: dict[int, str], done):
+        self._guided, self._n, self._packed, self.failed, self._done = guided, n, packed, failed, done
+
+    def wait(self) -> None:
+        """Wait for the host's part (the matchers are free again after it)."""
+        if isinstance(self._done, Future):
+            self._done.result()
+
+    def result(self, width: int) -> torch.Tensor:
+        """[n, width] bool on the device, True where the token is allowed (the rows of `failed`, the
+        requests whose grammar failed, allow nothing; the caller fails them)."""
+        self.wait()
+        n, device, bits = self._n, self._guided.device, self._guided._bits
+        copies = self._guided._copies
+        if copies is None:
+            words = self._packed.to(device)
+        else:  # on a stream of its own: it need not wait for the forward queued before it
+            with torch.cuda.stream(copies):
+                words = self._packed.to(device, non_blocking=True)
+            torch.cuda.current_stream(device).wait_stream(copies)
+            words.record_stream(torch.cuda.current_stream(device))
+        # token 8 b + j is bit j of byte b (the words are little-endian, on the host and on the device)
+        octets = words.view(torch.uint8)  # [n, 4 W]
+        allowed = ((octets.unsqueeze(-1) & bits) != 0).view(n, -1)  # [n, 32 W] bool
+        if allowed.shape[1] >= width:
+            return allowed[:, :width]
+        pad = torch.zeros((n, width - allowed.shape[1]), dtype=torch.bool, device=device)
+        return torch.cat((allowed, pad), dim=1)
 
 
 class GuidedMasks:
@@ -45,7 +97,9 @@ class GuidedMasks:
         self._builder: ThreadPoolExecutor | None = None
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._executor: llguidance.LLExecutor | None = None
-        self._bits: torch.Tensor | None = None  # [32] int32 on the device: 1 << j
+        self._masker: ThreadPoolExecutor | None = None  # hands a step's mask call to llguidance's pool
+        self._copies: torch.cuda.Stream | None = None  # the masks' copies to a CUDA device
+        self._bits: torch.Tensor | None = None  # [8] uint8 on the device: 1 << j
 
     def prepare(self) -> None:
         """Start building the tokenizer matchers share, on the builder thread (once)."""
@@ -53,8 +107,10 @@ class GuidedMasks:
             self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
             self._tokenizer = self._builder.submit(self._build_tokenizer)
             self._executor = llguidance.LLExecutor(MASK_THREADS)
-            bits = [1 << j if j < 31 else -(1 << 31) for j in range(32)]  # bit j of an int32 word
-            self._bits = torch.tensor(bits, dtype=torch.int32, device=self.device)
+            self._masker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+            if self.device.type == "cuda":
+                self._copies = torch.cuda.Stream(self.device)
+            self._bits = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=self.device)
 
     def add(self, request_id: str, guided: Guided) -> None:
         """Start building the request's matcher (off the step thread; the first mask waits for it)."""
@@ -74,32 +130,84 @@ class GuidedMasks:
     def close(self) -> None:
         if self._builder is not None:
             self._builder.shutdown(wait=False, cancel_futures=True)
+        if self._masker is not None:
+            self._masker.shutdown(wait=False, cancel_futures=True)
 
     def _build_tokenizer(self) -> llguidance.LLTokenizer:
         return _tokenizer(self.model_dir, self.vocab, self.eos_ids)
 
     def _build_matcher(self, guided: Guided) -> llguidance.LLMatcher:
         assert self._tokenizer is not None
-        return rust_call(llguidance.LLMatcher, self._tokenizer.result(), grammar_of(guided), log_level=0)
+        self._tokenizer.result()  # raises what building it raised
+        return _template(self.model_dir, self.vocab, self.eos_ids, guided).deep_copy()
 
     def advance(self, request_id: str, outputs: Sequence[int]) -> str | None:
         """Feed the matcher the request's outputs it has not taken yet (all known on the host); returns
         why they break its grammar, if they do (then and after)."""
-        r = self._requests[request_id]
-        if r.error is None and r.consumed < len(outputs):
-            matcher = self._matcher(r)
-            if matcher is not None:
-                if not matcher.consume_tokens(list(outputs[r.consumed :])):
+        self.feed([(request_id, outputs, 0, len(outputs))])
+        return self._requests[request_id].error
+
+    def feed(
+        self,
+        items: Sequence[tuple[str, Sequence[int], int, int]],
+        known: Callable[[], list[int]] | None = None,
+    ) -> None:
+        """Feed each request's matcher the tokens of its outputs `token_ids[start:end]` (id, token_ids,
+        start, end) it has not taken yet: the newest one or few, never a copy of the whole output. A
+        placeholder (-1 - row) is the token of that row in `known()` (the step before's tokens, read
+        only when one is met). The requests with one new token, a step's usual case, go in one call
+        over the thread pool; a token that breaks a grammar leaves the reason in `error` (then and
+        after), a complete grammar sets `stopped`."""
+        singles: list[tuple[llguidance.LLMatcher, int]] = []
+        owners: list[_Request] = []
+        resolved: list[int] = []
+        for rid, ids, start, end in items:
+            r = self._requests[rid]
+            at = start + r.consumed
+            if r.error is not None or at >= end:
+                continue
+            matcher = r.built if r.built is not None else self._matcher(r)
+            if matcher is None:
+                continue
+            r.consumed = end - start
+            if end - at == 1 and ids[at] >= 0:
+                singles.append((matcher, ids[at]))
+                owners.append(r)
+                continue
+            tail = list(ids[at:end])
+            if any(t < 0 for t in tail):
+                assert known is not None, "a placeholder token without the step that samples it"
+                resolved = resolved or known()
+                tail = [t if t >= 0 else resolved[-1 - t] for t in tail]
+            if len(tail) == 1:
+                singles.append((matcher, tail[0]))
+                owners.append(r)
+            elif matcher.consume_tokens(tail):
+                r.stopped = matcher.is_stopped()
+            else:
+                r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
+        if singles:
+            assert self._executor is not None
+            oks = rust_call(self._executor.consume_token_par, singles)
+            for (matcher, _), r, ok in zip(singles, owners, oks, strict=True):
+                if ok:
+                    r.stopped = matcher.is_stopped()
+                else:
                     r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
-                r.consumed = len(outputs)
-        return r.error
+
+    def error(self, request_id: str) -> str | None:
+        """Why the request's grammar failed (could not be built, or its output left it), if it did."""
+        return self._requests[request_id].error
 
     def stopped(self, request_id: str) -> bool:
         """Whether the grammar is complete and allows nothing more (the request ends there)."""
         r = self._requests[request_id]
-        return r.error is None and r.matcher.done() and self._matcher(r).is_stopped()
+        return r.error is None and r.stopped
 
     def _matcher(self, r: _Request) -> llguidance.LLMatcher | None:
+        """The request's matcher (waits for its build), or None when it failed (`r.error` says why)."""
+        if r.built is not None:
+            return r.built
         try:
             matcher = r.matcher.result()
         except Exception as exc:  # a grammar the tokenizer stage let through, or no tokenizer.json
@@ -108,29 +216,48 @@ class GuidedMasks:
         if matcher.is_error():
             r.error = f"its grammar could not be built: {matcher.get_error()}"[:2000]
             return None
+        r.built = matcher
         return matcher
 
     def allowed(self, request_ids: Sequence[str], width: int) -> tuple[torch.Tensor, dict[int, str]]:
-        """The next token's mask of each request (all fed their outputs): [n, width] bool on the device,
-        True where the token is allowed, and {k: why} for the requests whose grammar failed (their rows
-        allow nothing; the caller fails them)."""
-        assert self._executor is not None and self._bits is not None
+        """The next token's mask of each request (all fed their outputs), at once: `start`'s."""
+        job = self.start(request_ids, background=False)
+        return job.result(width), job.failed
+
+    def start(self, request_ids: Sequence[str], background: bool = True) -> MaskJob:
+        """Start computing the next token's mask of each request (all fed their outputs; its grammar
+        built, else it fails: `MaskJob.failed`, {k: why}). In the background, the step thread must not
+        call these requests' matchers until the job's `result`: a matcher is held by its mask call."""
+        assert self._executor is not None and self._masker is not None
+        n = len(request_ids)
         pin = self.device.type == "cuda"
-        packed = torch.zeros((len(request_ids), self.words), dtype=torch.int32, pin_memory=pin)  # [n, W]
+        packed = torch.empty((n, self.words), dtype=torch.int32, pin_memory=pin)  # [n, W]
         work, failed = [], {}
         for k, rid in enumerate(request_ids):
             r = self._requests[rid]
             matcher = self._matcher(r) if r.error is None else None
             if matcher is None:
                 failed[k] = r.error or "its grammar failed"
+                packed[k] = 0
             else:
                 work.append((matcher, k))
+        done = None
         if work:
-            # one call for the whole step: llguidance spreads the matchers over its threads, GIL dropped
-            self._executor.unsafe_compute_mask_ptr(work, packed.data_ptr(), self.words * 4, len(request_ids))
-        words = packed.to(self.device, non_blocking=True)  # [n, W]
-        allowed = ((words.unsqueeze(-1) & self._bits) != 0).view(len(request_ids), -1)  # [n, 32 W] bool
-        if allowed.shape[1] >= width:
-            return allowed[:, :width], failed
-        pad = torch.zeros((len(request_ids), width - allowed.shape[1]), dtype=torch.bool, device=self.device)
-        return torch.cat((allowed, pad), dim=1), failed
+            # one call for the whole step: llguidance spreads the matchers over its threads, GIL dropped;
+            # it writes every word of each row it is given
+            call = (self._executor.unsafe_compute_mask_ptr, work, packed.data_ptr(), self.words * 4, n)
+            if background:
+                started = threading.Event()
+                done = self._masker.submit(_started, started, *call)
+                # The masks thread needs the GIL to make its call: waiting here hands it over at once
+                # (else it waits for the step thread's next switch interval, milliseconds of pure Python).
+                started.wait()
+            else:
+                rust_call(*call)
+        return MaskJob(self, n, packed, failed, done)
+
+
+def _started(started: threading.Event, fn, *args) -> None:
+    """`fn(*args)`, on the masks thread, once it has said that it runs (it drops the GIL in `fn`)."""
+    started.set()
+    rust_call(fn, *args)  # a panic of its Rust code fails the step, not the stage

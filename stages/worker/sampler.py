@@ -46,6 +46,7 @@ class SampledTokens:
         self._event = None
         self._logprobs = logprobs
         self._failed = failed or {}
+        self._read: tuple[list[int], dict[int, str]] | None = None
         if tokens_ok.is_cuda:
             self._host = torch.empty(tokens_ok.shape, dtype=tokens_ok.dtype, pin_memory=True)  # [2, B]
             self._host.copy_(tokens_ok, non_blocking=True)
@@ -67,9 +68,12 @@ class SampledTokens:
     def result(self) -> tuple[list[int], dict[int, str]]:
         """One token per row, and {row: why} for the rows that could not be sampled (logits or
         probabilities not finite): those fail alone, never their batch-mates."""
-        self.wait()
-        host_tokens, host_ok = self._host.tolist()  # [2, B]
-        return host_tokens, {i: NOT_FINITE for i, good in enumerate(host_ok) if not good} | self._failed
+        if self._read is None:  # read once: a guided launch and the finish both ask
+            self.wait()
+            host_tokens, host_ok = self._host.tolist()  # [2, B]
+            bad = {i: NOT_FINITE for i, good in enumerate(host_ok) if not good} | self._failed
+            self._read = (host_tokens, bad)
+        return self._read
 
     def logprobs(self) -> dict[int, TokenLogprobs]:
         """{row: its token's log-probabilities} for the rows whose request asked (waits like result)."""
@@ -162,7 +166,7 @@ class Sampler:
                 adjuster = self._adjuster(request_ids[i], p, prompts, i, row.shape[-1])
                 row = adjuster.apply(row)
             if mask is not None:
-                row = row.masked_fill(~allowed.masks[mask], float("-inf"))
+                row = torch.where(allowed.masks[mask], row, float("-inf"))
             if p.greedy:
                 tokens[i] = row.argmax()
             else:
@@ -173,7 +177,7 @@ class Sampler:
                 ok[i] = good
             if adjuster is not None:
                 adjuster.record(tokens[i])
-        logprobs = StepLogprobs(logits, at, tokens, wanted) if wanted else None
+        logprobs = _logprobs(logits, at, tokens, wanted) if wanted else None
         failed = allowed.failed if allowed is not None else None
         return SampledTokens(torch.stack((tokens, ok.to(tokens.dtype))), logprobs, failed)  # [2, B]
 
@@ -194,14 +198,45 @@ def _greedy_masked(
     fast = [i for i in allowed.rows if params[i].greedy and not params[i].adjusts_logits]
     if not fast:
         return set()
-    index = torch.tensor([[at[i] for i in fast], [allowed.rows[i] for i in fast], fast], dtype=torch.int64)
-    if logits.is_cuda:
-        index = index.pin_memory()
-    index = index.to(logits.device, non_blocking=True)  # [3, n]: logits rows, mask rows, requests
+    rows, masks = [at[i] for i in fast], [allowed.rows[i] for i in fast]
+    if fast == rows == masks and len(fast) == tokens.shape[0] == logits.shape[0]:  # all of them, in order
+        tokens.copy_(torch.where(allowed.masks, logits, float("-inf")).argmax(dim=-1))
+        return set(fast)
+    index = _upload([rows, masks, fast], logits.device)  # [3, n]
     picked = logits.index_select(0, index[0])  # [n, V]
-    picked = picked.masked_fill(~allowed.masks.index_select(0, index[1]), float("-inf"))
+    picked = torch.where(allowed.masks.index_select(0, index[1]), picked, float("-inf"))
     tokens.index_copy_(0, index[2], picked.argmax(dim=-1))
     return set(fast)
+
+
+def _logprobs(
+    logits: torch.Tensor, at: Sequence[int], tokens: torch.Tensor, wanted: list[tuple[int, int]]
+) -> StepLogprobs:
+    """The step's log-probabilities for the `wanted` requests (request k's logits row at[k], its token
+    tokens[k]). When every row of the logits is wanted (the usual case: all ask) they are computed in
+    the logits' own order, with the [B] tokens put in that order; else the wanted rows are gathered
+    first. Either way one small index upload at most, never an op per request."""
+    ks = [k for k, _ in wanted]
+    rows = [at[k] for k in ks]
+    n = logits.shape[0]
+    if len(ks) != n:
+        index = _upload([rows, ks], logits.device)  # [2, M]
+        picked, picked_tokens = logits.index_select(0, index[0]), tokens.index_select(0, index[1])
+        return StepLogprobs(picked, picked_tokens, wanted, range(len(ks)))
+    owner = [0] * n  # the request whose token row r sampled
+    for k, r in zip(ks, rows, strict=True):
+        owner[r] = k
+    if owner != list(range(n)) or tokens.shape[0] != n:
+        tokens = tokens.index_select(0, _upload([owner], logits.device)[0])
+    return StepLogprobs(logits, tokens, wanted, rows)
+
+
+def _upload(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Host lists of ints as one int64 tensor on `device`, copied from pinned memory without a sync."""
+    index = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index
 
 
 def request_rows(n: int, rows: tuple[list[int], torch.Tensor] | None) -> Sequence[int]:

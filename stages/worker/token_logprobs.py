@@ -1,7 +1,8 @@
 """Log-probabilities of sampled tokens, for the requests that ask (SamplingParams.logprobs = k): the
 sampled token's and the k likeliest under the model's raw logits (before penalties and temperature,
-as vLLM returns them), computed on the device in one batch per step and copied to the host with the
-tokens (no host sync of their own)."""
+as vLLM returns them), computed on the device in one batch per step (a handful of kernels whatever the
+number of requests: no per-request indexing) and copied to the host with the tokens (no host sync of
+their own)."""
 
 from __future__ import annotations
 
@@ -15,23 +16,21 @@ from proto.client import TokenLogprobs
 class StepLogprobs:
     """One step's log-probabilities: `wanted` lists (request index k, its top count) for the requests
     that asked; values [M, 1 + K] float32 (the sampled token's, then the top K's) and ids [M, K] int64,
-    K the largest top count among them."""
+    K the largest top count among them; wanted[j]'s are row rows[j]."""
 
     def __init__(
         self,
         logits: torch.Tensor,
-        rows: Sequence[int],
         tokens: torch.Tensor,
         wanted: list[tuple[int, int]],
+        rows: Sequence[int],
     ):
-        """`logits` [N, V]; request k's row is rows[k] and its sampled token tokens[k] ([B] int64, on
-        the device)."""
-        self.wanted = wanted
-        picked = torch.stack([logits[rows[k]] for k, _ in wanted])  # [M, V]
-        lp = torch.log_softmax(picked.float(), dim=-1)  # [M, V]
-        index = torch.stack([tokens[k] for k, _ in wanted]).view(-1, 1)  # [M, 1]
+        """`logits` [M, V] on the device and `tokens` [M] int64, the token sampled from each row;
+        wanted[j]'s row is rows[j]."""
+        self.wanted, self.rows = wanted, rows
+        lp = torch.log_softmax(logits.float(), dim=-1)  # [M, V]
         top = lp.topk(max(n for _, n in wanted), dim=-1)  # [M, K] each
-        self.values = torch.cat((lp.gather(1, index), top.values), dim=1)  # [M, 1 + K]
+        self.values = torch.cat((lp.gather(1, tokens.view(-1, 1)), top.values), dim=1)  # [M, 1 + K]
         self.ids = top.indices  # [M, K]
 
     def to_host(self) -> None:
@@ -44,7 +43,9 @@ class StepLogprobs:
     def entries(self) -> dict[int, TokenLogprobs]:
         """{request index: its token's log-probabilities}, once the host copies have landed."""
         values, ids = self.values.tolist(), self.ids.tolist()
-        return {
-            k: TokenLogprobs(logprob=v[0], top_ids=i[:n], top_logprobs=v[1 : 1 + n])
-            for (k, n), v, i in zip(self.wanted, values, ids, strict=True)
-        }
+        top = self.ids.shape[1]
+        out = {}
+        for (k, n), r in zip(self.wanted, self.rows, strict=True):
+            v, i = values[r], ids[r]
+            out[k] = TokenLogprobs(logprob=v[0], top_ids=i if n == top else i[:n], top_logprobs=v[1 : 1 + n])
+        return out

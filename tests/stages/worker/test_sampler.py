@@ -97,3 +97,26 @@ def test_logprobs_of_the_requests_that_ask_against_float64(device):
         want = row.topk(n)
         assert got[k].top_ids == want.indices.tolist()
         assert np.allclose(got[k].top_logprobs, want.values.numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [None, [2, 0, 3, 1]])
+def test_logprobs_when_every_row_asks_in_the_forwards_order(device, rows):
+    """Every logits row asked for (computed in the logits' own order, the tokens put in that order):
+    request k's entries are still those of row rows[k] and of its own token, whatever the order and
+    whatever each request's top count."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(5)).to(device) * 3
+    counts = [3, 0, 5, 1]
+    params = [SamplingParams(logprobs=n) for n in counts]
+    params[1] = SamplingParams(temperature=0.9, seed=4, logprobs=0)  # a sampled token, not the argmax
+    picks = None if rows is None else (rows, torch.tensor(rows, device=device))
+    sampled = Sampler(torch.device(device)).issue(logits, list("abcd"), params, picks)
+    tokens, _ = sampled.result()
+    got = sampled.logprobs()
+    ref = torch.log_softmax(logits.cpu().double(), dim=-1)
+    for k, n in enumerate(counts):
+        row = ref[k if rows is None else rows[k]]
+        assert abs(got[k].logprob - float(row[tokens[k]])) < 1e-5
+        want = row.topk(n)
+        assert got[k].top_ids == want.indices.tolist()
+        assert np.allclose(got[k].top_logprobs, want.values.numpy(), atol=1e-5)
