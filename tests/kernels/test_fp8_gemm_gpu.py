@@ -97,7 +97,9 @@ def test_w8a8_variant_matches_float64_of_its_quantized_input(n, k, m):
     out = w8a16_matmul(x, q, scale, config=GemmConfig(**{**cfg.__dict__, "a8": True})).cpu()
     w64 = q.double().cpu() * scale.double().cpu()[:, None]
     want = _blockwise_input(x, cfg.block_k) @ w64.t()
-    # bf16 rounding of the output; a code the kernel's division rounds to the other side of a tie
-    assert ((out.double() - want).norm() / want.norm()).item() < 4e-3
+    # bf16 rounding of the output (about 2e-3), plus codes the kernel's division rounds to the other side
+    # of a tie than the reference's: each such code is one e4m3 step (2^-3 of its value) off, and the
+    # small K=300 shape with an outlier-scaled block measured 4.2e-3 on an H200
+    assert ((out.double() - want).norm() / want.norm()).item() < 6e-3
     exact = x.double().cpu() @ w64.t()
     assert ((out.double() - exact).norm() / exact.norm()).item() < 6e-2  # e4m3 activations
