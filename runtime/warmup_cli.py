@@ -55,8 +55,6 @@ def run_warmup(args: ServeArgs, model_cfg: ModelConfig) -> int:
         "kernels": w.kernels,
         "compiled": w.compiled,
         "compiled_in_worker": w.compiled_here,
-        "compiled_in_capture": len(runner.capture_compiled),
-        "plan_read": w.plan_read,
         "warmup_s": round(w.seconds, 3),
         "runner_s": round(took, 3),
     }

@@ -52,7 +52,6 @@ class WarmupStats:
     # wall seconds of its parts: the plan, recording the launches, the pool's compiles, the launch pass
     parts: tuple[tuple[str, float], ...] = ()
     fp8: int = 0  # weight-only fp8 GEMM variants launched
-    plan_read: bool = False  # the plan came from the compile cache (plan_cache.py), not computed
 
 
 Report = Callable[[int, int], None]  # (steps done, total): compiles of the pool, then variant launches
@@ -173,7 +172,7 @@ def warm_up(
     times = [start] + [t for _, t in marks]
     parts = tuple((name, b - a) for (name, _), a, b in zip(marks, times[:-1], times[1:], strict=True))
     return WarmupStats(
-        len(launches), len(attn), took, cache_dir, len(specs), compiled, sum(here), parts, len(fp8), read
+        len(launches), len(attn), took, cache_dir, len(specs), compiled, sum(here), parts, len(fp8)
     )
 
 
