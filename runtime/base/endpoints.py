@@ -5,6 +5,7 @@ an address does not answer (`unreachable_reason`)."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import tempfile
 from pathlib import Path
@@ -89,8 +90,35 @@ def unreachable_reason(endpoint: str) -> str:
     return "something accepted the connection but did not answer the lorapipe handshake"
 
 
+_HANDED_OUT: set[int] = set()  # free_port's answers in this process, never given twice
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of the OS's ephemeral range (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listened on a moment ago (the OS's pick), for a server started next."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port nothing listens on now, for a server started next. Taken below the OS's ephemeral range
+    where it is known: a port from inside it (the OS's own pick) can become the local port of any
+    outgoing connection before the server binds it. Never one this process handed out before, so the
+    ports of one server differ."""
+    low = _ephemeral_low()
+    for _ in range(1000):
+        port = random.randrange(max(1024, low - 12000), low) if low is not None and low > 2048 else 0
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError(f"no free TCP port on {host}")

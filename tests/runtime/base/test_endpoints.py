@@ -1,10 +1,14 @@
-"""Endpoints: ipc paths in the run dir, a loopback client endpoint by default, frozen and serialisable."""
+"""Endpoints: ipc paths in the run dir, a loopback client endpoint by default, frozen and serialisable;
+free ports for servers started next."""
 
 from __future__ import annotations
+
+import socket
 
 import msgspec
 import pytest
 
+from runtime.base import endpoints
 from runtime.base.endpoints import DEFAULT_CLIENT_PORT, Endpoints, make_run_dir
 
 
@@ -36,3 +40,13 @@ def test_make_run_dir_is_private():
         assert d.is_dir() and (d.stat().st_mode & 0o777) == 0o700
     finally:
         d.rmdir()
+
+
+def test_free_ports_differ_bind_and_stay_out_of_the_ephemeral_range():
+    ports = [endpoints.free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)  # one server's ports never coincide
+    low = endpoints._ephemeral_low()
+    if low is not None and low > 2048:  # an outgoing connection's local port never takes one
+        assert all(1024 <= p < low for p in ports), (low, ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # still free
