@@ -213,7 +213,10 @@ def test_pressure_every_request_completes_and_matches_the_offline_engine(
             ("lorapipe_requests_in_flight", "tokenizer"),
             ("lorapipe_loader_writes_in_flight", "loader"),
         ]:
-            wait_until(lambda name=name, stage=stage: server.metric(name, stage) == 0, f"{name} back to 0")
+            try:
+                wait_until(lambda n=name, st=stage: server.metric(n, st) == 0, f"{name} back to 0")
+            except AssertionError as exc:  # which state is stuck (e.g. copies or writes), and everything else
+                raise AssertionError(f"{exc}\n{server.snapshot()}") from None
         wait_until(
             lambda: host_cache_adapters(server, lambda state: state != "resident") == 0,
             "no host block being loaded, written, copied or pinned",
