@@ -56,7 +56,11 @@ class AdapterLifecycle:
         self.stage_ahead = stage_ahead
         self.clock = clock
         self.warmer = warmer if warmer is not None else StartupWarmer(())
-        self.pool_loads: dict[int, str] = {}  # pool id -> adapter whose copy into it is in flight
+        # pool id -> adapters whose copies into it are not reported yet, oldest first. A pipelined plan can
+        # load an id again before the report of the copy a plan before it issued there (its adapter's
+        # requests ended meanwhile); each report settles the oldest, so neither hold is dropped or
+        # released before its own copy was reported.
+        self.pool_loads: dict[int, list[str]] = {}
         self.loader_up = False
         self.copy_failures = 0  # pool copies the worker reported failed (its fault, not the adapter's)
         self.writes = 0  # adapters WRITING (kept by `_move`: the staging pass reads it every plan)
@@ -120,7 +124,7 @@ class AdapterLifecycle:
         e.since = self.clock()
         self.table.touch(e.name)
         self._host_looked.discard(load.adapter)
-        self.pool_loads[load.slot] = load.adapter
+        self.pool_loads.setdefault(load.slot, []).append(load.adapter)
         self.series.slot_loads.inc()
         runs = list(zip(load.row_starts, load.row_counts, strict=True))
         return slot_load_for(e.staged, load.slot, runs, load.layered)
@@ -137,7 +141,7 @@ class AdapterLifecycle:
         self.loads_ready(ready, planner)
         self.copy_failures += len(errors)
         for se in errors:
-            if self.pool_loads.pop(se.slot, None) is not None:
+            if self._settle(se.slot, se.adapter) is not None:
                 self._copy_done(se.adapter)
             if planner is None:
                 continue
@@ -151,9 +155,20 @@ class AdapterLifecycle:
         for lora_id in ids:
             if planner is not None:
                 planner.lora_ready(lora_id)
-            name = self.pool_loads.pop(lora_id, None)
+            name = self._settle(lora_id)
             if name is not None:
                 self._copy_done(name)
+
+    def _settle(self, lora_id: int, adapter: str | None = None) -> str | None:
+        """Take the oldest unreported copy into `lora_id` (of `adapter`, when named) off its list; returns
+        its adapter, or None where there is none."""
+        names = self.pool_loads.get(lora_id)
+        if not names or (adapter is not None and adapter not in names):
+            return None
+        name = names.pop(0 if adapter is None else names.index(adapter))
+        if not names:
+            del self.pool_loads[lora_id]
+        return name
 
     # --- staging ------------------------------------------------------------------------------------
     async def stage_upcoming(self, planner: Planner) -> None:

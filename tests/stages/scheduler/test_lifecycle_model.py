@@ -293,7 +293,7 @@ class System:
                 assert (
                     e.staged.offset == table.get(e.name).offset and e.staged.nbytes <= table.get(e.name).size
                 )
-        assert sum(e.copies for e in s.adapters.entries.values()) == len(life.pool_loads)
+        assert sum(e.copies for e in s.adapters.entries.values()) == sum(map(len, life.pool_loads.values()))
         assert life.writes == s.adapters.count(HostTier.WRITING), "the writes counter drifted"
         validating = {n for n, e in s.adapters.entries.items() if e.state.value == "validating"}
         assert s.adapters.validating == validating, "the validating set drifted"
