@@ -1,6 +1,6 @@
 """The fp8 GEMMs alone at the 8B projection shapes (qkv, o, gate_up, down), against bf16, on one GPU:
 
-    python -m benchmarks.bench_fp8_gemm OUT_DIR [--ms 1 16 64 128 512 2048] [--no-sweep] [--iters 50]
+    python -m benchmarks.bench_fp8_gemm OUT_DIR [--ms 1 16 32 64 128 512 2048] [--no-sweep] [--iters 50]
 
 For each projection and token count M: bf16 `F.linear`; the per-token activation quantization alone;
 `torch._scaled_mm` alone and with the quantization (the path above kernels.fp8_gemm.MAX_M tokens); the
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8_gemm import MAX_M, GemmConfig, choose_config, split_for, w8a16_matmul
+from kernels.fp8_gemm import TILE_MAX_M, GemmConfig, choose_config, split_for, w8a16_matmul
 from kernels.fp8_quant import quantize_per_token
 from stages.worker.model.linear import fp8_linear, quantize_weight
 from tools.roofline import probe_bandwidth
@@ -64,7 +64,7 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[GemmConfig]:
     main rows time Triton's conversion), each at the split rule's count, at the count that just spills
     into a second wave and at twice the rule's (capped by K), and the chosen config."""
     bm = max(16, 1 << (m - 1).bit_length())
-    out = {choose_config(m, n, k, sms)} if m <= MAX_M else set()
+    out = {choose_config(m, n, k, sms)} if m <= TILE_MAX_M else set()
     for bn, bk, stages in itertools.product((32, 64, 128), (128, 256), (3, 4)):
         smem = stages * (bn * bk + bm * bk * 2)
         if smem > 200 << 10 or (bm >= 128 and bn * bk > 64 * 128):  # beyond an H100's shared memory
@@ -113,7 +113,7 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], a: argparse.Namespace,
         row["scaled_mm_us"] = timed_us(scaled_mm, [(xq, w8) for w8 in w8s], a.iters)
         row["scaled_mm_quant_us"] = timed_us(quant_mm, [(x, w8) for w8 in w8s], a.iters)
         row["fp8_linear_us"] = timed_us(fp8_linear, [(x, w8) for w8 in w8s], a.iters)
-        if m <= MAX_M:
+        if m <= TILE_MAX_M:
             chosen = choose_config(m, n, k, sms)
             row["config"] = chosen.__dict__
             for key, change in (
@@ -142,7 +142,7 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], a: argparse.Namespace,
         row["floor_us"] = (fp8_bytes + act_bytes) / bw * 1e6
         rows.append(row)
         print(f"  {name} m={m}: bf16 {row['bf16_us']:.1f} us, fp8 {row['fp8_linear_us']:.1f} us", flush=True)
-        if a.sweep and m <= 2 * MAX_M:
+        if a.sweep and m <= 2 * TILE_MAX_M:
             for cfg in candidates(m, n, k, sms):
                 entry = {"proj": name, "m": m, "config": cfg.__dict__}
                 try:
@@ -193,7 +193,7 @@ def report(r: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--ms", type=int, nargs="+", default=[1, 16, 64, 128, 512, 2048])
+    p.add_argument("--ms", type=int, nargs="+", default=[1, 16, 32, 64, 128, 512, 2048])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], choices=[s[0] for s in SHAPES])

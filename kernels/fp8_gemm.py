@@ -24,8 +24,10 @@ from kernels import device_info
 from kernels.batch_info import interpreting
 from kernels.fp8_quant import FP8, FP8_MAX, MIN_AMAX
 
-# Largest token count the skinny kernel serves; more tokens take torch._scaled_mm (linear.py).
-MAX_M = 64
+# Largest token count serving gives the skinny kernel (linear.py); more take torch._scaled_mm. At 64 tokens
+# _scaled_mm with its per-token quantization is the faster on the 8B shapes, at 16 this kernel
+# (benchmarks/bench_fp8_gemm.py; docs/benchmarks.md).
+MAX_M = 16
 # Least K iterations (of BLOCK_K) one split-K slice takes: shorter slices spend more on the partials
 # and the fix-up than they gain in parallelism.
 MIN_SPLIT_ITERS = 4
@@ -63,6 +65,7 @@ TILES = {
     32: (64, 256, 4, 3),
     64: (128, 128, 8, 3),
 }
+TILE_MAX_M = max(TILES)  # the most tokens the kernel takes (serving sends it up to MAX_M)
 
 
 # M and the split count change per batch without changing the code: not specialised on (M = 1 or a
@@ -173,7 +176,7 @@ def _epilogue(acc, rn, rm, ok, s_ptr, b_ptr, out_ptr, N, stride_om, HAS_BIAS: tl
 
 
 def block_m_for(m: int) -> int:
-    """The token tile of a batch of m (1..MAX_M) tokens."""
+    """The token tile of a batch of m (1..TILE_MAX_M) tokens."""
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.bench_fp8_gemm import SHAPES, candidates
-from kernels.fp8_gemm import MAX_M, choose_config
+from kernels.fp8_gemm import TILE_MAX_M, choose_config
 
 
-@pytest.mark.parametrize("m", [1, 16, 17, MAX_M, 2 * MAX_M])
+@pytest.mark.parametrize("m", [1, 16, 17, TILE_MAX_M, 2 * TILE_MAX_M])
 def test_sweep_grid(m):
     for _, n, k in SHAPES:
         grid = candidates(m, n, k, 132)
         assert len(grid) == len(set(grid)) and len(grid) >= 8
-        assert (choose_config(m, n, k, 132) in grid) == (m <= MAX_M)
+        assert (choose_config(m, n, k, 132) in grid) == (m <= TILE_MAX_M)
         for c in grid:
             assert c.block_m >= m and c.block_m < 2 * max(m, 16)
             assert c.num_stages * (c.block_n * c.block_k + c.block_m * c.block_k * 2) <= 200 << 10

@@ -11,9 +11,9 @@ import torch
 
 from kernels.fp8_gemm import (
     FP8,
-    MAX_M,
     MAX_SPLIT,
     MIN_SPLIT_ITERS,
+    TILE_MAX_M,
     GemmConfig,
     _counters,
     choose_config,
@@ -121,9 +121,9 @@ SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o
 
 @pytest.mark.parametrize("sms", [4, 132])
 def test_configs_cover_every_token_count_with_few_variants(sms):
-    plan = configs_for(SHAPES_8B, sms)
+    plan = configs_for(SHAPES_8B, sms, TILE_MAX_M)
     for n, k in SHAPES_8B:
-        chosen = {choose_config(m, n, k, sms) for m in range(1, MAX_M + 1)}
+        chosen = {choose_config(m, n, k, sms) for m in range(1, TILE_MAX_M + 1)}
         assert chosen <= set(plan) and len(chosen) <= 3  # one per token class
         for cfg in chosen:
             iters = -(-k // cfg.block_k)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8_gemm import FP8, MAX_M, GemmConfig, _counters, choose_config, w8a16_matmul
+from kernels.fp8_gemm import FP8, TILE_MAX_M, GemmConfig, _counters, choose_config, w8a16_matmul
 from kernels.fp8_quant import FP8_MAX, MIN_AMAX
 from tests.kernels.test_fp8_gemm import SHAPES_8B, check_against_float64
 
@@ -24,7 +24,7 @@ def _weights(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.
 
 
 @pytest.mark.parametrize("bits", [True, False])
-@pytest.mark.parametrize("m", [1, 16, 33, MAX_M])
+@pytest.mark.parametrize("m", [1, 16, 33, TILE_MAX_M])
 @pytest.mark.parametrize("n, k", [*SHAPES_8B, (97, 300), (1000, 5000)])
 def test_matches_float64_of_dequantized_weights(n, k, m, bits):
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
@@ -86,7 +86,7 @@ def _blockwise_input(x: torch.Tensor, block_k: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("m", [1, 16, MAX_M])
+@pytest.mark.parametrize("m", [1, 16, TILE_MAX_M])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (97, 300)])
 def test_w8a8_variant_matches_float64_of_its_quantized_input(n, k, m):
     gen = torch.Generator(device="cuda").manual_seed(n + k + m + 1)

@@ -36,7 +36,7 @@ def _gemm_input(x: torch.Tensor) -> torch.Tensor:
     return xq.double() * xs.double()
 
 
-@pytest.mark.parametrize("m", [1, 16, 33, MAX_M, MAX_M + 1, 300])
+@pytest.mark.parametrize("m", [1, MAX_M, MAX_M + 1, 64, 300])
 @pytest.mark.parametrize("n, k", [(128, 64), (6144, 4096), (4096, 14336)])
 def test_fp8_gemm_matches_float64_of_dequantized_weights(m, n, k):
     gen = torch.Generator(device="cuda").manual_seed(m * 7 + n + k)
