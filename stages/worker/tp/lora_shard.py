@@ -42,14 +42,29 @@ def _check_group(gw: GroupLayout, gp: GroupLayout, size: int, split_in: bool) ->
         raise ValueError(f"LoRA group {gw.name}: the rank's layout is not a {size}-way shard of the whole")
 
 
+def column_runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
+    """`index` (`shard_columns`) as maximal runs (rank column, whole column, columns): each run is a
+    slice of whole-layout columns in order (whole column -1: a run of alignment gaps)."""
+    runs: list[tuple[int, int, int]] = []
+    for at, first in enumerate(index.tolist()):
+        if runs:
+            start, src, n = runs[-1]
+            if (src < 0 and first < 0) or (src >= 0 and first == src + n):
+                runs[-1] = (start, src, n + 1)
+                continue
+        runs.append((at, first if first >= 0 else -1, 1))
+    return runs
+
+
 class AdapterSharder:
-    """Cuts whole-layout packed adapters into this rank's layout."""
+    """Cuts whole-layout packed adapters into this rank's layout. A shard is a few slices of whole
+    columns (one per slice's A and B^T, adjacent ones merged), so it is cut with one strided copy per
+    run: a gather of every element by index cost 15-20 ms of a 1B-shaped rank-16 adapter on the host,
+    on the step thread of every rank at each slot load, where the copies take about 1 ms."""
 
     def __init__(self, whole: LoraLayout, part: LoraLayout, rank: int, size: int):
         self.whole, self.part = whole, part
-        index = shard_columns(whole, part, rank, size)
-        self.gaps = index < 0
-        self.index = index.clamp(min=0)
+        self.runs = column_runs(shard_columns(whole, part, rank, size))
 
     def __call__(self, adapter: PackedAdapter) -> PackedAdapter:
         block = adapter.block
@@ -58,7 +73,9 @@ class AdapterSharder:
         out = torch.empty(
             (*block.shape[:2], self.part.row_elems), dtype=block.dtype, pin_memory=block.is_pinned()
         )
-        torch.index_select(block, 2, self.index, out=out)
-        if self.gaps.any():
-            out[:, :, self.gaps] = 0
+        for at, first, n in self.runs:
+            if first < 0:
+                out[:, :, at : at + n].zero_()
+            else:
+                out[:, :, at : at + n].copy_(block[:, :, first : first + n])
         return PackedAdapter(adapter.name, out, adapter.ranks, adapter.scalings)
