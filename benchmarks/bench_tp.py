@@ -8,7 +8,8 @@ For each batch size, after one warm-up batch of each kind, the rounds run base-o
 A-B-B-A (the adapters assigned round-robin, every one in every step); each batch's output tokens per
 second and the medians go to --out (JSON) and stdout. The LoRA overhead is base tok/s over adapter tok/s,
 less one. `close_s` is how long `LLM.close()` took, and `rank_exit_codes` how the other ranks ended.
-`host_us_per_step`: rank 0's host time per step by phase (each kind's last batch); every other rank logs
+`host_us_per_step`: rank 0's host time per step by phase (each kind's last batch), and at TP > 1 its
+hand-over of each step to the other ranks (`handover`: encoding and queueing it); every other rank logs
 its own, and how long it waited for rank 0, at the end of each batch ("run of N steps", on stderr).
 Beside each batch size's numbers, the bytes each kind's batch reads (`tools/roofline.py`: weights and the
 adapters' pool rows every step, each sequence's KV), the device's copy bandwidth (probed once, before the
@@ -122,10 +123,14 @@ def _rounds(llm: LLM, a, names: dict, batch: int) -> tuple[dict, dict]:
     host: dict[str, dict[str, float]] = {}
     order = ["base", "lora"] + (["base", "lora", "lora", "base"] * a.rounds if mix else ["base"] * a.rounds)
     greedy: dict[str, list[list[int]]] = {}
+    handover = _time_handover(llm)
     for i, kind in enumerate(order):
+        handover[0] = 0.0
         rate, tokens = _batch(llm, prompts, mix if kind == "lora" else None, a.output_len)
         steps = llm.last_stats.steps
         host[kind] = {k: round(v / steps * 1e6, 1) for k, v in llm.last_phase_seconds.items()}
+        if llm.ranks is not None:
+            host[kind]["handover"] = round(handover[0] / steps * 1e6, 1)
         greedy.setdefault(kind, tokens)
         if i >= (2 if mix else 1):  # the first of each kind is the warm-up
             runs[kind].append(rate)
@@ -135,6 +140,21 @@ def _rounds(llm: LLM, a, names: dict, batch: int) -> tuple[dict, dict]:
         m = out["median_tok_s"]
         out["lora_overhead"] = m["base"] / m["lora"] - 1
     return out, greedy
+
+
+def _time_handover(llm: LLM) -> list[float]:
+    """[seconds] that rank 0's hand-overs of steps take from now on (its `ranks.launch`, timed)."""
+    total = [0.0]
+    if llm.ranks is not None:
+        launch = llm.ranks.launch
+
+        def timed(plan) -> None:
+            start = time.perf_counter()
+            launch(plan)
+            total[0] += time.perf_counter() - start
+
+        llm.ranks.launch = timed
+    return total
 
 
 def _rank(adapter_dir: str) -> int:
