@@ -65,9 +65,10 @@ class AdapterSharder:
     On CUDA the whole block goes to the device as it is (one copy, as a one-rank pool's) into a staging
     buffer of one largest-rank adapter, and one gather kernel cuts the shard into a second buffer, from
     which the pool copies it: a few launches of host time, where cutting it on the host cost 1-3 ms of a
-    1B-shaped rank-16 adapter (and a gather by index there 15-20 ms). Each rank copies twice its shard's
-    bytes. The returned block is those buffers' until the next call; the pool's copy, issued after it on
-    the same stream, reads it first, and a call on another stream waits for the last one's.
+    1B-shaped rank-16 adapter (and a gather by index there 15-20 ms). Each rank copies the whole block's
+    bytes (1.5 times its shard's at TP=2 for Llama's shapes). The returned block is those buffers' until
+    the next call; the pool's copy, issued after it on the same stream, reads it first, and a call on
+    another stream waits for the last one's.
 
     On the CPU a shard is a few slices of whole columns (one per slice's A and B^T, adjacent ones merged):
     one strided copy per run."""
