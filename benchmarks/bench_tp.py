@@ -2,17 +2,21 @@
 on a batch small enough that decode reads weights more than it computes.
 
 python -m benchmarks.bench_tp MODEL --tp 2 --adapters A_DIR [B_DIR ...] --batch 16 64 --prompt-len 128 \
-    --output-len 256 --rounds 2 --out tp2.json [--disable-custom-all-reduce]
+    --output-len 256 --rounds 2 --out tp2.json [--disable-custom-all-reduce] [--device cpu --dtype float32]
 
 For each batch size, after one warm-up batch of each kind, the rounds run base-only and adapter batches
 A-B-B-A (the adapters assigned round-robin, every one in every step); each batch's output tokens per
 second and the medians go to --out (JSON) and stdout. The LoRA overhead is base tok/s over adapter tok/s,
 less one. `close_s` is how long `LLM.close()` took, and `rank_exit_codes` how the other ranks ended.
-`host_us_per_step`: rank 0's host time per step by phase (each kind's last batch); every other rank logs
+`host_us_per_step`: rank 0's host time per step by phase (each kind's last batch), and at TP > 1 its
+hand-over of each step to the other ranks (`handover`: encoding and queueing it); every other rank logs
 its own, and how long it waited for rank 0, at the end of each batch ("run of N steps", on stderr).
 Beside each batch size's numbers, the bytes each kind's batch reads (`tools/roofline.py`: weights and the
 adapters' pool rows every step, each sequence's KV), the device's copy bandwidth (probed once, before the
-engine starts), and the best adapter/base ratio those bytes allow with the fraction of it measured."""
+engine starts), and the best adapter/base ratio those bytes allow with the fraction of it measured.
+`--device cpu` runs the ranks as CPU processes (gloo), without the roofline: the host time per step of a
+rank at TP=1 and TP=2 compared where no GPU is (a shape small enough for the CPU: `--set` of
+`tools/make_tiny_model.py`)."""
 
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ from tools import roofline
 
 def _batch(llm: LLM, prompts, adapters, output_len: int) -> tuple[float, list[list[int]]]:
     sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    torch.cuda.synchronize()
+    if llm.runner.device.type == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
     outs = llm.generate(prompts, adapters=adapters, sampling=sampling)
     seconds = time.perf_counter() - start
@@ -54,14 +59,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--disable-custom-all-reduce", action="store_true")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--dtype", default="auto", help="the model's (auto: the checkpoint's)")
     a = ap.parse_args()
     names = {Path(p).name: p for p in a.adapters}
-    bandwidth = roofline.probe_bandwidth("cuda")
+    cuda = a.device == "cuda"
+    bandwidth = roofline.probe_bandwidth("cuda") if cuda else None
     start = time.perf_counter()
     llm = LLM(
         a.model,
         adapters=names,
-        device="cuda",
+        device=a.device,
+        dtype=a.dtype,
         max_lora_rank=a.max_lora_rank,
         lora_dtype=a.lora_dtype,
         max_running_requests=max(*a.batch, 16),
@@ -74,7 +83,8 @@ def main() -> None:
     batches, greedy = {}, {}
     for batch in a.batch:
         runs, tokens = _rounds(llm, a, names, batch)
-        _bound(runs, _bytes_read(a, batch, model, step_adapter_bytes, bandwidth), batch * a.output_len)
+        if cuda:
+            _bound(runs, _bytes_read(a, batch, model, step_adapter_bytes, bandwidth), batch * a.output_len)
         batches[str(batch)] = runs
         greedy = greedy or tokens
     replays = llm.runner.graphs.replays if llm.runner.graphs is not None else 0
@@ -106,16 +116,21 @@ def _rounds(llm: LLM, a, names: dict, batch: int) -> tuple[dict, dict]:
     """One batch size's A-B-B-A rounds: {tok_s, median_tok_s, lora_overhead}, and the first batch's
     greedy tokens of each kind."""
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1000, 30000, (a.prompt_len,), generator=g).tolist() for _ in range(batch)]
+    high = min(30000, llm.runner.full_cfg.vocab_size)  # a CPU-sized vocabulary may be smaller
+    prompts = [torch.randint(high // 30, high, (a.prompt_len,), generator=g).tolist() for _ in range(batch)]
     mix = [list(names)[i % len(names)] for i in range(batch)] if names else None
     runs: dict[str, list[float]] = {"base": [], "lora": []}
     host: dict[str, dict[str, float]] = {}
     order = ["base", "lora"] + (["base", "lora", "lora", "base"] * a.rounds if mix else ["base"] * a.rounds)
     greedy: dict[str, list[list[int]]] = {}
+    handover = _time_handover(llm)
     for i, kind in enumerate(order):
+        handover[0] = 0.0
         rate, tokens = _batch(llm, prompts, mix if kind == "lora" else None, a.output_len)
         steps = llm.last_stats.steps
         host[kind] = {k: round(v / steps * 1e6, 1) for k, v in llm.last_phase_seconds.items()}
+        if llm.ranks is not None:
+            host[kind]["handover"] = round(handover[0] / steps * 1e6, 1)
         greedy.setdefault(kind, tokens)
         if i >= (2 if mix else 1):  # the first of each kind is the warm-up
             runs[kind].append(rate)
@@ -125,6 +140,21 @@ def _rounds(llm: LLM, a, names: dict, batch: int) -> tuple[dict, dict]:
         m = out["median_tok_s"]
         out["lora_overhead"] = m["base"] / m["lora"] - 1
     return out, greedy
+
+
+def _time_handover(llm: LLM) -> list[float]:
+    """[seconds] that rank 0's hand-overs of steps take from now on (its `ranks.launch`, timed)."""
+    total = [0.0]
+    if llm.ranks is not None:
+        launch = llm.ranks.launch
+
+        def timed(plan) -> None:
+            start = time.perf_counter()
+            launch(plan)
+            total[0] += time.perf_counter() - start
+
+        llm.ranks.launch = timed
+    return total
 
 
 def _rank(adapter_dir: str) -> int:

@@ -147,7 +147,7 @@ class ModelRunner:
         if self.tp is not None:
             tensor_parallel(self.model, self.tp)
             self.shard_adapter = AdapterSharder(
-                self.host_layout, self.lora_layout, self.tp.rank, self.tp.size
+                self.host_layout, self.lora_layout, self.tp.rank, self.tp.size, self.device, self.dtype
             )
 
     def _init_lora(self) -> None:
@@ -300,7 +300,7 @@ class ModelRunner:
         allows layered copies (`layered_min_bytes`): a tensor-parallel rank 0 turns them off, since a
         step waiting on per-layer copies would take another path than its other ranks."""
         if self.shard_adapter is not None:
-            adapter = self.shard_adapter(adapter)
+            adapter = self.shard_adapter(adapter, stream)
         layer_events = layer_events and self.cfg.layered_min_bytes is not None
         return self.pool.load(lora_id, adapter, runs, stream, layer_events)
 
