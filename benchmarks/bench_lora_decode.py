@@ -119,7 +119,8 @@ def finish(device: torch.device, what: str, seconds: float = HANG_SECONDS) -> No
 def step_runner(model, kv, backend, seqs, ctx: int, capture: bool, what: str):
     """A callable running one decode step of `seqs` (the captured graph's replay on CUDA), and the
     step's logits (float32 [B, V], a copy). The step runs eagerly once before it is captured, and the
-    graph once after, each watched for a hang."""
+    graph once after, each watched for a hang. The callable holds the DecodeGraphs that owns the graph's
+input buffers."""
     kw = dict(max_batch=len(seqs), max_model_len=ctx + 2 * PAGE)
     eager = DecodeGraphs(model, kv, backend, capture=False, **kw)
     logits = eager.run(seqs).clone()
@@ -130,7 +131,14 @@ def step_runner(model, kv, backend, seqs, ctx: int, capture: bool, what: str):
     logits = graphs.run(seqs).clone()
     finish(kv.k.device, f"{what}, graphed")
     (graph,) = graphs.graphs.values()
-    return graph.replay, logits
+
+    def replay() -> None:
+        # the graph reads the input buffers `graphs` owns: the closure keeps them from being freed and
+        # their memory handed to the next variant's tensors while the graph still replays
+        graphs.replays += 1
+        graph.replay()
+
+    return replay, logits
 
 
 def time_us(fn, device: torch.device, iters: int, what: str) -> float:
