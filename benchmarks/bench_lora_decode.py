@@ -6,7 +6,7 @@ scattered pool rows), every variant in one process, measured in rounds of altern
 
     python -m benchmarks.bench_lora_decode OUT_DIR [--cases 8b:16:4,8b:64:4,1b:64:32,1b:256:32]
         [--designs serial,serial-nopdl,side,fused] [--rank 16] [--lora-dtype auto|fp8|int8] [--ctx 512]
-        [--rounds 6] [--smoke]
+        [--rounds 6] [--smoke] [--tile-classes 8,32,128] [--fused-programs-per-sm 8]
 
 Per case: the median µs of one step, the LoRA overhead (step / base-only - 1), base-only / step, the
 bytes bound of that ratio (weights / (weights + the distinct adapters' rows)) and the fraction of it
@@ -17,6 +17,7 @@ one table, writes OUT_DIR/lora_decode.json and OUT_DIR/lora_decode.txt."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -29,11 +30,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_lora_step import layout_for, make_pool  # noqa: E402
-from kernels import device_info  # noqa: E402
+from kernels import device_info, lora_fused  # noqa: E402
 from kernels.lora_quant import NUM_SCALES, QUANT_DTYPES  # noqa: E402
 from runtime.common.model_config import ModelConfig  # noqa: E402
 from runtime.synthetic.model import build_config  # noqa: E402
 from stages.worker.decode_graphs import DecodeGraphs  # noqa: E402
+from stages.worker.lora import tiles  # noqa: E402
 from stages.worker.lora.triton_backend import DESIGNS, TritonLoraBackend  # noqa: E402
 from stages.worker.model.kv_cache import KVCache  # noqa: E402
 from stages.worker.model.llama import LlamaModel  # noqa: E402
@@ -119,8 +121,8 @@ def finish(device: torch.device, what: str, seconds: float = HANG_SECONDS) -> No
 def step_runner(model, kv, backend, seqs, ctx: int, capture: bool, what: str):
     """A callable running one decode step of `seqs` (the captured graph's replay on CUDA), and the
     step's logits (float32 [B, V], a copy). The step runs eagerly once before it is captured, and the
-    graph once after, each watched for a hang. The callable holds the DecodeGraphs that owns the graph's
-input buffers."""
+    graph once after, each watched for a hang. The callable holds the DecodeGraphs that owns the
+    graph's input buffers."""
     kw = dict(max_batch=len(seqs), max_model_len=ctx + 2 * PAGE)
     eager = DecodeGraphs(model, kv, backend, capture=False, **kw)
     logits = eager.run(seqs).clone()
@@ -177,7 +179,7 @@ def run_case(preset, batch, n_ad, a, device, model, cfg) -> dict:
         ]
         return sorted(out, key=lambda s: s.slot)  # each adapter's tokens contiguous
 
-    runners, logits = {}, {}
+    runners, logits, classes = {}, {}, {}
     case = f"{preset} b{batch} {n_ad}x"
     runners["base-only"], logits["base-only"] = step_runner(
         model, kv, None, seqs(False), a.ctx, a.capture, f"{case} base-only"
@@ -188,6 +190,7 @@ def run_case(preset, batch, n_ad, a, device, model, cfg) -> dict:
             runners[variant], logits[variant] = step_runner(
                 model, kv, backend, seqs(True), a.ctx, a.capture, f"{case} {variant}"
             )
+            classes[variant] = backend.tile_class  # the LoRA tile class the step's graph was made for
     samples: dict[str, list[float]] = {k: [] for k in runners}
     order = list(runners)
     for r in range(a.rounds):
@@ -211,6 +214,7 @@ def run_case(preset, batch, n_ad, a, device, model, cfg) -> dict:
                 vs_base=us["base-only"] / t,
                 fraction_of_bound=us["base-only"] / t / (wb / (wb + adapter_bytes)),
                 logits_max_diff_vs_serial=diff,
+                tile_class=classes.get(name),
             )
         )
     lora_moved = float((logits[a.designs[0]] - logits["base-only"]).abs().max()) if a.designs else None
@@ -237,6 +241,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=50, help="replays per timing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, eager on the CPU: checks the script")
+    p.add_argument(
+        "--tile-classes", default=None, metavar="N,N,...", help="A/B: the padded batches' LoRA tile classes "
+        "(stages/worker/lora/tiles.py's TILE_CLASSES), for every variant of the run",
+    )  # fmt: skip
+    p.add_argument(
+        "--fused-programs-per-sm", type=int, default=None, metavar="N",
+        help="A/B: the fused launch's programs an SM (kernels/lora_fused.py's PROGRAMS_PER_SM)",
+    )  # fmt: skip
     a = p.parse_args(argv)
     a.designs = [d for d in a.designs.split(",") if d]
     bad = [d for d in a.designs if d not in VARIANTS]
@@ -251,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results, models = [], {}
-    with torch.inference_mode():
+    with torch.inference_mode(), knobs(a):
         for preset, batch, n_ad in cases:
             if preset not in models:
                 models.clear()  # one model resident at a time
@@ -268,6 +280,20 @@ def main(argv: list[str] | None = None) -> None:
     (out / "lora_decode.json").write_text(json.dumps(summary, indent=1))
     (out / "lora_decode.txt").write_text(f"{name}\n{text}\n")
     print(f"\n{name}\n{text}")
+
+
+@contextlib.contextmanager
+def knobs(a):
+    """The run's A/B settings of module constants, put back when it ends."""
+    saved = tiles.TILE_CLASSES, lora_fused.PROGRAMS_PER_SM
+    if a.tile_classes:
+        tiles.TILE_CLASSES = tuple(int(c) for c in a.tile_classes.split(","))
+    if a.fused_programs_per_sm:
+        lora_fused.PROGRAMS_PER_SM = a.fused_programs_per_sm
+    try:
+        yield
+    finally:
+        tiles.TILE_CLASSES, lora_fused.PROGRAMS_PER_SM = saved
 
 
 def table(results: list[dict]) -> str:

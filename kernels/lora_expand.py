@@ -16,70 +16,19 @@ from triton.language.extra.cuda import gdc_wait
 
 from kernels import device_info
 from kernels.batch_info import ACT_BLOCK_M, META_COLS, BatchInfo, interpreting, read_tiles
+from kernels.lora_parts import (
+    b_chunk,
+    b_rows,
+    b_scale_chunk,
+    chunk_dot,
+    expand_block,
+    row_gather,
+    slice_block,
+    tile_of,
+    v_chunk,
+)
 from kernels.lora_quant import check_scales
 from kernels.lora_shrink import check_row_table
-
-
-@triton.jit
-def split_sum(v_ptrs, mask, stride_vp, NUM_SPLITS: tl.constexpr):
-    """v summed over the shrink's split-K partials (fp32), zero where masked."""
-    v = tl.load(v_ptrs, mask=mask, other=0.0)
-    for p in tl.static_range(1, NUM_SPLITS):
-        v += tl.load(v_ptrs + p * stride_vp, mask=mask, other=0.0)
-    return v
-
-
-@triton.jit
-def _row_gather(t_ptrs, k, offs_r, table_width):
-    """Pool rows of rank rows k..k+BLOCK_K (int64). Masked by the table width only, so that the first
-    chunk's gather can be issued before the rank is known; rows past the rank are never dereferenced."""
-    return tl.load(t_ptrs + k, mask=(k + offs_r) < table_width, other=0).to(tl.int64)
-
-
-@triton.jit
-def _b_chunk(b_cols, prow, k, r, n_ok, offs_r, stride_br):
-    """B[prow, :] for rank rows k..k+BLOCK_K (the chunk's pool rows), zero past the rank."""
-    k_ok = (k + offs_r) < r
-    return tl.load(b_cols + (prow * stride_br)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-
-
-@triton.jit
-def b_scale_chunk(bs_ptr, prow, k, r, offs_r, stride_bsr, SCALED: tl.constexpr):
-    """The scales of the chunk's B^T rows ([BLOCK_K] fp32, zero past the rank) of an 8-bit pool; zeros
-    else (never read: one return of one type either way, as compiled code needs)."""
-    if SCALED:
-        scales = tl.load(bs_ptr + prow * stride_bsr, mask=(k + offs_r) < r, other=0.0)
-    else:
-        scales = (offs_r * 0).to(tl.float32)
-    return scales
-
-
-@triton.jit
-def _v_dot(
-    v_ptrs,
-    bt,
-    bs,
-    k,
-    r16,
-    m_ok,
-    offs_r,
-    stride_vp,
-    NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr,
-    CDT: tl.constexpr,
-):
-    """v[:, k:k+BLOCK_K] (summed over the split-K partials) @ bt, the chunk's [BLOCK_K, BLOCK_N] B rows;
-    with `bs` scales of e4m3 rows (CDT: the output's dtype), v's column j times bs[j] and bt in CDT."""
-    v_ok = m_ok[:, None] & ((k + offs_r) < r16)[None, :]
-    vt = split_sum(v_ptrs, v_ok, stride_vp, NUM_SPLITS)  # [BLOCK_M, BLOCK_K] fp32
-    if bt.dtype != CDT:  # 8-bit rows: exact in fp32 and in CDT
-        vt = vt * bs[None, :]
-        bt = bt.to(tl.float32).to(CDT)
-    vt = vt.to(bt.dtype)  # same rounding of v as a plain dtype matmul chain
-    if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
-        vt = vt.to(tl.float32)
-        bt = bt.to(tl.float32)
-    return tl.dot(vt, bt)
 
 
 @triton.jit
@@ -135,23 +84,13 @@ def _lora_expand_kernel(
         if PDL:
             gdc_wait()
         return
-    row = meta_ptr + (pid_t + 1) * META
-    start = tl.load(row)
-    end = tl.load(row + 1)
-    slot = tl.load(row + 2).to(tl.int64)  # adapter id: its row of the ranks, scalings and row tables
-
-    # Which slice this column block belongs to (absent slices have width 0, so no block maps there).
-    nb0 = tl.cdiv(d0, BLOCK_N)
-    nb1 = nb0 + tl.cdiv(d1, BLOCK_N)
-    s = (pid_n >= nb0).to(tl.int32) + (pid_n >= nb1).to(tl.int32)
-    n0 = (pid_n - tl.where(s == 0, 0, tl.where(s == 1, nb0, nb1))) * BLOCK_N
-    width = tl.where(s == 0, d0, tl.where(s == 1, d1, d2))
-    off = tl.where(s == 0, o0, tl.where(s == 1, o1, o2))
+    start, end, slot = tile_of(meta_ptr, pid_t, META)
+    s, n0, width, off = slice_block(pid_n, d0, d1, d2, o0, o1, o2, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_K)
     t_ptrs = rows_ptr + slot * stride_ts + offs_r  # [BLOCK_K] row table entries of the first chunk
     r = tl.load(ranks_ptr + slot * stride_rs + s * stride_ri)
     if BLOCK_K == BLOCK_R and NUM_SPLITS == 1:  # single step: its gather in flight with the rank load
-        prow0 = _row_gather(t_ptrs, 0, offs_r, table_width)
+        prow0 = row_gather(t_ptrs, 0, offs_r, table_width)
     # A rank past the table would index the next adapter's entries.
     r = tl.minimum(tl.minimum(r, BLOCK_R), table_width)
     if r == 0:
@@ -169,35 +108,32 @@ def _lora_expand_kernel(
             if PDL:
                 gdc_wait()
             return
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < width
-    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + (off + offs_n)[None, :]
-    o_mask = m_ok[:, None] & n_ok[None, :]
     # The shrink wrote v in whole 16-column groups (zeros past the rank), so v loads need no rank mask
     # below r16; B rows past the real rank are stale and are never read.
     r16 = tl.cdiv(r, 16) * 16
-    b_cols = b_ptr + (off + offs_n)[None, :]  # [1, BLOCK_N]; each chunk adds its gathered row offsets
-    bs_col = bs_ptr + s  # this slice's column of the B^T scales (e4m3 pools)
+    o_ptrs, o_mask, n_ok, b_cols, bs_col, v_ptrs = expand_block(
+        out_ptr, v_ptr, b_ptr, bs_ptr, offs_m, m_ok, s, n0, width, off, offs_r, stride_ot, stride_vt,
+        stride_vi, BLOCK_N,
+    )  # fmt: skip
     cdt = out_ptr.dtype.element_ty
-    v_ptrs = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + s * stride_vi + offs_r[None, :]
     if BLOCK_K == BLOCK_R and NUM_SPLITS == 1:  # one step, loads straight to registers (no pipeline)
-        bt = _b_chunk(b_cols, prow0, 0, r, n_ok, offs_r, stride_br)  # before the wait: adapter rows
+        bt = b_chunk(b_cols, prow0, 0, r, n_ok, offs_r, stride_br)  # before the wait: adapter rows
         bs = b_scale_chunk(bs_col, prow0, 0, r, offs_r, stride_bsr, SCALED)
         if PDL:
             gdc_wait()
         o = tl.load(o_ptrs, mask=o_mask, other=0.0)
-        acc = _v_dot(v_ptrs, bt, bs, 0, r16, m_ok, offs_r, stride_vp, NUM_SPLITS, UPCAST, cdt)
+        acc = chunk_dot(v_chunk(v_ptrs, 0, r16, m_ok, offs_r, stride_vp, NUM_SPLITS, ""), bt, bs, UPCAST, cdt)
     else:
         if PDL:
             gdc_wait()
         o = tl.load(o_ptrs, mask=o_mask, other=0.0)  # issued early: its latency hides behind the rank loop
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, r, BLOCK_K):
-            prow = _row_gather(t_ptrs, k, offs_r, table_width)
-            bt = _b_chunk(b_cols, prow, k, r, n_ok, offs_r, stride_br)
-            bs = b_scale_chunk(bs_col, prow, k, r, offs_r, stride_bsr, SCALED)
-            acc += _v_dot(v_ptrs, bt, bs, k, r16, m_ok, offs_r, stride_vp, NUM_SPLITS, UPCAST, cdt)
-            v_ptrs += BLOCK_K
+            bt, bs = b_rows(
+                t_ptrs, b_cols, bs_col, k, r, n_ok, offs_r, table_width, stride_br, stride_bsr, SCALED
+            )
+            vt = v_chunk(v_ptrs, k, r16, m_ok, offs_r, stride_vp, NUM_SPLITS, "")
+            acc += chunk_dot(vt, bt, bs, UPCAST, cdt)
     tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=o_mask)
 
 

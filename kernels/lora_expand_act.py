@@ -24,15 +24,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from kernels.batch_info import ACT_BLOCK_M, META_COLS, BatchInfo, interpreting
-from kernels.lora_expand import (
-    ExpandConfig,
-    b_scale_chunk,
-    expand_config,
-    lora_expand,
-    lora_expand_ref,
-    rank_chunk,
-    split_sum,
-)
+from kernels.lora_expand import ExpandConfig, expand_config, lora_expand, lora_expand_ref, rank_chunk
+from kernels.lora_parts import b_scale_chunk, split_sum
 from kernels.lora_quant import check_scales
 from kernels.lora_shrink import check_row_table
 
@@ -113,9 +106,9 @@ def _lora_expand_act_kernel(
             b_rows = b_ptr + (prow * stride_br)[:, None] + offs_n[None, :]
             bg = tl.load(b_rows, mask=(kk < rg)[:, None] & n_ok[None, :], other=0.0)
             bu = tl.load(b_rows + inter, mask=(kk < ru)[:, None] & n_ok[None, :], other=0.0)
-            vg = split_sum(v_rows + k, m_ok[:, None] & (kk < rg16)[None, :], stride_vp, NUM_SPLITS)
+            vg = split_sum(v_rows + k, m_ok[:, None] & (kk < rg16)[None, :], stride_vp, NUM_SPLITS, "")
             vu = split_sum(
-                v_rows + stride_vi + k, m_ok[:, None] & (kk < ru16)[None, :], stride_vp, NUM_SPLITS
+                v_rows + stride_vi + k, m_ok[:, None] & (kk < ru16)[None, :], stride_vp, NUM_SPLITS, ""
             )
             if SCALED:  # e4m3 rows, as lora_expand: v's columns times the rows' scales, B in gate's dtype
                 vg = vg * b_scale_chunk(bs_ptr, prow, k, rg, offs_k, stride_bsr, SCALED)[None, :]

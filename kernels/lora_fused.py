@@ -24,7 +24,17 @@ from triton.language.extra.cuda import gdc_wait
 
 from kernels import device_info
 from kernels.batch_info import META_COLS, BatchInfo, interpreting
-from kernels.lora_expand import ExpandConfig, _b_chunk, _row_gather, b_scale_chunk
+from kernels.lora_expand import ExpandConfig
+from kernels.lora_parts import (
+    b_rows,
+    chunk_dot,
+    expand_block,
+    shrink_columns,
+    shrink_dot,
+    slice_block,
+    tile_of,
+    v_chunk,
+)
 from kernels.lora_shrink import ShrinkConfig
 
 SYNC_HEAD = 1  # sync buffer: [work items drawn, then per tile the programs counted in]
@@ -43,39 +53,17 @@ def _shrink_part(
 ):  # fmt: skip
     """One shrink program of `lora_shrink` without its own split sum: partial pid_k of x @ A^T for the
     tile's rows and column block pid_n, zeros past each rank (whole 16-column groups for the expand)."""
-    row = meta_ptr + (pid_t + 1) * META
-    start = tl.load(row)
-    end = tl.load(row + 1)
-    slot = tl.load(row + 2).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    sl = cols // BLOCK_R
-    rk = cols % BLOCK_R
-    in_group = sl < NUM_SLICES
-    r = tl.load(ranks_ptr + slot * stride_rs + sl * stride_ri, mask=in_group, other=0)
-    prow = tl.load(rows_ptr + slot * stride_ts + rk, mask=in_group & (rk < table_width), other=0)
-    r = tl.minimum(r, table_width)  # a rank past the table would index the next adapter's entries
-    col_ok = in_group & (rk < r)  # rows past an adapter's real rank hold stale data: never read
+    start, end, slot = tile_of(meta_ptr, pid_t, META)
+    sl, rk, in_group, prow, col_ok = shrink_columns(
+        ranks_ptr, rows_ptr, slot, pid_n, table_width, stride_rs, stride_ri, stride_ts,
+        NUM_SLICES, BLOCK_R, BLOCK_N,
+    )  # fmt: skip
     offs_m = start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < end
-    offs_k = pid_k * k_per_split + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
-    a_ptrs = a_ptr + (prow.to(tl.int64) * stride_ar + sl * stride_ai)[:, None] + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for _ in range(0, k_per_split, BLOCK_K):
-        k_ok = offs_k < K
-        xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        at = tl.load(a_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        if SCALED:  # e4m3 and int8 values are exact in fp32 and in x's dtype
-            at = at.to(tl.float32).to(xt.dtype)
-        if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
-            xt = xt.to(tl.float32)
-            at = at.to(tl.float32)
-        acc += tl.dot(xt, tl.trans(at))
-        x_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-        offs_k += BLOCK_K
-    if SCALED:  # column (slice, k) times the scale of A_slice's rank row k
-        acc *= tl.load(as_ptr + prow.to(tl.int64) * stride_asr + sl, mask=col_ok, other=0.0)[None, :]
+    acc = shrink_dot(
+        x_ptr, a_ptr, as_ptr, offs_m, m_ok, pid_k * k_per_split, K, k_per_split, sl, prow, col_ok,
+        stride_xt, stride_ar, stride_ai, stride_asr, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, SCALED,
+    )  # fmt: skip
     offs_v = offs_m[:, None].to(tl.int64) * stride_vt + (sl * stride_vi + rk)[None, :]
     tl.store(v_ptr + pid_k * stride_vp + offs_v, acc, mask=m_ok[:, None] & in_group[None, :])
 
@@ -85,30 +73,6 @@ def _count_in(count_ptr, tile_total):
     """Count this program in at its tile's counter; the last of the tile's programs resets it."""
     if tl.atomic_add(count_ptr, 1, sem="release") == tile_total - 1:
         tl.atomic_xchg(count_ptr, 0, sem="relaxed")
-
-
-@triton.jit
-def _v_chunk(v_ptrs, k, r16, m_ok, offs_r, stride_vp, NUM_SPLITS: tl.constexpr):
-    """v[:, k:k+BLOCK_K] summed over the partials (fp32), read past L1: other programs of this launch
-    wrote it."""
-    mask = m_ok[:, None] & ((k + offs_r) < r16)[None, :]
-    v = tl.load(v_ptrs + k, mask=mask, other=0.0, cache_modifier=".cg")
-    for p in tl.static_range(1, NUM_SPLITS):
-        v += tl.load(v_ptrs + k + p * stride_vp, mask=mask, other=0.0, cache_modifier=".cg")
-    return v
-
-
-@triton.jit
-def _chunk_dot(v, bt, bs, UPCAST: tl.constexpr, CDT: tl.constexpr):
-    """v @ bt as `lora_expand` computes it: 8-bit rows' scales on v's columns, v in the rows' dtype."""
-    if bt.dtype != CDT:  # 8-bit rows: exact in fp32 and in CDT
-        v = v * bs[None, :]
-        bt = bt.to(tl.float32).to(CDT)
-    v = v.to(bt.dtype)
-    if UPCAST:
-        v = v.to(tl.float32)
-        bt = bt.to(tl.float32)
-    return tl.dot(v, bt)
 
 
 @triton.jit
@@ -122,16 +86,8 @@ def _expand_part(
     """One expand program of `lora_expand`: out[tile rows, column block pid_n] += scaling * v @ B, once
     the tile's `shrinks_per_tile` shrink programs have counted themselves in at `count_ptr` (of
     `tile_total` programs that count there)."""
-    row = meta_ptr + (pid_t + 1) * META
-    start = tl.load(row)
-    end = tl.load(row + 1)
-    slot = tl.load(row + 2).to(tl.int64)
-    nb0 = tl.cdiv(d0, BLOCK_N)
-    nb1 = nb0 + tl.cdiv(d1, BLOCK_N)
-    s = (pid_n >= nb0).to(tl.int32) + (pid_n >= nb1).to(tl.int32)
-    n0 = (pid_n - tl.where(s == 0, 0, tl.where(s == 1, nb0, nb1))) * BLOCK_N
-    width = tl.where(s == 0, d0, tl.where(s == 1, d1, d2))
-    off = tl.where(s == 0, o0, tl.where(s == 1, o1, o2))
+    start, end, slot = tile_of(meta_ptr, pid_t, META)
+    s, n0, width, off = slice_block(pid_n, d0, d1, d2, o0, o1, o2, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_K)
     t_ptrs = rows_ptr + slot * stride_ts + offs_r
     r = tl.load(ranks_ptr + slot * stride_rs + s * stride_ri)
@@ -139,32 +95,29 @@ def _expand_part(
     scale = tl.load(scal_ptr + slot * stride_ss + s * stride_si)
     offs_m = start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < tl.where(r > 0, end, start)  # a slice of rank 0 is left as it is
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < width
-    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + (off + offs_n)[None, :]
-    o_mask = m_ok[:, None] & n_ok[None, :]
     r16 = tl.cdiv(r, 16) * 16
-    b_cols = b_ptr + (off + offs_n)[None, :]
-    bs_col = bs_ptr + s
+    o_ptrs, o_mask, n_ok, b_cols, bs_col, v_ptrs = expand_block(
+        out_ptr, v_ptr, b_ptr, bs_ptr, offs_m, m_ok, s, n0, width, off, offs_r, stride_ot, stride_vt,
+        stride_vi, BLOCK_N,
+    )  # fmt: skip
     cdt = out_ptr.dtype.element_ty
-    v_ptrs = v_ptr + offs_m[:, None].to(tl.int64) * stride_vt + s * stride_vi + offs_r[None, :]
     # Before the wait: the first chunk of adapter rows and the output (the launch's own predecessors
     # wrote it), whose latency then hides behind the shrinks.
-    prow = _row_gather(t_ptrs, 0, offs_r, table_width)
-    bt = _b_chunk(b_cols, prow, 0, r, n_ok, offs_r, stride_br)
-    bs = b_scale_chunk(bs_col, prow, 0, r, offs_r, stride_bsr, SCALED)
+    bt, bs = b_rows(t_ptrs, b_cols, bs_col, 0, r, n_ok, offs_r, table_width, stride_br, stride_bsr, SCALED)
     o = tl.load(o_ptrs, mask=o_mask, other=0.0)
     seen = tl.atomic_add(count_ptr, 0, sem="acquire")
     while seen < shrinks_per_tile:  # only shrinks count before any expand has passed here
         seen = tl.atomic_add(count_ptr, 0, sem="acquire")
     _count_in(count_ptr, tile_total)
-    acc = _chunk_dot(_v_chunk(v_ptrs, 0, r16, m_ok, offs_r, stride_vp, NUM_SPLITS), bt, bs, UPCAST, cdt)
+    # v is read past L1: other programs of this launch wrote it.
+    vt = v_chunk(v_ptrs, 0, r16, m_ok, offs_r, stride_vp, NUM_SPLITS, ".cg")
+    acc = chunk_dot(vt, bt, bs, UPCAST, cdt)
     for k in range(BLOCK_K, r, BLOCK_K):
-        prow = _row_gather(t_ptrs, k, offs_r, table_width)
-        bt = _b_chunk(b_cols, prow, k, r, n_ok, offs_r, stride_br)
-        bs = b_scale_chunk(bs_col, prow, k, r, offs_r, stride_bsr, SCALED)
-        vt = _v_chunk(v_ptrs, k, r16, m_ok, offs_r, stride_vp, NUM_SPLITS)
-        acc += _chunk_dot(vt, bt, bs, UPCAST, cdt)
+        bt, bs = b_rows(
+            t_ptrs, b_cols, bs_col, k, r, n_ok, offs_r, table_width, stride_br, stride_bsr, SCALED
+        )
+        vt = v_chunk(v_ptrs, k, r16, m_ok, offs_r, stride_vp, NUM_SPLITS, ".cg")
+        acc += chunk_dot(vt, bt, bs, UPCAST, cdt)
     tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=o_mask)
 
 

@@ -18,6 +18,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import device_info
 from kernels.batch_info import META_COLS, BatchInfo, block_rank_for, interpreting, next_pow2, read_tiles
+from kernels.lora_parts import shrink_columns, shrink_dot, tile_of
 from kernels.lora_quant import check_scales
 
 
@@ -71,21 +72,11 @@ def _lora_shrink_kernel(
         if PDL:
             gdc_wait()
         return
-    row = meta_ptr + (pid_t + 1) * META
-    start = tl.load(row)
-    end = tl.load(row + 1)
-    slot = tl.load(row + 2).to(tl.int64)  # adapter id: its row of the ranks and row tables
-
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    sl = cols // BLOCK_R
-    rk = cols % BLOCK_R
-    in_group = sl < NUM_SLICES
-    r = tl.load(ranks_ptr + slot * stride_rs + sl * stride_ri, mask=in_group, other=0)
-    # Pool row of each column's rank row. Masked by the table width, not the rank, so this gather is in
-    # flight together with the rank load; entries past the rank are loaded but never dereferenced.
-    prow = tl.load(rows_ptr + slot * stride_ts + rk, mask=in_group & (rk < table_width), other=0)
-    r = tl.minimum(r, table_width)  # a rank past the table would index the next adapter's entries
-    col_ok = in_group & (rk < r)  # rows past an adapter's real rank hold stale data: never read
+    start, end, slot = tile_of(meta_ptr, pid_t, META)
+    sl, rk, in_group, prow, col_ok = shrink_columns(
+        ranks_ptr, rows_ptr, slot, pid_n, table_width, stride_rs, stride_ri, stride_ts,
+        NUM_SLICES, BLOCK_R, BLOCK_N,
+    )  # fmt: skip
     if PDL:
         gdc_wait()
     if tl.max(col_ok.to(tl.int32), axis=0) == 0:
@@ -93,27 +84,10 @@ def _lora_shrink_kernel(
 
     offs_m = start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < end
-    k0 = pid_k * k_per_split
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
-    a_rows = prow.to(tl.int64) * stride_ar + sl * stride_ai  # [BLOCK_N] int64: pools pass 2^31 elements
-    a_ptrs = a_ptr + a_rows[:, None] + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for _ in range(0, k_per_split, BLOCK_K):
-        k_ok = offs_k < K
-        xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        at = tl.load(a_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        if SCALED:  # e4m3 and int8 values are exact in fp32 and in x's dtype
-            at = at.to(tl.float32).to(xt.dtype)
-        if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
-            xt = xt.to(tl.float32)
-            at = at.to(tl.float32)
-        acc += tl.dot(xt, tl.trans(at))
-        x_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-        offs_k += BLOCK_K
-    if SCALED:  # column (slice, k) times the scale of A_slice's rank row k
-        acc *= tl.load(as_ptr + prow.to(tl.int64) * stride_asr + sl, mask=col_ok, other=0.0)[None, :]
+    acc = shrink_dot(
+        x_ptr, a_ptr, as_ptr, offs_m, m_ok, pid_k * k_per_split, K, k_per_split, sl, prow, col_ok,
+        stride_xt, stride_ar, stride_ai, stride_asr, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, SCALED,
+    )  # fmt: skip
 
     # Columns past the rank hold zeros (their A rows were masked): written too, so that the expand can
     # read whole 16-column groups with wide loads.

@@ -39,7 +39,7 @@ from stages.worker.executor import StepExecutor
 from stages.worker.lora.pool import runs_of
 from stages.worker.runner import ModelRunner
 from stages.worker.slot_loads import LoadHandle
-from stages.worker.startup import process_age
+from stages.worker.startup import process_age, seconds_line
 from stages.worker.step_loop import StepLoop, StepOutcome
 from stages.worker.step_profiler import StepProfiler
 from stages.worker.tp.rank_zero import RankZero
@@ -205,7 +205,7 @@ class WorkerActor(Actor[WorkerConfig]):
         """One line: where the start-up's seconds went (docs/deploy.md, "Compile cache")."""
         phases = getattr(self.runner, "phases", None)  # rank zero of a TP group: its own runner's
         warm = getattr(self.runner, "warmup", None)
-        parts = f" ({', '.join(f'{n} {s:.1f} s' for n, s in warm.parts)})" if warm and warm.parts else ""
+        parts = f" ({seconds_line(warm.parts)})" if warm and warm.parts else ""
         late = Counter(getattr(self.runner, "capture_compiled", ()))
         self.log.info(
             "start-up: process %s before the model runner; %s; warm-up parts%s; %d kernels compiled "

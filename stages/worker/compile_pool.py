@@ -11,7 +11,7 @@ import hashlib
 import importlib
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,13 +62,21 @@ class TargetDriver:
         return self.target
 
 
+def sources_hash(paths: Iterable[Path], root: Path) -> str:
+    """sha256 over the Python sources at `paths`, in the order given (a directory: its *.py files, sorted
+    by name), each as its path relative to `root` and then its bytes: an edit, a rename or a move of any
+    of them changes it."""
+    h = hashlib.sha256()
+    for path in paths:
+        for f in sorted(path.glob("*.py")) if path.is_dir() else [path]:
+            h.update(f.relative_to(root).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
 def kernel_source_hash() -> str:
     """sha256 over the sources of every kernel module (any edit to a kernel changes it)."""
-    h = hashlib.sha256()
-    for path in sorted(KERNEL_DIR.glob("*.py")):
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
+    return sources_hash([KERNEL_DIR], KERNEL_DIR)
 
 
 def cache_tag(target: GPUTarget) -> str:

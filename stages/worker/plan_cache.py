@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kernels import device_info
+from stages.worker.compile_pool import sources_hash
 from stages.worker.warmup_plan import LoraLaunch
 
 log = logging.getLogger("lorapipe.worker")
@@ -28,13 +29,7 @@ Plan = tuple[list[LoraLaunch], list[tuple[int, int]]]
 
 
 def sources_digest() -> str:
-    h = hashlib.sha256()
-    for name in SOURCES:
-        path = ROOT / name
-        for f in sorted(path.glob("*.py")) if path.is_dir() else [path]:
-            h.update(f.relative_to(ROOT).as_posix().encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()
+    return sources_hash([ROOT / name for name in SOURCES], ROOT)
 
 
 def fingerprint(backend, padded: Sequence, attention: dict) -> str:

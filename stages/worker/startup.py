@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -25,7 +25,12 @@ class Phases:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def line(self) -> str:
-        return ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
+        return seconds_line(self.seconds.items())
+
+
+def seconds_line(parts: Iterable[tuple[str, float]]) -> str:
+    """Named wall seconds as the start-up log line gives them: "name 1.2 s, other 0.3 s"."""
+    return ", ".join(f"{name} {s:.1f} s" for name, s in parts)
 
 
 def process_age() -> float | None:

@@ -9,6 +9,8 @@ import json
 import pytest
 
 from benchmarks import bench_lora_decode
+from kernels import lora_fused
+from stages.worker.lora import tiles
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,3 +29,15 @@ def test_smoke_run_compares_the_designs(tmp_path):
         assert rows[name]["logits_max_diff_vs_serial"] < 1e-2 * case["lora_logits_max_change"], name
     assert all(r["us"] > 0 for r in rows.values())
     assert "| tiny b5 3x r7 | fused |" in (tmp_path / "lora_decode.txt").read_text()
+
+
+def test_ab_knobs_reach_the_step_and_are_put_back(tmp_path):
+    before = tiles.TILE_CLASSES, lora_fused.PROGRAMS_PER_SM
+    args = ["--smoke", "--cases", "8b:5:3", "--designs", "serial,fused", "--rank", "7"]
+    bench_lora_decode.main([str(tmp_path), *args, "--tile-classes", "2", "--fused-programs-per-sm", "1"])
+    assert (tiles.TILE_CLASSES, lora_fused.PROGRAMS_PER_SM) == before
+    (case,) = json.loads((tmp_path / "lora_decode.json").read_text())["cases"]
+    rows = {r["variant"]: r for r in case["rows"]}
+    # 3 one-token tiles of a 5-token batch: classes (2, 5) with the knob; 3 fits class 2's grid of 3
+    assert rows["serial"]["tile_class"] == rows["fused"]["tile_class"] == 2
+    assert rows["fused"]["logits_max_diff_vs_serial"] < 1e-2 * case["lora_logits_max_change"]

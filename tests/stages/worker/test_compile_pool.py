@@ -5,6 +5,7 @@ the target, the Triton version and any kernel source."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -57,3 +58,18 @@ def test_cache_namespace_follows_target_triton_and_kernel_sources(tmp_path, monk
     path = namespace_cache(h100)
     assert path == str(tmp_path / "base" / cache_tag(h100)) and os.environ["TRITON_CACHE_DIR"] == path
     assert namespace_cache(h100) == path  # already there: not nested again
+
+
+def test_sources_hash_follows_every_file_its_name_and_its_place(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("A = 1\n")
+    (tmp_path / "b.py").write_text("B = 2\n")
+    (tmp_path / "pkg" / "notes.txt").write_text("not a source")
+    paths = [tmp_path / "pkg", tmp_path / "b.py"]
+    before = compile_pool.sources_hash(paths, tmp_path)
+    assert before == hashlib.sha256(b"pkg/a.pyA = 1\nb.pyB = 2\n").hexdigest()  # *.py files only
+    (tmp_path / "pkg" / "a.py").write_text("A = 3\n")
+    edited = compile_pool.sources_hash(paths, tmp_path)
+    assert edited != before
+    (tmp_path / "pkg" / "a.py").rename(tmp_path / "pkg" / "c.py")
+    assert compile_pool.sources_hash(paths, tmp_path) not in (before, edited)  # same bytes, other name

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from stages.worker.startup import Phases, process_age
+from stages.worker.startup import Phases, process_age, seconds_line
 
 
 def test_phases_accumulate_in_order_and_time_a_failing_phase():
@@ -22,6 +22,12 @@ def test_phases_accumulate_in_order_and_time_a_failing_phase():
     assert list(phases.seconds) == ["b", "a"]
     assert phases.seconds["a"] >= 0.05 and phases.seconds["b"] >= 0.05
     assert phases.line().startswith("b ") and ", a " in phases.line()
+    assert phases.line() == seconds_line(phases.seconds.items())
+
+
+def test_seconds_line_names_each_part_in_order_to_a_tenth():
+    assert seconds_line([("plan", 0.04), ("compile", 12.345)]) == "plan 0.0 s, compile 12.3 s"
+    assert seconds_line(()) == ""
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="process_age reads /proc")
