@@ -34,10 +34,16 @@ def _tokenizer(model_dir: str, vocab: int, eos_ids: tuple[int, ...]) -> llguidan
     return matcher_tokenizer(text, vocab, eos_ids)
 
 
-@functools.lru_cache(maxsize=64)
-def _template(model_dir: str, vocab: int, eos_ids: tuple[int, ...], guided: Guided) -> llguidance.LLMatcher:
-    """A fresh matcher of `guided`, never fed: requests with the same grammar (often all of a burst) each
-    get a copy of it, microseconds against a millisecond or more for compiling the grammar again."""
+@functools.lru_cache(maxsize=256)
+def _template(
+    model_dir: str, vocab: int, eos_ids: tuple[int, ...], guided: Guided, slot: int
+) -> llguidance.LLMatcher:
+    """A fresh matcher of `guided`, never fed (its template number `slot`): requests with the same grammar
+    (often all of a burst) each get a copy of one, microseconds against a millisecond or more for compiling
+    the grammar again. A copy shares its template's lexer, and llguidance holds that lexer's lock for a
+    whole mask or token: copies of one template never run in parallel, so requests spread over as many
+    templates as the pool has threads (`GuidedMasks.start` hands the pool each template's copies
+    together)."""
     return rust_call(
         llguidance.LLMatcher, _tokenizer(model_dir, vocab, eos_ids), grammar_of(guided), log_level=0
     )
@@ -46,6 +52,7 @@ def _template(model_dir: str, vocab: int, eos_ids: tuple[int, ...], guided: Guid
 @dataclass(eq=False)
 class _Request:
     matcher: Future[llguidance.LLMatcher]
+    slot: int  # which of its grammar's templates the matcher copies (its lexer lock)
     consumed: int = 0  # output tokens the matcher has taken
     error: str | None = None
     built: llguidance.LLMatcher | None = None  # the matcher, once its build is known to have succeeded
@@ -89,11 +96,24 @@ class MaskJob:
 
 
 class GuidedMasks:
-    def __init__(self, model_dir: str, vocab: int, eos_ids: Sequence[int], device: torch.device):
-        """`vocab`: the width of the logits the masks apply to; `eos_ids`: what a finished grammar allows."""
+    def __init__(
+        self,
+        model_dir: str,
+        vocab: int,
+        eos_ids: Sequence[int],
+        device: torch.device,
+        threads: int = MASK_THREADS,
+        templates: int | None = None,
+    ):
+        """`vocab`: the width of the logits the masks apply to; `eos_ids`: what a finished grammar allows;
+        `threads`: llguidance's pool; `templates`: how many templates a grammar's matchers are copied
+        from (`_template`; as many as threads unless given)."""
         self.model_dir, self.vocab, self.eos_ids, self.device = model_dir, vocab, tuple(eos_ids), device
+        self.threads = threads
+        self.templates = templates or threads
         self.words = (vocab + 31) // 32  # int32 words of one packed mask
         self._requests: dict[str, _Request] = {}
+        self._added = 0  # requests added: the next one's template slot is this modulo `templates`
         self._builder: ThreadPoolExecutor | None = None
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._executor: llguidance.LLExecutor | None = None
@@ -106,7 +126,7 @@ class GuidedMasks:
         if self._builder is None:
             self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
             self._tokenizer = self._builder.submit(self._build_tokenizer)
-            self._executor = llguidance.LLExecutor(MASK_THREADS)
+            self._executor = llguidance.LLExecutor(self.threads)
             self._masker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
             if self.device.type == "cuda":
                 self._copies = torch.cuda.Stream(self.device)
@@ -116,7 +136,9 @@ class GuidedMasks:
         """Start building the request's matcher (off the step thread; the first mask waits for it)."""
         self.prepare()
         assert self._builder is not None
-        self._requests[request_id] = _Request(self._builder.submit(self._build_matcher, guided))
+        slot = self._added % self.templates
+        self._added += 1
+        self._requests[request_id] = _Request(self._builder.submit(self._build_matcher, guided, slot), slot)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -136,10 +158,10 @@ class GuidedMasks:
     def _build_tokenizer(self) -> llguidance.LLTokenizer:
         return _tokenizer(self.model_dir, self.vocab, self.eos_ids)
 
-    def _build_matcher(self, guided: Guided) -> llguidance.LLMatcher:
+    def _build_matcher(self, guided: Guided, slot: int) -> llguidance.LLMatcher:
         assert self._tokenizer is not None
         self._tokenizer.result()  # raises what building it raised
-        return _template(self.model_dir, self.vocab, self.eos_ids, guided).deep_copy()
+        return _template(self.model_dir, self.vocab, self.eos_ids, guided, slot).deep_copy()
 
     def advance(self, request_id: str, outputs: Sequence[int]) -> str | None:
         """Feed the matcher the request's outputs it has not taken yet (all known on the host); returns
@@ -188,6 +210,9 @@ class GuidedMasks:
                 r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
         if singles:
             assert self._executor is not None
+            if self.templates > 1:  # each template's copies together (they share a lock: `_template`)
+                order = sorted(range(len(owners)), key=lambda i: owners[i].slot)
+                singles, owners = [singles[i] for i in order], [owners[i] for i in order]
             oks = rust_call(self._executor.consume_token_par, singles)
             for (matcher, _), r, ok in zip(singles, owners, oks, strict=True):
                 if ok:
@@ -232,7 +257,7 @@ class GuidedMasks:
         n = len(request_ids)
         pin = self.device.type == "cuda"
         packed = torch.empty((n, self.words), dtype=torch.int32, pin_memory=pin)  # [n, W]
-        work, failed = [], {}
+        slotted, failed = [], {}
         for k, rid in enumerate(request_ids):
             r = self._requests[rid]
             matcher = self._matcher(r) if r.error is None else None
@@ -240,7 +265,10 @@ class GuidedMasks:
                 failed[k] = r.error or "its grammar failed"
                 packed[k] = 0
             else:
-                work.append((matcher, k))
+                slotted.append((r.slot, k, matcher))
+        if self.templates > 1:  # each template's copies together (they share a lock: `_template`)
+            slotted.sort(key=_first)
+        work = [(matcher, k) for _, k, matcher in slotted]
         done = None
         if work:
             # one call for the whole step: llguidance spreads the matchers over its threads, GIL dropped;
@@ -255,6 +283,10 @@ class GuidedMasks:
             else:
                 rust_call(*call)
         return MaskJob(self, n, packed, failed, done)
+
+
+def _first(item: tuple) -> int:
+    return item[0]
 
 
 def _started(started: threading.Event, fn, *args) -> None:
