@@ -180,8 +180,10 @@ class GuidedMasks:
         only when one is met). The requests with one new token, a step's usual case, go in one call
         over the thread pool; a token that breaks a grammar leaves the reason in `error` (then and
         after), a complete grammar sets `stopped`."""
-        singles: list[tuple[llguidance.LLMatcher, int]] = []
-        owners: list[_Request] = []
+        # the requests with one new token, by template: each template's copies go to the pool together
+        # (they share a lock: `_template`)
+        singles: list[list[tuple[llguidance.LLMatcher, int]]] = [[] for _ in range(self.templates)]
+        owners: list[list[_Request]] = [[] for _ in range(self.templates)]
         resolved: list[int] = []
         for rid, ids, start, end in items:
             r = self._requests[rid]
@@ -192,29 +194,29 @@ class GuidedMasks:
             if matcher is None:
                 continue
             r.consumed = end - start
-            if end - at == 1 and ids[at] >= 0:
-                singles.append((matcher, ids[at]))
-                owners.append(r)
+            if end - at == 1:
+                token = ids[at]
+                if token < 0:
+                    assert known is not None, "a placeholder token without the step that samples it"
+                    resolved = resolved or known()
+                    token = resolved[-1 - token]
+                singles[r.slot].append((matcher, token))
+                owners[r.slot].append(r)
                 continue
             tail = list(ids[at:end])
             if any(t < 0 for t in tail):
                 assert known is not None, "a placeholder token without the step that samples it"
                 resolved = resolved or known()
                 tail = [t if t >= 0 else resolved[-1 - t] for t in tail]
-            if len(tail) == 1:
-                singles.append((matcher, tail[0]))
-                owners.append(r)
-            elif matcher.consume_tokens(tail):
+            if matcher.consume_tokens(tail):
                 r.stopped = matcher.is_stopped()
             else:
                 r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
-        if singles:
+        pairs = [pair for group in singles for pair in group]
+        if pairs:
             assert self._executor is not None
-            if self.templates > 1:  # each template's copies together (they share a lock: `_template`)
-                order = sorted(range(len(owners)), key=lambda i: owners[i].slot)
-                singles, owners = [singles[i] for i in order], [owners[i] for i in order]
-            oks = rust_call(self._executor.consume_token_par, singles)
-            for (matcher, _), r, ok in zip(singles, owners, oks, strict=True):
+            oks = rust_call(self._executor.consume_token_par, pairs)
+            for (matcher, _), r, ok in zip(pairs, (r for group in owners for r in group), oks, strict=True):
                 if ok:
                     r.stopped = matcher.is_stopped()
                 else:
@@ -257,18 +259,18 @@ class GuidedMasks:
         n = len(request_ids)
         pin = self.device.type == "cuda"
         packed = torch.empty((n, self.words), dtype=torch.int32, pin_memory=pin)  # [n, W]
-        slotted, failed = [], {}
+        # by template: each template's copies go to the pool together (they share a lock: `_template`)
+        slotted: list[list[tuple[llguidance.LLMatcher, int]]] = [[] for _ in range(self.templates)]
+        failed = {}
         for k, rid in enumerate(request_ids):
             r = self._requests[rid]
-            matcher = self._matcher(r) if r.error is None else None
+            matcher = (r.built if r.built is not None else self._matcher(r)) if r.error is None else None
             if matcher is None:
                 failed[k] = r.error or "its grammar failed"
                 packed[k] = 0
             else:
-                slotted.append((r.slot, k, matcher))
-        if self.templates > 1:  # each template's copies together (they share a lock: `_template`)
-            slotted.sort(key=_first)
-        work = [(matcher, k) for _, k, matcher in slotted]
+                slotted[r.slot].append((matcher, k))
+        work = [pair for group in slotted for pair in group]
         done = None
         if work:
             # one call for the whole step: llguidance spreads the matchers over its threads, GIL dropped;
@@ -283,10 +285,6 @@ class GuidedMasks:
             else:
                 rust_call(*call)
         return MaskJob(self, n, packed, failed, done)
-
-
-def _first(item: tuple) -> int:
-    return item[0]
 
 
 def _started(started: threading.Event, fn, *args) -> None:
