@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument(
         "--templates",
         default="",
-        help="templates a grammar's matchers copy, comma-separated (default: threads)",
+        help="templates a grammar's matchers copy, comma-separated (0 or default: as many as threads)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-serial", action="store_true", help="skip the one-thread per-matcher masks")
