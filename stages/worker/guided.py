@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,28 +35,34 @@ def _tokenizer(model_dir: str, vocab: int, eos_ids: tuple[int, ...]) -> llguidan
     return matcher_tokenizer(text, vocab, eos_ids)
 
 
+# Compiling a grammar's further templates (`_template`) may take about this long in all: a grammar that
+# compiles in a millisecond gets one a pool thread, one that takes 50 ms or more only the first.
+TEMPLATES_BUDGET_S = 0.05
+
+
 @functools.lru_cache(maxsize=256)
 def _template(
     model_dir: str, vocab: int, eos_ids: tuple[int, ...], guided: Guided, slot: int
-) -> llguidance.LLMatcher:
-    """A fresh matcher of `guided`, never fed (its template number `slot`): requests with the same grammar
-    (often all of a burst) each get a copy of one, microseconds against a millisecond or more for compiling
-    the grammar again. A copy shares its template's lexer, and llguidance holds that lexer's lock for a
-    whole mask or token: copies of one template never run in parallel, so requests spread over as many
-    templates as the pool has threads (`GuidedMasks.start` hands the pool each template's copies
-    together)."""
-    return rust_call(
-        llguidance.LLMatcher, _tokenizer(model_dir, vocab, eos_ids), grammar_of(guided), log_level=0
-    )
+) -> tuple[llguidance.LLMatcher, float]:
+    """A fresh matcher of `guided`, never fed (its template number `slot`), and the seconds its compile
+    took: requests with the same grammar (often all of a burst) each get a copy of one, microseconds
+    against a millisecond or more for compiling the grammar again. A copy shares its template's lexer,
+    and llguidance holds that lexer's lock for a whole mask or token: copies of one template never run in
+    parallel, so requests spread over up to as many templates as the pool has threads
+    (`GuidedMasks.start` hands the pool each template's copies together)."""
+    t0 = time.perf_counter()
+    tokenizer = _tokenizer(model_dir, vocab, eos_ids)
+    matcher = rust_call(llguidance.LLMatcher, tokenizer, grammar_of(guided), log_level=0)
+    return matcher, time.perf_counter() - t0
 
 
 @dataclass(eq=False)
 class _Request:
-    matcher: Future[llguidance.LLMatcher]
-    slot: int  # which of its grammar's templates the matcher copies (its lexer lock)
+    matcher: Future[tuple[llguidance.LLMatcher, int]]  # and which template it copies
     consumed: int = 0  # output tokens the matcher has taken
     error: str | None = None
     built: llguidance.LLMatcher | None = None  # the matcher, once its build is known to have succeeded
+    slot: int = 0  # which of its grammar's templates the built matcher copies (its lexer lock)
     # whether the grammar was complete after the last tokens fed: read back without touching the matcher,
     # which a mask job may hold on its thread meanwhile
     stopped: bool = False
@@ -113,7 +120,7 @@ class GuidedMasks:
         self.templates = templates or threads
         self.words = (vocab + 31) // 32  # int32 words of one packed mask
         self._requests: dict[str, _Request] = {}
-        self._added = 0  # requests added: the next one's template slot is this modulo `templates`
+        self._built = 0  # matchers built (on the builder thread): the next one's template follows
         self._builder: ThreadPoolExecutor | None = None
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._executor: llguidance.LLExecutor | None = None
@@ -136,9 +143,7 @@ class GuidedMasks:
         """Start building the request's matcher (off the step thread; the first mask waits for it)."""
         self.prepare()
         assert self._builder is not None
-        slot = self._added % self.templates
-        self._added += 1
-        self._requests[request_id] = _Request(self._builder.submit(self._build_matcher, guided, slot), slot)
+        self._requests[request_id] = _Request(self._builder.submit(self._build_matcher, guided))
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -158,10 +163,19 @@ class GuidedMasks:
     def _build_tokenizer(self) -> llguidance.LLTokenizer:
         return _tokenizer(self.model_dir, self.vocab, self.eos_ids)
 
-    def _build_matcher(self, guided: Guided, slot: int) -> llguidance.LLMatcher:
+    def _build_matcher(self, guided: Guided) -> tuple[llguidance.LLMatcher, int]:
+        """A copy of one of the grammar's templates, taken in turn (as many as the pool's threads, fewer
+        when the grammar is slow to compile: `TEMPLATES_BUDGET_S`), and which one."""
         assert self._tokenizer is not None
         self._tokenizer.result()  # raises what building it raised
-        return _template(self.model_dir, self.vocab, self.eos_ids, guided, slot).deep_copy()
+        key = (self.model_dir, self.vocab, self.eos_ids, guided)
+        template, seconds = _template(*key, 0)
+        slots = max(1, min(self.templates, int(TEMPLATES_BUDGET_S / max(seconds, 1e-6))))
+        slot = self._built % slots
+        self._built += 1
+        if slot:
+            template = _template(*key, slot)[0]
+        return template.deep_copy(), slot
 
     def advance(self, request_id: str, outputs: Sequence[int]) -> str | None:
         """Feed the matcher the request's outputs it has not taken yet (all known on the host); returns
@@ -236,14 +250,14 @@ class GuidedMasks:
         if r.built is not None:
             return r.built
         try:
-            matcher = r.matcher.result()
+            matcher, slot = r.matcher.result()
         except Exception as exc:  # a grammar the tokenizer stage let through, or no tokenizer.json
             r.error = f"its grammar could not be built: {type(exc).__name__}: {exc}"[:2000]
             return None
         if matcher.is_error():
             r.error = f"its grammar could not be built: {matcher.get_error()}"[:2000]
             return None
-        r.built = matcher
+        r.built, r.slot = matcher, slot
         return matcher
 
     def allowed(self, request_ids: Sequence[str], width: int) -> tuple[torch.Tensor, dict[int, str]]:

@@ -15,6 +15,7 @@ import torch
 
 from proto.sampling import Guided
 from runtime.common.grammar import grammar_of, matcher_tokenizer
+from stages.worker import guided as guided_module
 from stages.worker.guided import GuidedMasks
 
 SCHEMA = {
@@ -124,10 +125,11 @@ def test_placeholders_are_the_step_befores_tokens(setup):
     assert not reads and torch.equal(masks.allowed(["one"], vocab)[0][0], _reference(tok, g, text[:5], vocab))
 
 
-def test_a_grammar_spread_over_templates_keeps_each_requests_rows(tiny_llama):
-    """Requests of one grammar copy several templates (copies of one share a lexer lock); the pool is
-    handed each template's copies together, in another order than the step's rows: every mask still
-    lands in its own request's row, and a token that breaks a grammar fails that request alone."""
+def test_a_grammar_spread_over_templates_keeps_each_requests_rows(tiny_llama, monkeypatch):
+    """Requests of one grammar copy several templates in turn (copies of one share a lexer lock); the
+    pool is handed each template's copies together, in another order than the step's rows: every mask
+    still lands in its own request's row, and a token that breaks a grammar fails that request alone."""
+    monkeypatch.setattr(guided_module, "TEMPLATES_BUDGET_S", 1e3)  # as many templates as asked, however slow
     vocab, eos = 384, [1]
     tok = matcher_tokenizer((tiny_llama / "tokenizer.json").read_text(), vocab, eos)
     masks = GuidedMasks(str(tiny_llama), vocab, eos, torch.device("cpu"), threads=2, templates=3)
@@ -136,7 +138,8 @@ def test_a_grammar_spread_over_templates_keeps_each_requests_rows(tiny_llama):
     ids = [f"t{i}" for i in range(len(texts))]
     for rid in ids:
         masks.add(rid, g)
-    assert sorted(masks._requests[rid].slot for rid in ids) == [0, 0, 1, 1, 2, 2]
+    masks.start(ids, background=False).wait()  # built
+    assert [masks._requests[rid].slot for rid in ids] == [0, 1, 2, 0, 1, 2]
     streams = {rid: _encode(tok, text) for rid, text in zip(ids, texts, strict=True)}
     streams["t4"] = streams["t4"] + _encode(tok, "9")  # "a9" leaves the grammar
     width = vocab + 16
@@ -149,4 +152,17 @@ def test_a_grammar_spread_over_templates_keeps_each_requests_rows(tiny_llama):
         for j, rid in enumerate(live):
             assert torch.equal(got[j], _reference(tok, g, streams[rid][:n], width)), (rid, n)
     assert [rid for rid in ids if masks.error(rid) is not None] == ["t4"]
+    masks.close()
+
+
+def test_a_grammar_slow_to_compile_keeps_one_template(tiny_llama, monkeypatch):
+    """Past the compile budget a grammar gets no further templates: every request copies the first."""
+    monkeypatch.setattr(guided_module, "TEMPLATES_BUDGET_S", 0.0)
+    vocab, eos = 384, [1]
+    masks = GuidedMasks(str(tiny_llama), vocab, eos, torch.device("cpu"), threads=2, templates=3)
+    ids = [f"s{i}" for i in range(4)]
+    for rid in ids:
+        masks.add(rid, Guided("regex", REGEX))
+    masks.start(ids, background=False).wait()
+    assert [masks._requests[rid].slot for rid in ids] == [0, 0, 0, 0]
     masks.close()
