@@ -78,7 +78,9 @@ class MaskJob:
     def wait(self) -> None:
         """Wait for the host's part (the matchers are free again after it)."""
         if isinstance(self._done, Future):
+            t0 = time.perf_counter()
             self._done.result()
+            self._guided.seconds["wait"] += time.perf_counter() - t0
 
     def result(self, width: int) -> torch.Tensor:
         """[n, width] bool on the device, True where the token is allowed (the rows of `failed`, the
@@ -121,6 +123,8 @@ class GuidedMasks:
         self.words = (vocab + 31) // 32  # int32 words of one packed mask
         self._requests: dict[str, _Request] = {}
         self._built = 0  # matchers built (on the builder thread): the next one's template follows
+        # the step thread's seconds feeding matchers, starting mask jobs and waiting for their masks
+        self.seconds = dict.fromkeys(("feed", "start", "wait"), 0.0)
         self._builder: ThreadPoolExecutor | None = None
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._executor: llguidance.LLExecutor | None = None
@@ -194,6 +198,7 @@ class GuidedMasks:
         only when one is met). The requests with one new token, a step's usual case, go in one call
         over the thread pool; a token that breaks a grammar leaves the reason in `error` (then and
         after), a complete grammar sets `stopped`."""
+        t0 = time.perf_counter()
         # the requests with one new token, by template: each template's copies go to the pool together
         # (they share a lock: `_template`)
         singles: list[list[tuple[llguidance.LLMatcher, int]]] = [[] for _ in range(self.templates)]
@@ -235,6 +240,7 @@ class GuidedMasks:
                     r.stopped = matcher.is_stopped()
                 else:
                     r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
+        self.seconds["feed"] += time.perf_counter() - t0
 
     def error(self, request_id: str) -> str | None:
         """Why the request's grammar failed (could not be built, or its output left it), if it did."""
@@ -270,6 +276,7 @@ class GuidedMasks:
         built, else it fails: `MaskJob.failed`, {k: why}). In the background, the step thread must not
         call these requests' matchers until the job's `result`: a matcher is held by its mask call."""
         assert self._executor is not None and self._masker is not None
+        t0 = time.perf_counter()
         n = len(request_ids)
         pin = self.device.type == "cuda"
         packed = torch.empty((n, self.words), dtype=torch.int32, pin_memory=pin)  # [n, W]
@@ -298,6 +305,7 @@ class GuidedMasks:
                 started.wait()
             else:
                 rust_call(*call)
+        self.seconds["start"] += time.perf_counter() - t0
         return MaskJob(self, n, packed, failed, done)
 
 
