@@ -152,6 +152,7 @@ def test_a_grammar_spread_over_templates_keeps_each_requests_rows(tiny_llama, mo
         for j, rid in enumerate(live):
             assert torch.equal(got[j], _reference(tok, g, streams[rid][:n], width)), (rid, n)
     assert [rid for rid in ids if masks.error(rid) is not None] == ["t4"]
+    assert masks.seconds["feed"] > 0 and masks.seconds["start"] > 0 and masks.seconds["wait"] > 0
     masks.close()
 
 
