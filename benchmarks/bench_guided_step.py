@@ -13,8 +13,9 @@ column is their sum a step): the per-position cost a core count divides.
 
 `--templates 1` is every matcher a copy of one compiled grammar (copies share its lexer's lock, so the
 pool runs them one at a time); the default is one template per pool thread, as the worker does. Prints
-one table (per thread and template count: milliseconds a step per phase) and writes
-OUT_DIR/guided_step.json with the per-step series and the serial per-matcher microseconds by step."""
+one table (per thread and template count: milliseconds a step per phase) and one line on whether a
+matcher's copies share its lexer (`lexer_sharing`), and writes OUT_DIR/guided_step.json with the
+per-step series and the serial per-matcher microseconds by step."""
 
 from __future__ import annotations
 
@@ -109,6 +110,44 @@ def run(
     return found
 
 
+def lexer_sharing(tok_dir: Path) -> dict[str, float]:
+    """Whether a matcher's copies share its lexer (and so its lock): CPU milliseconds of the masks along
+    one text of a grammar with many words, for a first copy (cold lexer), a second copy of the same
+    template after it, and a matcher compiled apart after both. Shared, the second copy finds the
+    lexer states the first one built and costs a fraction of the others."""
+    import random
+
+    import llguidance
+
+    from runtime.common.grammar import matcher_tokenizer
+
+    tok = matcher_tokenizer((tok_dir / "tokenizer.json").read_text(), VOCAB, [_eos_id(tok_dir)])
+    rnd = random.Random(0)
+    words = [
+        "".join(rnd.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rnd.randint(4, 12)))
+        for _ in range(400)
+    ]
+    alt = "|".join(words)
+    grammar = llguidance.LLMatcher.grammar_from_regex(f"({alt})( ({alt})){{0,40}}")
+    tokens = tok.tokenize_str(" ".join(rnd.choice(words) for _ in range(30)))
+    mask = np.zeros((VOCAB + 31) // 32, dtype=np.int32)
+
+    def cpu_ms(matcher: llguidance.LLMatcher) -> float:
+        spent = 0.0
+        for t in tokens:
+            c0 = time.thread_time()
+            matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            spent += time.thread_time() - c0
+            assert matcher.consume_token(t), matcher.get_error()
+        return 1e3 * spent
+
+    template = llguidance.LLMatcher(tok, grammar, log_level=0)
+    first, second = template.deep_copy(), template.deep_copy()
+    found = {"first_copy_ms": cpu_ms(first), "second_copy_ms": cpu_ms(second)}
+    found["apart_ms"] = cpu_ms(llguidance.LLMatcher(tok, grammar, log_level=0))
+    return found
+
+
 def _draw(allowed: np.ndarray, rng: np.random.Generator) -> int:
     """A token drawn uniformly from the [V] mask `allowed` (most masks allow most of the vocabulary:
     a few random picks find one before the whole row is searched)."""
@@ -158,6 +197,12 @@ def main() -> None:
         one = row["serial_mask_us"]
         per_step = sum(one["per_step_sum_ms"]) / a.steps
         print(f"| serial | 1 | - | {per_step:.3f} | - | {one['mean']:.1f} (p99 {one['p99']:.0f}) |")
+    sharing = lexer_sharing(a.tokenizer)
+    print(
+        f"lexer shared by copies? masks of a first copy {sharing['first_copy_ms']:.1f} ms CPU, a second "
+        f"copy after it {sharing['second_copy_ms']:.1f}, a matcher compiled apart {sharing['apart_ms']:.1f}"
+    )
+    rows.append({"lexer_sharing": sharing})
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "guided_step.json").write_text(json.dumps(rows, indent=1))
 
