@@ -11,6 +11,8 @@
 # (bfloat16), SCRATCH; PRESET=tiny DEVICE=cpu DTYPE=float32 NUM_PROMPTS=8 is a plumbing check.
 # PROFILE=1: one more process of this tree runs each variant under torch.profiler and cProfile too
 # (bench_sampling_features.py --profile), into OUT_DIR/profile.json; it is not counted in the table.
+# GUIDED_STEP=1: benchmarks/bench_guided_step.py on the model's tokenizer too (CPU only: one step's
+# grammar feed and masks for 256 requests, one template against one per thread), into OUT_DIR/guided_step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 here=$(pwd)
@@ -48,6 +50,9 @@ else
   run B1 "$here" plain,logprobs5,guided,guided_check,plain
 fi
 if [ "${PROFILE:-0}" = 1 ]; then run P "$here" plain,logprobs5,guided "$out/profile.json" --profile; fi
+if [ "${GUIDED_STEP:-0}" = 1 ] && [ "$preset" != tiny ]; then  # the host's grammar work a step, alone
+  "$py" -m benchmarks.bench_guided_step --tokenizer "$model" --templates 1,0 "$out/guided_step"
+fi
 "$py" - "$out" <<'EOF'
 import json, statistics, sys
 from pathlib import Path

@@ -237,6 +237,8 @@ class LLM:
             executor.guided.close()
         self._to_ranks(EndRun())
         self.last_phase_seconds = dict(executor.phase_seconds)
+        if any(executor.guided.seconds.values()):  # a run with grammars: the step thread's part in them
+            self.last_phase_seconds |= {f"guided_{k}": v for k, v in executor.guided.seconds.items()}
         return [
             RequestOutput(
                 self._decode(outputs[rid]),

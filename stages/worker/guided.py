@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,21 +35,34 @@ def _tokenizer(model_dir: str, vocab: int, eos_ids: tuple[int, ...]) -> llguidan
     return matcher_tokenizer(text, vocab, eos_ids)
 
 
-@functools.lru_cache(maxsize=64)
-def _template(model_dir: str, vocab: int, eos_ids: tuple[int, ...], guided: Guided) -> llguidance.LLMatcher:
-    """A fresh matcher of `guided`, never fed: requests with the same grammar (often all of a burst) each
-    get a copy of it, microseconds against a millisecond or more for compiling the grammar again."""
-    return rust_call(
-        llguidance.LLMatcher, _tokenizer(model_dir, vocab, eos_ids), grammar_of(guided), log_level=0
-    )
+# Compiling a grammar's further templates (`_template`) may take about this long in all: a grammar that
+# compiles in a millisecond gets one a pool thread, one that takes 50 ms or more only the first.
+TEMPLATES_BUDGET_S = 0.05
+
+
+@functools.lru_cache(maxsize=256)
+def _template(
+    model_dir: str, vocab: int, eos_ids: tuple[int, ...], guided: Guided, slot: int
+) -> tuple[llguidance.LLMatcher, float]:
+    """A fresh matcher of `guided`, never fed (its template number `slot`), and the seconds its compile
+    took: requests with the same grammar (often all of a burst) each get a copy of one, microseconds
+    against a millisecond or more for compiling the grammar again. A copy shares its template's lexer,
+    and llguidance holds that lexer's lock for a whole mask or token: copies of one template never run in
+    parallel, so requests spread over up to as many templates as the pool has threads
+    (`GuidedMasks.start` hands the pool each template's copies together)."""
+    t0 = time.perf_counter()
+    tokenizer = _tokenizer(model_dir, vocab, eos_ids)
+    matcher = rust_call(llguidance.LLMatcher, tokenizer, grammar_of(guided), log_level=0)
+    return matcher, time.perf_counter() - t0
 
 
 @dataclass(eq=False)
 class _Request:
-    matcher: Future[llguidance.LLMatcher]
+    matcher: Future[tuple[llguidance.LLMatcher, int]]  # and which template it copies
     consumed: int = 0  # output tokens the matcher has taken
     error: str | None = None
     built: llguidance.LLMatcher | None = None  # the matcher, once its build is known to have succeeded
+    slot: int = 0  # which of its grammar's templates the built matcher copies (its lexer lock)
     # whether the grammar was complete after the last tokens fed: read back without touching the matcher,
     # which a mask job may hold on its thread meanwhile
     stopped: bool = False
@@ -64,7 +78,9 @@ class MaskJob:
     def wait(self) -> None:
         """Wait for the host's part (the matchers are free again after it)."""
         if isinstance(self._done, Future):
+            t0 = time.perf_counter()
             self._done.result()
+            self._guided.seconds["wait"] += time.perf_counter() - t0
 
     def result(self, width: int) -> torch.Tensor:
         """[n, width] bool on the device, True where the token is allowed (the rows of `failed`, the
@@ -89,11 +105,26 @@ class MaskJob:
 
 
 class GuidedMasks:
-    def __init__(self, model_dir: str, vocab: int, eos_ids: Sequence[int], device: torch.device):
-        """`vocab`: the width of the logits the masks apply to; `eos_ids`: what a finished grammar allows."""
+    def __init__(
+        self,
+        model_dir: str,
+        vocab: int,
+        eos_ids: Sequence[int],
+        device: torch.device,
+        threads: int = MASK_THREADS,
+        templates: int | None = None,
+    ):
+        """`vocab`: the width of the logits the masks apply to; `eos_ids`: what a finished grammar allows;
+        `threads`: llguidance's pool; `templates`: how many templates a grammar's matchers are copied
+        from (`_template`; as many as threads unless given)."""
         self.model_dir, self.vocab, self.eos_ids, self.device = model_dir, vocab, tuple(eos_ids), device
+        self.threads = threads
+        self.templates = templates or threads
         self.words = (vocab + 31) // 32  # int32 words of one packed mask
         self._requests: dict[str, _Request] = {}
+        self._built = 0  # matchers built (on the builder thread): the next one's template follows
+        # the step thread's seconds feeding matchers, starting mask jobs and waiting for their masks
+        self.seconds = dict.fromkeys(("feed", "start", "wait"), 0.0)
         self._builder: ThreadPoolExecutor | None = None
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._executor: llguidance.LLExecutor | None = None
@@ -106,7 +137,7 @@ class GuidedMasks:
         if self._builder is None:
             self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
             self._tokenizer = self._builder.submit(self._build_tokenizer)
-            self._executor = llguidance.LLExecutor(MASK_THREADS)
+            self._executor = llguidance.LLExecutor(self.threads)
             self._masker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
             if self.device.type == "cuda":
                 self._copies = torch.cuda.Stream(self.device)
@@ -136,10 +167,19 @@ class GuidedMasks:
     def _build_tokenizer(self) -> llguidance.LLTokenizer:
         return _tokenizer(self.model_dir, self.vocab, self.eos_ids)
 
-    def _build_matcher(self, guided: Guided) -> llguidance.LLMatcher:
+    def _build_matcher(self, guided: Guided) -> tuple[llguidance.LLMatcher, int]:
+        """A copy of one of the grammar's templates, taken in turn (as many as the pool's threads, fewer
+        when the grammar is slow to compile: `TEMPLATES_BUDGET_S`), and which one."""
         assert self._tokenizer is not None
         self._tokenizer.result()  # raises what building it raised
-        return _template(self.model_dir, self.vocab, self.eos_ids, guided).deep_copy()
+        key = (self.model_dir, self.vocab, self.eos_ids, guided)
+        template, seconds = _template(*key, 0)
+        slots = max(1, min(self.templates, int(TEMPLATES_BUDGET_S / max(seconds, 1e-6))))
+        slot = self._built % slots
+        self._built += 1
+        if slot:
+            template = _template(*key, slot)[0]
+        return template.deep_copy(), slot
 
     def advance(self, request_id: str, outputs: Sequence[int]) -> str | None:
         """Feed the matcher the request's outputs it has not taken yet (all known on the host); returns
@@ -158,8 +198,11 @@ class GuidedMasks:
         only when one is met). The requests with one new token, a step's usual case, go in one call
         over the thread pool; a token that breaks a grammar leaves the reason in `error` (then and
         after), a complete grammar sets `stopped`."""
-        singles: list[tuple[llguidance.LLMatcher, int]] = []
-        owners: list[_Request] = []
+        t0 = time.perf_counter()
+        # the requests with one new token, by template: each template's copies go to the pool together
+        # (they share a lock: `_template`)
+        singles: list[list[tuple[llguidance.LLMatcher, int]]] = [[] for _ in range(self.templates)]
+        owners: list[list[_Request]] = [[] for _ in range(self.templates)]
         resolved: list[int] = []
         for rid, ids, start, end in items:
             r = self._requests[rid]
@@ -170,30 +213,34 @@ class GuidedMasks:
             if matcher is None:
                 continue
             r.consumed = end - start
-            if end - at == 1 and ids[at] >= 0:
-                singles.append((matcher, ids[at]))
-                owners.append(r)
+            if end - at == 1:
+                token = ids[at]
+                if token < 0:
+                    assert known is not None, "a placeholder token without the step that samples it"
+                    resolved = resolved or known()
+                    token = resolved[-1 - token]
+                singles[r.slot].append((matcher, token))
+                owners[r.slot].append(r)
                 continue
             tail = list(ids[at:end])
             if any(t < 0 for t in tail):
                 assert known is not None, "a placeholder token without the step that samples it"
                 resolved = resolved or known()
                 tail = [t if t >= 0 else resolved[-1 - t] for t in tail]
-            if len(tail) == 1:
-                singles.append((matcher, tail[0]))
-                owners.append(r)
-            elif matcher.consume_tokens(tail):
+            if matcher.consume_tokens(tail):
                 r.stopped = matcher.is_stopped()
             else:
                 r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
-        if singles:
+        pairs = [pair for group in singles for pair in group]
+        if pairs:
             assert self._executor is not None
-            oks = rust_call(self._executor.consume_token_par, singles)
-            for (matcher, _), r, ok in zip(singles, owners, oks, strict=True):
+            oks = rust_call(self._executor.consume_token_par, pairs)
+            for (matcher, _), r, ok in zip(pairs, (r for group in owners for r in group), oks, strict=True):
                 if ok:
                     r.stopped = matcher.is_stopped()
                 else:
                     r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
+        self.seconds["feed"] += time.perf_counter() - t0
 
     def error(self, request_id: str) -> str | None:
         """Why the request's grammar failed (could not be built, or its output left it), if it did."""
@@ -209,14 +256,14 @@ class GuidedMasks:
         if r.built is not None:
             return r.built
         try:
-            matcher = r.matcher.result()
+            matcher, slot = r.matcher.result()
         except Exception as exc:  # a grammar the tokenizer stage let through, or no tokenizer.json
             r.error = f"its grammar could not be built: {type(exc).__name__}: {exc}"[:2000]
             return None
         if matcher.is_error():
             r.error = f"its grammar could not be built: {matcher.get_error()}"[:2000]
             return None
-        r.built = matcher
+        r.built, r.slot = matcher, slot
         return matcher
 
     def allowed(self, request_ids: Sequence[str], width: int) -> tuple[torch.Tensor, dict[int, str]]:
@@ -229,18 +276,22 @@ class GuidedMasks:
         built, else it fails: `MaskJob.failed`, {k: why}). In the background, the step thread must not
         call these requests' matchers until the job's `result`: a matcher is held by its mask call."""
         assert self._executor is not None and self._masker is not None
+        t0 = time.perf_counter()
         n = len(request_ids)
         pin = self.device.type == "cuda"
         packed = torch.empty((n, self.words), dtype=torch.int32, pin_memory=pin)  # [n, W]
-        work, failed = [], {}
+        # by template: each template's copies go to the pool together (they share a lock: `_template`)
+        slotted: list[list[tuple[llguidance.LLMatcher, int]]] = [[] for _ in range(self.templates)]
+        failed = {}
         for k, rid in enumerate(request_ids):
             r = self._requests[rid]
-            matcher = self._matcher(r) if r.error is None else None
+            matcher = (r.built if r.built is not None else self._matcher(r)) if r.error is None else None
             if matcher is None:
                 failed[k] = r.error or "its grammar failed"
                 packed[k] = 0
             else:
-                work.append((matcher, k))
+                slotted[r.slot].append((matcher, k))
+        work = [pair for group in slotted for pair in group]
         done = None
         if work:
             # one call for the whole step: llguidance spreads the matchers over its threads, GIL dropped;
@@ -254,6 +305,7 @@ class GuidedMasks:
                 started.wait()
             else:
                 rust_call(*call)
+        self.seconds["start"] += time.perf_counter() - t0
         return MaskJob(self, n, packed, failed, done)
 
 

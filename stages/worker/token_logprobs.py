@@ -28,9 +28,12 @@ class StepLogprobs:
         """`logits` [M, V] on the device and `tokens` [M] int64, the token sampled from each row;
         wanted[j]'s row is rows[j]."""
         self.wanted, self.rows = wanted, rows
-        lp = torch.log_softmax(logits.float(), dim=-1)  # [M, V]
-        top = lp.topk(max(n for _, n in wanted), dim=-1)  # [M, K] each
-        self.values = torch.cat((lp.gather(1, tokens.view(-1, 1)), top.values), dim=1)  # [M, 1 + K]
+        # log p = logit - logsumexp(row): only the 1 + K values wanted are shifted, so no [M, V] of
+        # log-probabilities is written and read again (the top K of the logits are those of log p)
+        x = logits.float()  # [M, V]
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [M, 1]
+        top = x.topk(max(n for _, n in wanted), dim=-1)  # [M, K] each
+        self.values = torch.cat((x.gather(1, tokens.view(-1, 1)), top.values), dim=1) - lse  # [M, 1 + K]
         self.ids = top.indices  # [M, K]
 
     def to_host(self) -> None:

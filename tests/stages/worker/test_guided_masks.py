@@ -2,7 +2,8 @@
 one by one: requests that share a grammar advance apart (each a copy of one compiled matcher), a step's
 new tokens go in one call (one or several a request), masks computed in the background equal those
 computed at once, the unpacked rows cover a width past the vocabulary (padded, nothing allowed there),
-and a token outside the grammar fails its request alone, with the reason."""
+a token outside the grammar fails its request alone, with the reason, and requests of one grammar spread
+over several templates keep their own rows."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from proto.sampling import Guided
 from runtime.common.grammar import grammar_of, matcher_tokenizer
+from stages.worker import guided as guided_module
 from stages.worker.guided import GuidedMasks
 
 SCHEMA = {
@@ -121,3 +123,47 @@ def test_placeholders_are_the_step_befores_tokens(setup):
     reads.clear()
     masks.feed([("one", text[:5], 0, 5)], known)  # no placeholder: the step before's tokens are not read
     assert not reads and torch.equal(masks.allowed(["one"], vocab)[0][0], _reference(tok, g, text[:5], vocab))
+
+
+def test_a_grammar_spread_over_templates_keeps_each_requests_rows(tiny_llama, monkeypatch):
+    """Requests of one grammar copy several templates in turn (copies of one share a lexer lock); the
+    pool is handed each template's copies together, in another order than the step's rows: every mask
+    still lands in its own request's row, and a token that breaks a grammar fails that request alone."""
+    monkeypatch.setattr(guided_module, "TEMPLATES_BUDGET_S", 1e3)  # as many templates as asked, however slow
+    vocab, eos = 384, [1]
+    tok = matcher_tokenizer((tiny_llama / "tokenizer.json").read_text(), vocab, eos)
+    masks = GuidedMasks(str(tiny_llama), vocab, eos, torch.device("cpu"), threads=2, templates=3)
+    g = Guided("regex", REGEX)
+    texts = ["ab-1", "c", "abc-", "ba-99", "a", "cc-7"]
+    ids = [f"t{i}" for i in range(len(texts))]
+    for rid in ids:
+        masks.add(rid, g)
+    masks.start(ids, background=False).wait()  # built
+    assert [masks._requests[rid].slot for rid in ids] == [0, 1, 2, 0, 1, 2]
+    streams = {rid: _encode(tok, text) for rid, text in zip(ids, texts, strict=True)}
+    streams["t4"] = streams["t4"] + _encode(tok, "9")  # "a9" leaves the grammar
+    width = vocab + 16
+    for n in range(1, max(map(len, streams.values())) + 1):
+        masks.feed([(rid, toks, 0, min(n, len(toks))) for rid, toks in streams.items()])
+        live = [rid for rid in reversed(ids) if masks.error(rid) is None]
+        job = masks.start(live, background=True)
+        got = job.result(width)
+        assert job.failed == {}
+        for j, rid in enumerate(live):
+            assert torch.equal(got[j], _reference(tok, g, streams[rid][:n], width)), (rid, n)
+    assert [rid for rid in ids if masks.error(rid) is not None] == ["t4"]
+    assert masks.seconds["feed"] > 0 and masks.seconds["start"] > 0 and masks.seconds["wait"] > 0
+    masks.close()
+
+
+def test_a_grammar_slow_to_compile_keeps_one_template(tiny_llama, monkeypatch):
+    """Past the compile budget a grammar gets no further templates: every request copies the first."""
+    monkeypatch.setattr(guided_module, "TEMPLATES_BUDGET_S", 0.0)
+    vocab, eos = 384, [1]
+    masks = GuidedMasks(str(tiny_llama), vocab, eos, torch.device("cpu"), threads=2, templates=3)
+    ids = [f"s{i}" for i in range(4)]
+    for rid in ids:
+        masks.add(rid, Guided("regex", REGEX))
+    masks.start(ids, background=False).wait()
+    assert [masks._requests[rid].slot for rid in ids] == [0, 0, 0, 0]
+    masks.close()
