@@ -30,6 +30,7 @@ from stages.worker.tp.group import TPGroup
 from stages.worker.tp.lora_shard import AdapterSharder
 from stages.worker.tp.shard import shard_config, shard_weights, to_device
 from stages.worker.tp.transform import tensor_parallel
+from stages.worker.warm_marker import WarmMarker
 from stages.worker.warmup import Report, start_compiling, warm_up
 
 __all__ = ["ModelRunner", "RunnerConfig", "SeqInput"]
@@ -75,18 +76,26 @@ class ModelRunner:
         # gather indices of a step's logits rows, uploaded without queueing behind adapter copies
         self.index_uploads = IndexUploads(self.max_seqs, self.device)
         self.phases = Phases()  # what each part of the start-up took (the worker logs it at ready)
-        compile_pool = start_compiling(self.device, cfg.warmup)  # its processes start while weights load
+        # whether the compile cache holds every kernel of this start-up already (then no compile pool)
+        cuda_warmup = cfg.warmup and self.device.type == "cuda"
+        marker = WarmMarker(cfg, self.model_cfg, self.device) if cuda_warmup else None
+        # the pool's processes start while the weights load
+        compile_pool = start_compiling(self.device, cfg.warmup, marker)
         try:
             inits = (self._init_model, self._init_lora, self._init_kv_cache, self._init_graphs)
             for name, init in zip(("weights", "adapter pool", "KV cache", "graph setup"), inits, strict=True):
                 self.phases.run(name, init)
             if cfg.warmup:
-                self.warmup = self.phases.run("warm-up", warm_up, self, pool=compile_pool, report=on_warmup)
+                self.warmup = self.phases.run(
+                    "warm-up", warm_up, self, pool=compile_pool, report=on_warmup, marker=marker
+                )
         finally:
             if compile_pool is not None:
                 compile_pool.close()
         self.capture_compiled: list[str] = []  # kernels capture compiled (the warm-up plan should hold them)
         self.phases.run("graph capture", self._capture_graphs)
+        if marker is not None and self.warmup.plan:
+            marker.settle(self.warmup.plan, clean=not self.warmup.compiled_here and not self.capture_compiled)
 
     def _init_model(self) -> None:
         # `host_layout`: how the loader packs adapters (the whole model's); `lora_layout`: this pool's
