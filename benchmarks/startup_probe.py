@@ -1,9 +1,10 @@
 """Where a server's start-up seconds go before its worker builds the model, each part timed in a fresh
 interpreter (median of --reps): the launcher's path to spawning the stages (imports, every check with
 the --adapter directories, the four stage configs; whether it imported torch), the CUDA driver's
-initialisation as the launcher asks it (`runtime/cuda_probe.py`), `import torch`, `import triton` after
-it, the worker's imports, and the CUDA context torch creates. On the GPU machine (with --device cuda)
-these are the numbers the CPU cannot show. One markdown table on stdout, everything in OUT/startup_probe.json.
+initialisation as the launcher asks it (`runtime/common/cuda_driver.py`), `import torch`, `import
+triton` after it, the worker's imports, and the CUDA context torch creates. On the GPU machine (with
+--device cuda) these are the numbers the CPU cannot show. One markdown table on stdout, everything in
+OUT/startup_probe.json.
     python -m benchmarks.startup_probe OUT --model DIR [--adapters DIR --num-adapters N] [--device cuda]"""
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ print(json.dumps({"s": s, "torch_imported": "torch" in sys.modules}))
 """
 _CUDA_PROBE = """
 import json, time
-from runtime.cuda_probe import cuda_device_count
+from runtime.common.cuda_driver import cuda_device_count
 t = time.perf_counter()
 n = cuda_device_count()
 print(json.dumps({"s": time.perf_counter() - t, "devices": n}))

@@ -71,7 +71,7 @@ class EngineArgs:
     def resolved_device(self) -> str:
         if self.device is not None:
             return self.device
-        from runtime.cuda_probe import cuda_device_count  # no torch: the launcher resolves it
+        from runtime.common.cuda_driver import cuda_device_count  # no torch: the launcher resolves it
 
         return "cuda" if cuda_device_count() > 0 else "cpu"
 

@@ -148,7 +148,7 @@ def _check_tensor_parallel(args: ServeArgs, model_cfg: ModelConfig) -> None:
     except ModelConfigError as exc:
         raise ServeArgsError(f"--tensor-parallel-size {n}: {exc}") from None
     if args.resolved_device() == "cuda":
-        from runtime.cuda_probe import cuda_device_count
+        from runtime.common.cuda_driver import cuda_device_count
 
         if cuda_device_count() < n:
             raise ServeArgsError(
@@ -159,7 +159,7 @@ def _check_tensor_parallel(args: ServeArgs, model_cfg: ModelConfig) -> None:
 def _check_device(args: ServeArgs) -> None:
     device = args.resolved_device()
     if device == "cuda":
-        from runtime.cuda_probe import cuda_device_count
+        from runtime.common.cuda_driver import cuda_device_count
 
         if cuda_device_count() == 0:
             raise ServeArgsError("--device cuda: no CUDA device is available")

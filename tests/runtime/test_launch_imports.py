@@ -1,6 +1,6 @@
 """The launcher reaches the stages' spawn without importing torch: its checks (every --adapter included),
 the model config, the host cache's size and the four stage configs use dtypes by name, the loader's
-header checks (`adapter_check`) and the CUDA driver (`cuda_probe`). What they compute by name matches
+header checks (`adapter_check`) and the CUDA driver (`cuda_driver`). What they compute by name matches
 what torch computes."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.common.cuda_driver import cuda_device_count
 from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig, parse_dtype, serving_dtype_name
-from runtime.cuda_probe import cuda_device_count, torch_has_cuda
 from stages.loader.adapter_check import check_adapter
 from stages.loader.adapter_config import AdapterError
 from stages.loader.adapter_reader import read_adapter
@@ -96,6 +96,26 @@ def test_the_header_check_agrees_with_a_load(tiny_llama, llama_adapters):
     assert str(check.value) == str(load.value) and "exceeds max_lora_rank 4" in str(check.value)
 
 
-def test_the_cuda_probe_agrees_with_torch():
-    assert torch_has_cuda() == (torch.version.cuda is not None)
-    assert cuda_device_count() == torch.cuda.device_count()
+def test_the_worker_reads_its_device_before_importing(tiny_llama, tmp_path):
+    import dataclasses
+    import importlib
+
+    import msgspec
+
+    from runtime.base.endpoints import Endpoints
+    from runtime.host_cache_size import host_cache_bytes
+    from runtime.serve_checks import parse_serve_args
+    from runtime.stage_configs import stage_configs
+
+    worker_main = importlib.import_module("stages.worker.__main__")
+    for device in ("cpu", "cuda"):
+        args = parse_serve_args(["--model", str(tiny_llama), "--device", "cpu", *NO_FIXED_PORTS])
+        args = dataclasses.replace(args, device=device)  # no CUDA here: past the checks
+        model_cfg = ModelConfig.from_dir(tiny_llama)
+        endpoints = Endpoints.in_run_dir(tmp_path, client=args.endpoint)
+        configs = stage_configs(args, model_cfg, endpoints, "p", host_cache_bytes(args, model_cfg))
+        path = tmp_path / "worker.json"
+        path.write_bytes(msgspec.json.encode(configs["worker"]))
+        assert worker_main._device(["stages.worker", str(path)]) == configs["worker"].runner.device == device
+    assert worker_main._device(["stages.worker", str(tmp_path / "missing.json")]) == ""
+    assert worker_main._device(["stages.worker"]) == ""
