@@ -2,9 +2,9 @@
 interpreter (median of --reps): the launcher's path to spawning the stages (imports, every check with
 the --adapter directories, the four stage configs; whether it imported torch), the CUDA driver's
 initialisation as the launcher asks it (`runtime/common/cuda_driver.py`), `import torch`, `import
-triton` after it, the worker's imports, and the CUDA context torch creates. On the GPU machine (with
---device cuda) these are the numbers the CPU cannot show. One markdown table on stdout, everything in
-OUT/startup_probe.json.
+triton` after it, the worker's imports, the CUDA context torch creates, and the page-locking of a host
+cache of --host-cache-gb. On the GPU machine (--device cuda) these are the numbers the CPU cannot show.
+One markdown table on stdout, everything in OUT/startup_probe.json.
     python -m benchmarks.startup_probe OUT --model DIR [--adapters DIR --num-adapters N] [--device cuda]"""
 
 from __future__ import annotations
@@ -59,6 +59,23 @@ t = time.perf_counter()
 import stages.worker.actor, stages.worker.config
 print(json.dumps({"s": time.perf_counter() - t}))
 """
+_PIN = """
+import json, sys, time
+from multiprocessing.shared_memory import SharedMemory
+import torch
+from runtime.common.host_pool import register_pinned, unregister_pinned
+torch.zeros(1, device="cuda")
+shm = SharedMemory(create=True, size=int(float(sys.argv[1]) * 2**30))
+try:
+    t = time.perf_counter()
+    register_pinned(shm)
+    s = time.perf_counter() - t
+    unregister_pinned(shm)
+finally:
+    shm.close()
+    shm.unlink()
+print(json.dumps({"s": s, "gib": float(sys.argv[1])}))
+"""
 _CONTEXT = """
 import json, time
 import torch
@@ -83,7 +100,7 @@ def _run(code: str, argv: Sequence[str] = ()) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def probe(serve_argv: Sequence[str], cuda: bool, reps: int) -> dict[str, dict]:
+def probe(serve_argv: Sequence[str], cuda: bool, reps: int, pin_gib: float = 4.0) -> dict[str, dict]:
     """Every part `reps` times, alternating; per part the median seconds and the last run's extras."""
     parts = {
         "launcher to spawn": (_LAUNCH, serve_argv),
@@ -92,6 +109,7 @@ def probe(serve_argv: Sequence[str], cuda: bool, reps: int) -> dict[str, dict]:
     }
     if cuda:
         parts |= {"CUDA driver init (launcher)": (_CUDA_PROBE, ()), "CUDA context (torch)": (_CONTEXT, ())}
+        parts |= {"pin the host cache (worker)": (_PIN, (str(pin_gib),))}
     runs: dict[str, list[dict]] = {name: [] for name in parts}
     for _ in range(reps):
         for name, (code, argv) in parts.items():
@@ -126,12 +144,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--host-cache-gb", type=float, default=4.0, help="the host cache the worker pins")
     ns = p.parse_args(argv)
     serve = ["--model", ns.model, "--device", ns.device, "--max-lora-rank", str(ns.max_lora_rank)]
     serve += ["--endpoint", "tcp://127.0.0.1:0", "--metrics-port", "-1", "--port", "0"]
     for i in range(ns.num_adapters):
         serve += ["--adapter", f"adapter{i}={ns.adapters / f'adapter{i}'}"]
-    result = probe(serve, ns.device == "cuda", ns.reps)
+    result = probe(serve, ns.device == "cuda", ns.reps, ns.host_cache_gb)
     ns.out.mkdir(parents=True, exist_ok=True)
     (ns.out / "startup_probe.json").write_text(json.dumps(result, indent=2))
     print(table(result))
