@@ -22,6 +22,7 @@ _GRAPHS = re.compile(r"captured (\d+) (?:decode|\w+ step) CUDA graphs.*? in ([0-
 _SPAWNED = re.compile(r"stages spawned ([0-9.]+) s after launch")
 _WORKER_READY = re.compile(r"stage 'worker' ready \(pid \d+\) ([0-9.]+) s after launch")
 _STARTUP = re.compile(r"worker INFO start-up: (.*)")
+_READ = re.compile(r"compiled in the worker, ([0-9.]+) s reading kernels from the cache")
 _PINNED = re.compile(r"host cache pinned \(\d+ MiB\) in ([0-9.]+) s")
 SERVERS = {
     "mixed_cold": "a. 96 adapters r8/16/32/64, empty cache",
@@ -36,7 +37,7 @@ def read_log(path: Path) -> dict[str, Any]:
     text = path.read_text(errors="replace") if path.exists() else ""
     done, plan = _DONE.search(text), _PLAN.search(text)
     spawned, worker, startup = _SPAWNED.search(text), _WORKER_READY.search(text), _STARTUP.search(text)
-    pinned = _PINNED.search(text)
+    pinned, read = _PINNED.search(text), _READ.search(text)
     return {
         "variants": int(plan[1]) + int(plan[2]) if plan else None,
         "warmup_s": float(done[1]) if done else None,
@@ -47,6 +48,7 @@ def read_log(path: Path) -> dict[str, Any]:
         "worker_ready_s": float(worker[1]) if worker else None,
         "startup": startup[1].strip() if startup else None,
         "host_cache_pinned_s": float(pinned[1]) if pinned else None,  # beside the runner's build
+        "cache_read_s": float(read[1]) if read else None,  # of the warm-up's launch pass
         "worker_compiled": int(done[4]) if done else None,
         "graph_capture_s": sum(float(s) for _, s in _GRAPHS.findall(text)) or None,
     }
@@ -136,6 +138,7 @@ def table(r: dict[str, Any]) -> str:
             lines.append(
                 f"{row['label']}: stages spawned at {spawned} s, worker ready at {worker} s (launcher's "
                 f"clock); host cache pinned in {_fmt(row.get('host_cache_pinned_s'))} s beside the runner; "
+                f"warm-up read kernels from the cache for {_fmt(row.get('cache_read_s'))} s; "
                 f"worker {row.get('startup') or '-'}"
             )
     lines += [

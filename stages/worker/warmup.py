@@ -179,7 +179,8 @@ def warm_up(
     progress = _Progress(len(specs) + len(launches) + len(attn) + len(fp8), say, report)
     compiled = pool.compile(specs, lambda: progress.step("compiled")) if specs else 0
     marks.append(("compile", time.perf_counter()))
-    with torch.inference_mode(), counting_compiles() as here:
+    read: list[float] = []  # seconds of each kernel read from the cache (the rest: module loads, launches)
+    with torch.inference_mode(), counting_compiles(read_seconds=read) as here:
         _lora(runner, launches, progress)
         _attention(runner, attn, progress)
         _fp8(runner, fp8, progress)
@@ -187,18 +188,27 @@ def warm_up(
     torch.cuda.synchronize(runner.device)
     marks.append(("launch", time.perf_counter()))
     took = time.perf_counter() - start
-    say(done_line(took, compiled, len(specs), sum(here), len(here)))
+    say(done_line(took, compiled, len(specs), sum(here), len(here), sum(read)))
     times = [start] + [t for _, t in marks]
     parts = tuple((name, b - a) for (name, _), a, b in zip(marks, times[:-1], times[1:], strict=True))
     n = (len(launches), len(attn))
     return WarmupStats(*n, took, cache_dir, len(specs), compiled, sum(here), parts, len(fp8), key, cached)
 
 
-def done_line(seconds: float, pool_compiled: int, kernels: int, here_compiled: int, here: int) -> str:
-    """The warm-up's last log line (benchmarks/cold_start_report.py reads it)."""
+def done_line(
+    seconds: float,
+    pool_compiled: int,
+    kernels: int,
+    here_compiled: int,
+    here: int,
+    read_s: float | None = None,
+) -> str:
+    """The warm-up's last log line (benchmarks/cold_start_report.py reads it). `read_s`: seconds the
+    worker's launches spent reading kernels from the cache (the rest of them: module loads, launches)."""
+    read = "" if read_s is None else f", {read_s:.1f} s reading kernels from the cache"
     return (
         f"warm-up done in {seconds:.1f} s: {pool_compiled} of {kernels} kernels compiled by the pool, "
-        f"{here_compiled} of {here} compiled in the worker"
+        f"{here_compiled} of {here} compiled in the worker{read}"
     )
 
 

@@ -24,7 +24,7 @@ def test_report_reads_logs_and_judges_targets(tmp_path):
     )
     (tmp_path / "server_mixed_prebuilt.log").write_text(  # the cache held every kernel: no pool
         "2026-01-01 00:00:00,100 launcher INFO stages spawned 0.41 s after launch\n"
-        f"{done_line(2.0, 0, 0, 0, 420)}\n"
+        f"{done_line(2.0, 0, 0, 0, 420, 1.3)}\n"
         "2026-01-01 00:00:05,000 worker INFO host cache pinned (4096 MiB) in 1.3 s\n"
         "2026-01-01 00:00:06,000 worker INFO start-up: process 3.1 s before the model runner; weights 0.4 s\n"
         "2026-01-01 00:00:06,100 launcher INFO stage 'worker' ready (pid 7) 6.52 s after launch\n"
@@ -46,6 +46,7 @@ def test_report_reads_logs_and_judges_targets(tmp_path):
     assert (c["spawned_s"], c["worker_ready_s"]) == (0.41, 6.52) and a["spawned_s"] is None
     assert c["startup"] == "process 3.1 s before the model runner; weights 0.4 s"
     assert c["host_cache_pinned_s"] == 1.3 and a["host_cache_pinned_s"] is None
+    assert c["cache_read_s"] == 1.3 and a["cache_read_s"] is None
     verdict = {c["target"]: c["pass"] for c in r["checks"]}
     assert verdict == {
         "a: ready <= 30 s": True,
