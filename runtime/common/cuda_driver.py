@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.metadata
+import os
 import threading
 
 
@@ -31,6 +32,9 @@ def _driver() -> ctypes.CDLL | None:
         driver = ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
+    # read by the driver once, at its initialisation: the lazy module loading torch asks for when it is
+    # the first to initialise it (otherwise every kernel of every library loads with the context)
+    os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
     return driver if driver.cuInit(0) == 0 else None
 
 
