@@ -11,7 +11,7 @@ from runtime.common.model_config import ModelConfig, parse_dtype
 from runtime.common.packed import PackedAdapter
 from runtime.common.quant_config import check_quantization
 from stages.worker.decode_graphs import DecodeGraphs
-from stages.worker.graph_capture import graph_pool_bytes
+from stages.worker.graph_capture import caches_kept, graph_pool_bytes
 from stages.worker.lora.backend import slot_segments
 from stages.worker.lora.factory import make_backend
 from stages.worker.lora.pool import LoraPool, Runs, default_pool_bytes, pool_geometry
@@ -213,7 +213,7 @@ class ModelRunner:
             return
         from stages.worker.compile_pool import counting_compiles
 
-        with torch.inference_mode(), counting_compiles(self.capture_compiled):
+        with torch.inference_mode(), counting_compiles(self.capture_compiled), caches_kept():
             if self.step_graphs is not None:
                 self.step_graphs.capture_all()
             if self.graphs is not None:
