@@ -207,12 +207,6 @@ class WorkerActor(Actor[WorkerConfig]):
         )
         await self.to_scheduler.put(started)
 
-    def _pin_host_pool(self) -> None:
-        start = time.perf_counter()
-        if register_pinned(self.host_pool):
-            mib = self.host_pool.size / 2**20
-            self.log.info("host cache pinned (%.0f MiB) in %.1f s", mib, time.perf_counter() - start)
-
     def _log_startup(self, before: float | None) -> None:
         """One line: where the start-up's seconds went (docs/deploy.md, "Compile cache")."""
         phases = getattr(self.runner, "phases", None)  # rank zero of a TP group: its own runner's
@@ -303,6 +297,12 @@ class WorkerActor(Actor[WorkerConfig]):
         self.copy_seconds += seconds
         if not h.waited and h.event is not None:  # ran on the load stream while steps computed
             self.overlapped_seconds += seconds
+
+    def _pin_host_pool(self) -> None:
+        start = time.perf_counter()
+        if register_pinned(self.host_pool):
+            mib = self.host_pool.size / 2**20
+            self.log.info("host cache pinned (%.0f MiB) in %.1f s", mib, time.perf_counter() - start)
 
     async def drain(self) -> None:
         await super().drain()
