@@ -18,6 +18,12 @@ _DONE = re.compile(
 )
 _PLAN = re.compile(r"warm-up: (\d+) LoRA and (\d+) attention kernel variants")
 _GRAPHS = re.compile(r"captured (\d+) (?:decode|\w+ step) CUDA graphs.*? in ([0-9.]+) s")
+# the launcher's and the worker's own timestamps (runtime/launcher.py, stages/worker/actor.py)
+_SPAWNED = re.compile(r"stages spawned ([0-9.]+) s after launch")
+_WORKER_READY = re.compile(r"stage 'worker' ready \(pid \d+\) ([0-9.]+) s after launch")
+_STARTUP = re.compile(r"worker INFO start-up: (.*)")
+_READ = re.compile(r"compiled in the worker, ([0-9.]+) s reading kernels from the cache")
+_PINNED = re.compile(r"host cache pinned \(\d+ MiB\) in ([0-9.]+) s")
 SERVERS = {
     "mixed_cold": "a. 96 adapters r8/16/32/64, empty cache",
     "r16_cold": "b. 32 rank-16 adapters, empty cache",
@@ -30,11 +36,19 @@ BURSTS = {"mixed_cold": "mixed", "s1_cold": "s1"}
 def read_log(path: Path) -> dict[str, Any]:
     text = path.read_text(errors="replace") if path.exists() else ""
     done, plan = _DONE.search(text), _PLAN.search(text)
+    spawned, worker, startup = _SPAWNED.search(text), _WORKER_READY.search(text), _STARTUP.search(text)
+    pinned, read = _PINNED.search(text), _READ.search(text)
     return {
         "variants": int(plan[1]) + int(plan[2]) if plan else None,
         "warmup_s": float(done[1]) if done else None,
         "pool_compiled": int(done[2]) if done else None,
-        "kernels": int(done[3]) if done else None,
+        # recorded for the pool; without one (the cache held them all), those the launches loaded
+        "kernels": (int(done[3]) or int(done[5])) if done else None,
+        "spawned_s": float(spawned[1]) if spawned else None,
+        "worker_ready_s": float(worker[1]) if worker else None,
+        "startup": startup[1].strip() if startup else None,
+        "host_cache_pinned_s": float(pinned[1]) if pinned else None,  # beside the runner's build
+        "cache_read_s": float(read[1]) if read else None,  # of the warm-up's launch pass
         "worker_compiled": int(done[4]) if done else None,
         "graph_capture_s": sum(float(s) for _, s in _GRAPHS.findall(text)) or None,
     }
@@ -118,6 +132,15 @@ def table(r: dict[str, Any]) -> str:
         f"weights read: {_fmt(r['weights_read_s'], '{:.2f}')} s; "
         f"`lorapipe warmup`: {_fmt(r['warmup_cli_s'])} s"
     )
+    for row in r["servers"].values():
+        if row.get("spawned_s") is not None or row.get("startup"):
+            spawned, worker = _fmt(row.get("spawned_s"), "{:.2f}"), _fmt(row.get("worker_ready_s"), "{:.2f}")
+            lines.append(
+                f"{row['label']}: stages spawned at {spawned} s, worker ready at {worker} s (launcher's "
+                f"clock); host cache pinned in {_fmt(row.get('host_cache_pinned_s'))} s beside the runner; "
+                f"warm-up read kernels from the cache for {_fmt(row.get('cache_read_s'))} s; "
+                f"worker {row.get('startup') or '-'}"
+            )
     lines += [
         f"{'PASS' if c['pass'] else 'FAIL'} {c['target']}: {_fmt(c['value'], '{:.3f}')}" for c in r["checks"]
     ]

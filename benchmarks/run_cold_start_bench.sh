@@ -6,6 +6,7 @@
 #   b. 32 rank-16 adapters, EMPTY compile cache: time to ready;
 #   c. `lorapipe warmup` with a's arguments into another empty cache, then a server of a's configuration
 #      started on it: time to ready, minus the time to read the weights (timed apart, page cache warm);
+#      then benchmarks/startup_probe.py (the launcher's path to spawning, CUDA init, imports);
 #   s1 (S1=1, the default): the 2,000-adapter S1 server of run_churn_bench.sh (rank 16, GPU pool 4 GB, host
 #      cache 16 GB) on an empty cache: time to ready, then the 1,000-request burst over 8 adapters twice.
 # Distinct adapter files: 4 per rank (16 for S1); the N names are directory symlinks onto them (as in
@@ -96,7 +97,7 @@ burst() {  # WORKLOAD NAME
   "$py" -m tools.bench_serving --endpoint "$endpoint" --metrics-url "$metrics" --workload "$1" \
     --label "$2" --out "$out/$2.json" --quiet
 }
-rm -f "$out/ready.txt"
+rm -f "$out/ready.txt" "$out/startup_probe.md"
 
 # a. 96 mixed-rank adapters, empty cache, two bursts
 if want a; then
@@ -139,6 +140,9 @@ torch.cuda.synchronize(); t = time.perf_counter()
 load_weights(sys.argv[1], cfg, parse_dtype(sys.argv[2], cfg.dtype), torch.device("cuda"))
 torch.cuda.synchronize(); print(f"weights_read_s={time.perf_counter() - t:.2f}")
 PY
+# where the seconds before the worker's model runner go on this machine (launcher path, driver, imports)
+"$py" -m benchmarks.startup_probe "$out" --model "$model" --adapters "$scratch/mixed" --num-adapters 96 \
+  --max-lora-rank 64 --device "$device" >"$out/startup_probe.md"
 done_part "c: lorapipe warmup, then a's server on its cache"
 fi
 
@@ -162,5 +166,6 @@ fi
   echo "PRESET=$preset DTYPE=$dtype NUM_PROMPTS=$num (256 in / 128 out, all at once); SERVER_FLAGS=\"$common\". Part times: ${timings[*]/%/;}"
   echo
   "$py" -m benchmarks.cold_start_report "$out" --min-ratio "$min_ratio" --out "$out/results.json"
+  if [ -f "$out/startup_probe.md" ]; then echo; echo "Start-up probe (benchmarks/startup_probe.py):"; cat "$out/startup_probe.md"; fi
 } >"$out/results.md"
 cat "$out/results.md"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch-importing modules load lazily: `lorapipe --help` stays fast
     from runtime.common.model_config import ModelConfig
     from stages.scheduler.planner_config import PlannerPolicy
-    from stages.worker.runner import RunnerConfig
+    from stages.worker.runner_config import RunnerConfig
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,9 @@ class EngineArgs:
     def resolved_device(self) -> str:
         if self.device is not None:
             return self.device
-        import torch
+        from runtime.common.cuda_driver import cuda_device_count  # no torch: the launcher resolves it
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if cuda_device_count() > 0 else "cpu"
 
 
 def context_length(e: EngineArgs, model_cfg: ModelConfig) -> int:
@@ -81,7 +81,7 @@ def context_length(e: EngineArgs, model_cfg: ModelConfig) -> int:
     start-up (on CUDA without num_pages the worker sizes it from free memory, and caps it then)."""
     if e.max_model_len is not None:
         return e.max_model_len
-    from stages.worker.runner import RunnerConfig
+    from stages.worker.runner_config import RunnerConfig
 
     kv_tokens = None
     if e.num_pages is not None:
@@ -132,14 +132,13 @@ def plan_depths(e: EngineArgs) -> dict[str, int | None]:
 
 def serving_dtype(e: EngineArgs, model_cfg: ModelConfig) -> str:
     """The dtype every stage uses ("auto": the checkpoint's)."""
-    from runtime.common.host_pool import dtype_name
-    from runtime.common.model_config import parse_dtype
+    from runtime.common.model_config import serving_dtype_name
 
-    return dtype_name(parse_dtype(e.dtype, model_cfg.dtype))
+    return serving_dtype_name(e.dtype, model_cfg.dtype)
 
 
 def runner_config(e: EngineArgs, model_cfg: ModelConfig) -> RunnerConfig:
-    from stages.worker.runner import RunnerConfig
+    from stages.worker.runner_config import RunnerConfig
 
     return RunnerConfig(
         model_dir=e.model,

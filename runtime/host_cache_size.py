@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch-importing modules load lazily: `lorapipe --help` stays fast
+if TYPE_CHECKING:
     from runtime.common.model_config import ModelConfig
     from runtime.serve_args import ServeArgs
 
@@ -18,11 +18,11 @@ def host_cache_bytes(args: ServeArgs, model_cfg: ModelConfig) -> int:
     (what that flag alone always meant); else DEFAULT_CPU_LORA_CACHE_GB. Whole 4 KiB pages."""
     from runtime.common.host_pool import ALIGN, pool_bytes_for
     from runtime.common.lora_layout import LoraLayout
-    from runtime.common.model_config import parse_dtype
+    from runtime.common.model_config import serving_dtype_name
 
     if args.cpu_lora_cache_gb is None and args.max_cpu_loras is not None:
         layout = LoraLayout.for_model(model_cfg, args.max_lora_rank)
-        dtype = parse_dtype(args.dtype, model_cfg.dtype)
+        dtype = serving_dtype_name(args.dtype, model_cfg.dtype)
         return pool_bytes_for(layout, args.max_lora_rank, dtype, args.max_cpu_loras)
     gib = DEFAULT_CPU_LORA_CACHE_GB if args.cpu_lora_cache_gb is None else args.cpu_lora_cache_gb
     return int(gib * 2**30) // ALIGN * ALIGN
@@ -32,10 +32,10 @@ def max_block_bytes(model_cfg: ModelConfig, max_rank: int, dtype: str) -> int:
     """The aligned bytes of one adapter block of rank `max_rank`: the most one host range must hold."""
     from runtime.common.host_pool import pool_bytes_for
     from runtime.common.lora_layout import LoraLayout
-    from runtime.common.model_config import parse_dtype
+    from runtime.common.model_config import serving_dtype_name
 
     layout = LoraLayout.for_model(model_cfg, max_rank)
-    return pool_bytes_for(layout, max_rank, parse_dtype(dtype, model_cfg.dtype), 1)
+    return pool_bytes_for(layout, max_rank, serving_dtype_name(dtype, model_cfg.dtype), 1)
 
 
 def default_loader_threads() -> int:
@@ -61,10 +61,10 @@ def loader_writers(args: ServeArgs) -> int:
 def host_cache_problem(args: ServeArgs, model_cfg: ModelConfig) -> str | None:
     """Why the host cache cannot work (it holds no adapter of --max-lora-rank), or None."""
     from runtime.common.lora_layout import LoraLayout
-    from runtime.common.model_config import parse_dtype
+    from runtime.common.model_config import serving_dtype_name
 
     block = LoraLayout.for_model(model_cfg, args.max_lora_rank).block_bytes(
-        args.max_lora_rank, parse_dtype(args.dtype, model_cfg.dtype)
+        args.max_lora_rank, serving_dtype_name(args.dtype, model_cfg.dtype)
     )
     size = host_cache_bytes(args, model_cfg)
     if size >= block:

@@ -36,6 +36,7 @@ from runtime.serve_args import ServeArgs, ServeArgsError
 from runtime.serve_checks import validate
 from runtime.stage_configs import compile_cache_dir, stage_configs
 from runtime.supervisor import RestartBudget, StageProcess, describe_exit, log
+from stages.worker.startup import process_age
 
 STAGES = ("loader", "worker", "scheduler", "tokenizer")  # spawn order
 SHUTDOWN_ORDER = ("tokenizer", "scheduler", "worker", "loader")  # the front stops taking requests first
@@ -190,6 +191,7 @@ class Launcher:
             )
         for name in STAGES:
             await self.stages[name].start()
+        log.info("stages spawned %s after launch", _since_launch())
         await self._wait_ready()
 
     def _init_pool(self, model_cfg: Any) -> tuple[str, int]:
@@ -237,7 +239,7 @@ class Launcher:
                     return
                 if proc is not None:
                     proc.ready = True
-                log.info("stage %r ready (pid %d)", stage, msg.pid)
+                log.info("stage %r ready (pid %d) %s after launch", stage, msg.pid, _since_launch())
                 self._events.put_nowait(("ready", stage))
             case FatalError(message=message):
                 log.error("stage %r reported a fatal error: %s", stage, message)
@@ -343,6 +345,12 @@ class Launcher:
         if self._output is not None:
             self._output.close()
             self._output = None
+
+
+def _since_launch() -> str:
+    """The launcher process's age (interpreter and imports included), for the start-up's log lines."""
+    age = process_age()
+    return "?" if age is None else f"{age:.2f} s"
 
 
 def run_server(args: ServeArgs, stage_modules: Mapping[str, str] | None = None, model_cfg: Any = None) -> int:

@@ -148,20 +148,20 @@ def _check_tensor_parallel(args: ServeArgs, model_cfg: ModelConfig) -> None:
     except ModelConfigError as exc:
         raise ServeArgsError(f"--tensor-parallel-size {n}: {exc}") from None
     if args.resolved_device() == "cuda":
-        import torch
+        from runtime.common.cuda_driver import cuda_device_count
 
-        if torch.cuda.device_count() < n:
+        if cuda_device_count() < n:
             raise ServeArgsError(
-                f"--tensor-parallel-size {n}: only {torch.cuda.device_count()} CUDA devices are visible"
+                f"--tensor-parallel-size {n}: only {cuda_device_count()} CUDA devices are visible"
             )
 
 
 def _check_device(args: ServeArgs) -> None:
     device = args.resolved_device()
     if device == "cuda":
-        import torch
+        from runtime.common.cuda_driver import cuda_device_count
 
-        if not torch.cuda.is_available():
+        if cuda_device_count() == 0:
             raise ServeArgsError("--device cuda: no CUDA device is available")
     kernels = (("--lora-backend", args.lora_backend), ("--pointwise-backend", args.pointwise_backend))
     for flag, name in kernels:
@@ -239,22 +239,21 @@ def check_adapters(args: ServeArgs, model_cfg: ModelConfig) -> None:
     """Check every --adapter with the adapter-loader's own code (config, tensor names, shapes and dtypes
     from the safetensors header, rank against --max-lora-rank), so that a bad one stops the start with
     the message a runtime load would give, instead of failing its first request. No tensor data is read
-    (thousands of adapters start in seconds); values are checked when an adapter is first loaded."""
+    (thousands of adapters start in seconds); values are checked when an adapter is first loaded. Imports
+    no torch (`adapter_check`), so the stages are spawned without waiting for one."""
     if not args.adapters:
         return
     from concurrent.futures import ThreadPoolExecutor
 
     from runtime.common.lora_layout import LoraLayout
-    from runtime.common.model_config import parse_dtype
+    from stages.loader.adapter_check import check_adapter
     from stages.loader.adapter_config import AdapterError
-    from stages.loader.adapter_reader import plan_adapter
 
     layout = LoraLayout.for_model(model_cfg, args.max_lora_rank)
-    dtype = parse_dtype(args.dtype, model_cfg.dtype)
 
     def check(name: str, path: str) -> str | None:
         try:
-            plan_adapter(name, path, model_cfg, layout, dtype).close()
+            check_adapter(name, path, model_cfg, layout)
         except AdapterError as exc:
             return f"--adapter {name}={path}: {exc}"
         return None

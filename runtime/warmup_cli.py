@@ -55,6 +55,8 @@ def run_warmup(args: ServeArgs, model_cfg: ModelConfig) -> int:
         "kernels": w.kernels,
         "compiled": w.compiled,
         "compiled_in_worker": w.compiled_here,
+        "compiled_in_capture": len(runner.capture_compiled),
+        "cache_complete": w.cached,  # found complete: no compile pool, no recording (warm_marker.py)
         "warmup_s": round(w.seconds, 3),
         "runner_s": round(took, 3),
     }

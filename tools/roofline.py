@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.common.model_config import ModelConfig
+from runtime.common.model_config import DTYPE_BYTES, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class ModelBytes:
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> ModelBytes:
-        elt = cfg.dtype.itemsize
+        elt = DTYPE_BYTES[cfg.dtype]
         h, inter = cfg.hidden_size, cfg.intermediate_size
         per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * inter
         linear = cfg.num_layers * per_layer + cfg.vocab_size * h  # LM head (the tied embedding too)

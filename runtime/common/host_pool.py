@@ -9,13 +9,15 @@ import sys
 import threading
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
-
-import torch
+from typing import TYPE_CHECKING
 
 from proto.loader import AdapterStaged
 from proto.plan import SlotLoad
 from runtime.common.lora_layout import NUM_SLICES, LoraLayout
 from runtime.common.packed import PackedAdapter
+
+if TYPE_CHECKING:  # the launcher creates and sizes the pool without torch; the views import it
+    import torch
 
 __all__ = [
     "attach_pool",
@@ -38,12 +40,12 @@ _attach_lock = threading.Lock()
 ALIGN = 4096  # page-aligned blocks: contiguous, DMA-friendly copies
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype | str) -> str:
     """The wire name of a dtype ("bfloat16"), as AdapterStaged/SlotLoad carry it."""
     return str(dtype).removeprefix("torch.")
 
 
-def pool_bytes_for(layout: LoraLayout, max_rank: int, dtype: torch.dtype, max_cpu_loras: int) -> int:
+def pool_bytes_for(layout: LoraLayout, max_rank: int, dtype: torch.dtype | str, max_cpu_loras: int) -> int:
     """Room for `max_cpu_loras` blocks of rank `max_rank`, each rounded up to the cache's 4096 alignment."""
     block = layout.block_bytes(max_rank, dtype)
     return max_cpu_loras * ((block + ALIGN - 1) // ALIGN * ALIGN)
@@ -121,6 +123,8 @@ def block_tensor(
     shm: SharedMemory, offset: int, rank: int, layout: LoraLayout, dtype: torch.dtype
 ) -> torch.Tensor:
     """Zero-copy [num_layers, rank, row_elems] view of the block at byte `offset` of the pool."""
+    import torch
+
     if not 0 < rank <= layout.max_rank:
         raise ValueError(f"block rank {rank} outside 1..{layout.max_rank}")
     nbytes = layout.block_bytes(rank, dtype)
@@ -158,6 +162,8 @@ def packed_from_pool(
 ) -> PackedAdapter:
     """The worker's view of a staged block as a PackedAdapter (block zero-copy in the pool; ranks and
     scalings rebuilt from the flat lists). Keep it alive until the copy out of it has completed."""
+    import torch
+
     if load.dtype != dtype_name(dtype):
         raise ValueError(f"adapter {load.adapter!r} was packed as {load.dtype}, the worker runs {dtype}")
     block = block_tensor(shm, load.offset, load.rank, layout, dtype)
@@ -173,6 +179,8 @@ def packed_from_pool(
 
 
 def _base_address(shm: SharedMemory) -> int:
+    import torch
+
     view = torch.frombuffer(shm.buf, dtype=torch.uint8, count=1)
     ptr = view.data_ptr()
     del view  # release the buffer export at once, so the pool can still be closed
@@ -182,6 +190,8 @@ def _base_address(shm: SharedMemory) -> int:
 def register_pinned(shm: SharedMemory) -> bool:
     """Page-lock the whole pool for the CUDA driver (the worker, once after attaching), so block copies
     run at pinned bandwidth and may be asynchronous. No-op (False) without CUDA."""
+    import torch
+
     if not torch.cuda.is_available():
         return False
     err = torch.cuda.cudart().cudaHostRegister(_base_address(shm), shm.size, 0)
@@ -191,5 +201,7 @@ def register_pinned(shm: SharedMemory) -> bool:
 
 def unregister_pinned(shm: SharedMemory) -> None:
     """Undo `register_pinned` (before closing the pool). No-op without CUDA."""
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(_base_address(shm)))

@@ -4,13 +4,22 @@ rank rows within a layer, so a rank-r adapter is a prefix of r rows per layer.""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from runtime.common.model_config import DTYPE_BYTES
+
+if TYPE_CHECKING:  # sizes need no torch: the launcher sizes the host cache before any stage imports it
+    import torch
 
 # Every LoRA target the runtime supports, in slice-id order (index into per-slot rank/scaling tables).
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NUM_SLICES = len(TARGET_MODULES)
 ALIGN = 8  # elements; keeps every A/B row start 16-byte aligned for bf16/fp16
+
+
+def _itemsize(dtype: torch.dtype | str) -> int:
+    """Bytes of one element: a serving dtype by name, or any torch dtype."""
+    return DTYPE_BYTES[dtype] if isinstance(dtype, str) else dtype.itemsize
 
 
 def _align(n: int) -> int:
@@ -112,12 +121,12 @@ class LoraLayout:
     def layer_elems(self) -> int:
         return self.max_rank * self.row_elems
 
-    def slot_bytes(self, dtype: torch.dtype) -> int:
-        return self.num_layers * self.layer_elems * torch.empty((), dtype=dtype).element_size()
+    def slot_bytes(self, dtype: torch.dtype | str) -> int:
+        return self.num_layers * self.layer_elems * _itemsize(dtype)
 
-    def block_bytes(self, rank: int, dtype: torch.dtype) -> int:
+    def block_bytes(self, rank: int, dtype: torch.dtype | str) -> int:
         """Bytes of a packed adapter whose largest rank is `rank` (what one load copies)."""
-        return self.num_layers * rank * self.row_elems * torch.empty((), dtype=dtype).element_size()
+        return self.num_layers * rank * self.row_elems * _itemsize(dtype)
 
     # Views into slot memory (or into one packed block shaped [num_layers, rank, row_elems]).
     @staticmethod
@@ -152,6 +161,8 @@ class LoraLayout:
 
     def slot_row_table(self, num_slots: int, device: torch.device | str) -> torch.Tensor:
         """int32 [num_slots, max_rank]: the row table of `slot_rows` (slot s, rank row k -> s*L*R + k)."""
+        import torch
+
         L, R = self.num_layers, self.max_rank
         if num_slots * L * R > 2**31 - 1:
             raise ValueError(f"{num_slots} slots x {L} layers x rank {R} rows overflow an int32 row table")

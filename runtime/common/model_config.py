@@ -1,5 +1,6 @@
 """The base model's shape and options, read from a Hugging Face `config.json`; anything the runtime
-cannot run exactly is refused here with an error that names it."""
+cannot run exactly is refused here with an error that names it. Dtypes are held by name: reading a
+config imports no torch (the launcher builds every stage's config before any of them imports it)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from runtime.common.quant_config import CheckpointQuant, QuantConfigError, checkpoint_quant
 
+if TYPE_CHECKING:
+    import torch
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the serving dtypes, by torch's name
 
 
 class ModelConfigError(ValueError):
@@ -50,7 +53,7 @@ class ModelConfig:
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str  # the checkpoint's, a DTYPE_BYTES name ("float32" when it names none of them)
     quantization: CheckpointQuant | None = None  # the checkpoint's own (its weights pre-quantized)
 
     @property
@@ -99,7 +102,7 @@ class ModelConfig:
         window = c.get("sliding_window")
         if is_qwen and not c.get("use_sliding_window", False):
             window = None
-        dtype_name = c.get("dtype") or c.get("torch_dtype") or "float32"
+        raw_dtype = c.get("dtype") or c.get("torch_dtype") or "float32"
         try:
             quantization = checkpoint_quant(c.get("quantization_config"))
         except QuantConfigError as e:
@@ -123,7 +126,7 @@ class ModelConfig:
             sliding_window=int(window) if window else None,
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
+            dtype=_known_dtype(str(raw_dtype).replace("torch.", "")),
             quantization=quantization,
         )
 
@@ -151,22 +154,33 @@ def _rope_config(c: dict) -> RopeConfig:
     raise ModelConfigError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
 
 
-def parse_dtype(name: str | torch.dtype | None, default: torch.dtype) -> torch.dtype:
+def _known_dtype(name: str) -> str:
+    return name if name in DTYPE_BYTES else "float32"
+
+
+def serving_dtype_name(name: str | torch.dtype | None, default: str | torch.dtype) -> str:
+    """The serving dtype's name ("auto"/None: `default`); ValueError naming the choices otherwise."""
     if name is None or name == "auto":
-        return default
-    if isinstance(name, torch.dtype):
-        dtype = name
-    elif name in _DTYPES:
-        dtype = _DTYPES[name]
-    else:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(_DTYPES)}")
-    if dtype not in _DTYPES.values():
-        raise ValueError(f"unsupported dtype {dtype}")
-    return dtype
+        name = default
+    text = name if isinstance(name, str) else str(name).removeprefix("torch.")
+    if text in DTYPE_BYTES:
+        return text
+    if isinstance(name, str):
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPE_BYTES)}")
+    raise ValueError(f"unsupported dtype {name}")
+
+
+def parse_dtype(name: str | torch.dtype | None, default: str | torch.dtype) -> torch.dtype:
+    """The serving dtype as a torch dtype (imports torch: the stages' call, not the launcher's)."""
+    import torch
+
+    return getattr(torch, serving_dtype_name(name, default))
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies, with the checkpoint's scaling applied."""
+    import torch
+
     exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (rope.theta**exps)
     if rope.kind == "linear":

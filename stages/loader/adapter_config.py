@@ -9,11 +9,13 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from runtime.common.lora_layout import TARGET_MODULES
 from stages.loader.files import FileRefused, read_regular
+
+if TYPE_CHECKING:  # reading the config needs none; the value checks below import it
+    import torch
 
 MAX_CONFIG_BYTES = 1 << 20  # PEFT configs are a few KiB; rank/alpha patterns of large models stay far below
 CONFIG_DEADLINE_S = 10.0
@@ -206,6 +208,8 @@ def _pattern(name: str, field: str, value, check) -> dict:
 def delta_limit(dtype: torch.dtype, in_dim: int) -> float:
     """The largest effective-delta entry accepted: MAX_DELTA_ENTRY, and for a narrow dtype what `in_dim`
     such entries may sum to without overflowing it."""
+    import torch
+
     top = torch.finfo(dtype).max if dtype.is_floating_point else math.inf
     return min(MAX_DELTA_ENTRY, top / max(in_dim, 1))
 
@@ -216,6 +220,8 @@ def check_delta_magnitude(
     """Refuse a module whose effective delta `scaling * B @ A` (A [r, in], B [out, r]) is not finite,
     whose weights do not fit `dtype`, or whose entries could exceed MAX_DELTA_ENTRY (and, for float16,
     what `in` such entries can sum to). No matmul: |(B @ A)[i, j]| <= ||B[i, :]|| * ||A[:, j]||."""
+    import torch
+
     if not math.isfinite(scaling) or scaling <= 0:
         raise AdapterError(name, f"{where}: scaling {scaling!r} is not a finite positive number")
     top = torch.finfo(dtype).max if dtype.is_floating_point else math.inf

@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from proto.loader_parts import Gap, Part, Piece
 from runtime.common.lora_layout import TARGET_MODULES, LoraLayout
+
+if TYPE_CHECKING:  # the plan's checks (adapter_check.py) run without torch
+    import torch
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ import torch
 from proto.loader_parts import Piece
 from stages.loader.adapter_config import AdapterError
 from stages.loader.adapter_plan import AdapterPlan, Segment
-from stages.loader.safetensors_reader import FLOAT_DTYPES, FormatError, read_exact
+from stages.loader.safetensors_reader import FormatError, read_exact
+
+FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 _ALIGN = 8  # a segment sits in its buffer at its file offset mod 8, so aligned tensors stay aligned
 _local = threading.local()

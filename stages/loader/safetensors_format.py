@@ -13,5 +13,7 @@ ITEM_SIZES = {
 }  # fmt: skip
 SUBBYTE = {"F4": 0.5, "F6_E2M3": 0.75, "F6_E3M2": 0.75}  # packed formats: bytes per element
 ELEMENT_BYTES = {**ITEM_SIZES, **SUBBYTE}  # what one element of each dtype takes in the data section
+FLOAT_TYPES = frozenset(("F16", "BF16", "F32", "F64"))  # the dtypes LoRA weights may have
 
-__all__ = ["ELEMENT_BYTES", "ITEM_SIZES", "SUBBYTE", "TensorEntry"]  # TensorEntry: the wire type
+# TensorEntry: the wire type
+__all__ = ["ELEMENT_BYTES", "FLOAT_TYPES", "ITEM_SIZES", "SUBBYTE", "TensorEntry"]

@@ -11,14 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from stages.loader.files import FileRefused, open_regular_fd
 from stages.loader.header_fast import fast_entries
 from stages.loader.safetensors_format import ITEM_SIZES, SUBBYTE, TensorEntry
 
 MAX_HEADER_BYTES = 100 << 20  # the safetensors project's own bound; adapter headers are a few hundred KB
-FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
 class FormatError(ValueError):

@@ -137,7 +137,15 @@ class WorkerActor(Actor[WorkerConfig]):
             start = self.rank_zero.start
         else:
             start = lambda: ModelRunner(cfg.runner, on_warmup=progress)  # noqa: E731
+        # The host cache is page-locked beside the runner's build (the driver touches and locks every
+        # page of it: seconds for a few GiB); no copy out of it starts before both are done.
+        self.host_pool = attach_pool(cfg.host_pool_name)
+        pinning = None
+        if torch.device(cfg.runner.device).type == "cuda":
+            pinning = loop.run_in_executor(None, self._pin_host_pool)
         self.runner = await loop.run_in_executor(self.thread, start)
+        if pinning is not None:
+            await pinning
         self._log_startup(before)
         graphs, steps = self.runner.graphs, self.runner.step_graphs
         if graphs is not None:
@@ -155,10 +163,8 @@ class WorkerActor(Actor[WorkerConfig]):
             )
         if graphs is not None or steps is not None:
             self.log.info("CUDA graph memory pool: %.0f MiB", self.runner.graph_memory_bytes / 2**20)
-        self.host_pool = attach_pool(cfg.host_pool_name)
         self.cuda = self.runner.device.type == "cuda"
         if self.cuda:
-            register_pinned(self.host_pool)
             self.load_stream = torch.cuda.Stream(self.runner.device)
         self.executor = StepExecutor(
             self.runner,
@@ -291,6 +297,12 @@ class WorkerActor(Actor[WorkerConfig]):
         self.copy_seconds += seconds
         if not h.waited and h.event is not None:  # ran on the load stream while steps computed
             self.overlapped_seconds += seconds
+
+    def _pin_host_pool(self) -> None:
+        start = time.perf_counter()
+        if register_pinned(self.host_pool):
+            mib = self.host_pool.size / 2**20
+            self.log.info("host cache pinned (%.0f MiB) in %.1f s", mib, time.perf_counter() - start)
 
     async def drain(self) -> None:
         await super().drain()

@@ -117,16 +117,22 @@ def recording() -> Iterator[list[Spec]]:
 
 
 @contextmanager
-def counting_compiles(names: list[str] | None = None) -> Iterator[list[bool]]:
+def counting_compiles(
+    names: list[str] | None = None, read_seconds: list[float] | None = None
+) -> Iterator[list[bool]]:
     """Within: one entry per kernel the JIT compiles or loads in this process, True where it compiled
-    (the on-disk cache did not hold it); `names` gets the name of each kernel compiled."""
+    (the on-disk cache did not hold it); `names` gets the name of each kernel compiled, `read_seconds`
+    the seconds each kernel found in the cache took to read from it (where Triton reports them)."""
     compiled: list[bool] = []
     before = knobs.compilation.listener
 
-    def listen(*, cache_hit: bool, metadata, **_) -> None:
+    def listen(*, cache_hit: bool, metadata, times=None, **_) -> None:
         compiled.append(not cache_hit)
         if names is not None and not cache_hit:
             names.append(str(metadata.get("name", "?")) if isinstance(metadata, dict) else "?")
+        if read_seconds is not None and cache_hit and times is not None:
+            # a cache hit ends in the listener before any lowering: all of it counts as IR initialisation
+            read_seconds.append(getattr(times, "ir_initialization", 0) / 1e6)
 
     knobs.compilation.listener = listen
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from runtime.base.actor import StageConfig
 from runtime.base.endpoints import Endpoints
-from stages.worker.runner import RunnerConfig
+from stages.worker.runner_config import RunnerConfig
 
 
 class WorkerConfig(StageConfig, frozen=True, kw_only=True):

@@ -35,6 +35,38 @@ def recording(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
             gc.enable()
 
 
+# what torch.cuda.graph calls before each capture to give cached memory back (device; pinned host)
+_CACHE_RELEASES = ((torch.cuda, "empty_cache"), (torch._C, "_host_emptyCache"))
+
+
+@contextmanager
+def caches_kept() -> Iterator[None]:
+    """Within: `torch.cuda.graph` empties the allocator's device cache (and, where torch has one, its
+    pinned-host cache) before the first capture only, as it does before every capture outside. Captures
+    in a row (the worker's start-up: a hundred or more) otherwise each give back the memory of the eager
+    run before them and take it again: a device synchronisation and driver frees and allocations each
+    time. What stays cached is at most the eager run of the largest bucket, captured first: a full
+    step's activations, which the KV cache's sizing keeps room for beside the graph pool (runner.py)."""
+    released: set[str] = set()
+    saved = [(mod, name, getattr(mod, name)) for mod, name in _CACHE_RELEASES if hasattr(mod, name)]
+
+    def once(name: str, release):
+        def first_only() -> None:
+            if name not in released:
+                released.add(name)
+                release()
+
+        return first_only
+
+    for mod, name, release in saved:
+        setattr(mod, name, once(name, release))
+    try:
+        yield
+    finally:
+        for mod, name, release in saved:
+            setattr(mod, name, release)
+
+
 def graph_pool_bytes(pool: tuple[int, int]) -> int:
     """Bytes of the allocator's segments that belong to the graph memory pool `pool`. (A difference of
     memory_reserved around the capture undercounts it: each capture first empties the allocator's cache,

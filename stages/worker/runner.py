@@ -3,8 +3,6 @@ of per-sequence inputs into one forward pass (tokens grouped by adapter id) and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kernels.host_copy import IndexUploads
@@ -13,7 +11,7 @@ from runtime.common.model_config import ModelConfig, parse_dtype
 from runtime.common.packed import PackedAdapter
 from runtime.common.quant_config import check_quantization
 from stages.worker.decode_graphs import DecodeGraphs
-from stages.worker.graph_capture import graph_pool_bytes
+from stages.worker.graph_capture import caches_kept, graph_pool_bytes
 from stages.worker.lora.backend import slot_segments
 from stages.worker.lora.factory import make_backend
 from stages.worker.lora.pool import LoraPool, Runs, default_pool_bytes, pool_geometry
@@ -24,6 +22,7 @@ from stages.worker.model.linear import check_fp8_device
 from stages.worker.model.llama import LlamaModel
 from stages.worker.model.pointwise import resolve_pointwise
 from stages.worker.model.weights import load_weights
+from stages.worker.runner_config import RunnerConfig
 from stages.worker.seq_input import SeqInput, fill_pending
 from stages.worker.startup import Phases
 from stages.worker.step_graphs import StepGraphs
@@ -31,44 +30,10 @@ from stages.worker.tp.group import TPGroup
 from stages.worker.tp.lora_shard import AdapterSharder
 from stages.worker.tp.shard import shard_config, shard_weights, to_device
 from stages.worker.tp.transform import tensor_parallel
+from stages.worker.warm_marker import WarmMarker
 from stages.worker.warmup import Report, start_compiling, warm_up
 
 __all__ = ["ModelRunner", "RunnerConfig", "SeqInput"]
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    model_dir: str
-    device: str = "cpu"
-    dtype: str | None = None  # None/"auto": the checkpoint's dtype
-    quantization: str | None = None  # "fp8": quantize the projections at load (engine_args.py)
-    max_lora_rank: int = 64
-    # GiB of the rank-paged adapter pool; None: 10% of free device memory before the KV cache is sized
-    # (CUDA), 64 MiB elsewhere; at least one adapter of max_lora_rank (stages/worker/lora/pool.py)
-    lora_gpu_memory_gb: float | None = None
-    lora_dtype: str = "auto"  # the pool's rows: the model's dtype, or "fp8"/"int8" with scales (pool.py)
-    lora_backend: str | None = None  # None: triton on CUDA, torch elsewhere
-    attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
-    pointwise_backend: str | None = None  # norms, rotary, activation; None: triton on CUDA, torch elsewhere
-    page_size: int = 16
-    num_pages: int | None = None  # None: fill gpu_memory_utilization on CUDA, cpu_kv_tokens on CPU
-    gpu_memory_utilization: float = 0.85
-    cpu_kv_tokens: int = 65536
-    max_tokens_per_step: int = 2048
-    max_model_len: int | None = None  # None: the model's context, capped by the KV cache
-    # Decode batches up to this size replay CUDA graphs (0: always eager; CUDA + Triton attention only)
-    cuda_graph_max_batch: int = 0
-    # Steps with prefill tokens, up to this many tokens, replay CUDA graphs per token-count bucket (0:
-    # eager; CUDA only; full graphs with Triton attention, piecewise with the torch loop)
-    cuda_graph_max_tokens: int = 0
-    max_running_requests: int = 64  # sequences one step can hold (bounds the attention blocks)
-    # Compile every kernel variant serving can reach before the first step (CUDA only; see warmup.py)
-    warmup: bool = False
-    # Adapters of at least this many bytes may be copied layer by layer beside the steps that use them
-    # (overlapped loading, --overlap-min-mb); None: never. Where the pool's largest adapter reaches it,
-    # full step graphs get layer-gated twins so that such steps replay too (step_graphs.py).
-    layered_min_bytes: int | None = None
-    disable_custom_all_reduce: bool = False  # tensor parallel: every sum through NCCL (tp/allreduce.py)
 
 
 def whole_copy_waits(layer_waits: list[list] | None) -> list | None:
@@ -111,18 +76,26 @@ class ModelRunner:
         # gather indices of a step's logits rows, uploaded without queueing behind adapter copies
         self.index_uploads = IndexUploads(self.max_seqs, self.device)
         self.phases = Phases()  # what each part of the start-up took (the worker logs it at ready)
-        compile_pool = start_compiling(self.device, cfg.warmup)  # its processes start while weights load
+        # whether the compile cache holds every kernel of this start-up already (then no compile pool)
+        cuda_warmup = cfg.warmup and self.device.type == "cuda"
+        marker = WarmMarker(cfg, self.model_cfg, self.device) if cuda_warmup else None
+        # the pool's processes start while the weights load
+        compile_pool = start_compiling(self.device, cfg.warmup, marker)
         try:
             inits = (self._init_model, self._init_lora, self._init_kv_cache, self._init_graphs)
             for name, init in zip(("weights", "adapter pool", "KV cache", "graph setup"), inits, strict=True):
                 self.phases.run(name, init)
             if cfg.warmup:
-                self.warmup = self.phases.run("warm-up", warm_up, self, pool=compile_pool, report=on_warmup)
+                self.warmup = self.phases.run(
+                    "warm-up", warm_up, self, pool=compile_pool, report=on_warmup, marker=marker
+                )
         finally:
             if compile_pool is not None:
                 compile_pool.close()
         self.capture_compiled: list[str] = []  # kernels capture compiled (the warm-up plan should hold them)
         self.phases.run("graph capture", self._capture_graphs)
+        if marker is not None and self.warmup.plan:
+            marker.settle(self.warmup.plan, clean=not self.warmup.compiled_here and not self.capture_compiled)
 
     def _init_model(self) -> None:
         # `host_layout`: how the loader packs adapters (the whole model's); `lora_layout`: this pool's
@@ -240,7 +213,7 @@ class ModelRunner:
             return
         from stages.worker.compile_pool import counting_compiles
 
-        with torch.inference_mode(), counting_compiles(self.capture_compiled):
+        with torch.inference_mode(), counting_compiles(self.capture_compiled), caches_kept():
             if self.step_graphs is not None:
                 self.step_graphs.capture_all()
             if self.graphs is not None:

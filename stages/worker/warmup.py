@@ -35,6 +35,7 @@ from stages.worker.model.forward_batch import ForwardBatch
 if TYPE_CHECKING:
     from stages.worker.compile_pool import CompilePool
     from stages.worker.runner import ModelRunner
+    from stages.worker.warm_marker import WarmMarker
 
 log = logging.getLogger("lorapipe.worker")
 LOG_EVERY_S = 5.0
@@ -52,6 +53,8 @@ class WarmupStats:
     # wall seconds of its parts: the plan, recording the launches, the pool's compiles, the launch pass
     parts: tuple[tuple[str, float], ...] = ()
     fp8: int = 0  # weight-only fp8 GEMM variants launched
+    plan: str = ""  # the plan's fingerprint (plan_cache.py)
+    cached: bool = False  # the cache's marker held this plan: no pool, no recording, launches load only
 
 
 Report = Callable[[int, int], None]  # (steps done, total): compiles of the pool, then variant launches
@@ -77,9 +80,12 @@ class _Progress:
             self.say(f"warm-up: {self.done}/{self.total} kernel variants ({what}), {now - self.start:.1f} s")
 
 
-def start_compiling(device: torch.device, warmup: bool) -> CompilePool | None:
+def start_compiling(
+    device: torch.device, warmup: bool, marker: WarmMarker | None = None
+) -> CompilePool | None:
     """On CUDA: point the compile cache at its namespace for this GPU and these kernels, and (`warmup`)
-    start the compile pool, whose processes start up while the caller reads the weights."""
+    start the compile pool, whose processes start up while the caller reads the weights; none where
+    `marker` says the cache holds every kernel already."""
     if device.type != "cuda":
         return None
     from triton.runtime.driver import driver
@@ -89,7 +95,9 @@ def start_compiling(device: torch.device, warmup: bool) -> CompilePool | None:
     with torch.cuda.device(device):
         target = driver.active.get_current_target()
     namespace_cache(target)
-    return CompilePool(target) if warmup else None
+    if not warmup or (marker is not None and marker.complete()):
+        return None
+    return CompilePool(target)
 
 
 def warm_up(
@@ -97,9 +105,11 @@ def warm_up(
     say: Callable[[str], None] = log.info,
     pool: CompilePool | None = None,
     report: Report | None = None,
+    marker: WarmMarker | None = None,
 ) -> WarmupStats:
     """Compile everything serving can reach on this runner (CUDA only; a no-op elsewhere): in `pool`
-    when given, then load it all in this process. `report` hears the progress."""
+    when given, then load it all in this process. `report` hears the progress. Without a pool, where
+    `marker` was given: its cache held every kernel of this plan (else a pool starts now)."""
     cache_dir = os.environ.get("TRITON_CACHE_DIR", "triton's default (~/.triton/cache)")
     start = time.perf_counter()
     if runner.device.type != "cuda":
@@ -128,6 +138,14 @@ def warm_up(
         return launches, attention_variants(**attn_args) if attn_args else []
 
     key = fingerprint(lora, graphs, attn_args)
+    cached = pool is None and marker is not None and marker.holds(key)
+    if pool is None and marker is not None and not cached:  # the marker was for another plan
+        from triton.runtime.driver import driver
+
+        from stages.worker.compile_pool import CompilePool
+
+        with CompilePool(driver.active.get_current_target()) as late:
+            return warm_up(runner, say, late, report)
     (launches, attn), read = cached_plan(os.environ.get("TRITON_CACHE_DIR"), key, plan)
     if lora is not None:
         lora.prepare([0], [])  # an empty batch: its header says 0 tiles (what the launches below read)
@@ -135,7 +153,8 @@ def warm_up(
     marks = [("plan", time.perf_counter())]
     say(
         f"warm-up: {len(launches)} LoRA and {len(attn)} attention kernel variants, and {len(fp8)} fp8 GEMM "
-        f"ones, to compile or load (cache: {cache_dir}; plan {'read from it' if read else 'computed'}); "
+        f"ones, to {'load' if cached else 'compile or load'} (cache: {cache_dir}; plan "
+        f"{'read from it' if read else 'computed'}); "
         f"{plan_axes(launches, attn)}"
     )
     specs = []
@@ -160,7 +179,8 @@ def warm_up(
     progress = _Progress(len(specs) + len(launches) + len(attn) + len(fp8), say, report)
     compiled = pool.compile(specs, lambda: progress.step("compiled")) if specs else 0
     marks.append(("compile", time.perf_counter()))
-    with torch.inference_mode(), counting_compiles() as here:
+    read: list[float] = []  # seconds of each kernel read from the cache (the rest: module loads, launches)
+    with torch.inference_mode(), counting_compiles(read_seconds=read) as here:
         _lora(runner, launches, progress)
         _attention(runner, attn, progress)
         _fp8(runner, fp8, progress)
@@ -168,19 +188,27 @@ def warm_up(
     torch.cuda.synchronize(runner.device)
     marks.append(("launch", time.perf_counter()))
     took = time.perf_counter() - start
-    say(done_line(took, compiled, len(specs), sum(here), len(here)))
+    say(done_line(took, compiled, len(specs), sum(here), len(here), sum(read)))
     times = [start] + [t for _, t in marks]
     parts = tuple((name, b - a) for (name, _), a, b in zip(marks, times[:-1], times[1:], strict=True))
-    return WarmupStats(
-        len(launches), len(attn), took, cache_dir, len(specs), compiled, sum(here), parts, len(fp8)
-    )
+    n = (len(launches), len(attn))
+    return WarmupStats(*n, took, cache_dir, len(specs), compiled, sum(here), parts, len(fp8), key, cached)
 
 
-def done_line(seconds: float, pool_compiled: int, kernels: int, here_compiled: int, here: int) -> str:
-    """The warm-up's last log line (benchmarks/cold_start_report.py reads it)."""
+def done_line(
+    seconds: float,
+    pool_compiled: int,
+    kernels: int,
+    here_compiled: int,
+    here: int,
+    read_s: float | None = None,
+) -> str:
+    """The warm-up's last log line (benchmarks/cold_start_report.py reads it). `read_s`: seconds the
+    worker's launches spent reading kernels from the cache (the rest of them: module loads, launches)."""
+    read = "" if read_s is None else f", {read_s:.1f} s reading kernels from the cache"
     return (
         f"warm-up done in {seconds:.1f} s: {pool_compiled} of {kernels} kernels compiled by the pool, "
-        f"{here_compiled} of {here} compiled in the worker"
+        f"{here_compiled} of {here} compiled in the worker{read}"
     )
 
 

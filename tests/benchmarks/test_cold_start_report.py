@@ -22,7 +22,13 @@ def test_report_reads_logs_and_judges_targets(tmp_path):
         f"{done_line(11.26, 300, 300, 6, 420)}\ncaptured 33 decode CUDA graphs in 2.5 s\n"
         "captured 9 full step CUDA graphs (0 layer-gated; token buckets 128,256) in 1.5 s\n"
     )
-    (tmp_path / "server_mixed_prebuilt.log").write_text(done_line(2.0, 0, 300, 0, 420))
+    (tmp_path / "server_mixed_prebuilt.log").write_text(  # the cache held every kernel: no pool
+        "2026-01-01 00:00:00,100 launcher INFO stages spawned 0.41 s after launch\n"
+        f"{done_line(2.0, 0, 0, 0, 420, 1.3)}\n"
+        "2026-01-01 00:00:05,000 worker INFO host cache pinned (4096 MiB) in 1.3 s\n"
+        "2026-01-01 00:00:06,000 worker INFO start-up: process 3.1 s before the model runner; weights 0.4 s\n"
+        "2026-01-01 00:00:06,100 launcher INFO stage 'worker' ready (pid 7) 6.52 s after launch\n"
+    )
     _burst(tmp_path / "mixed_first.json", 30000.0)
     _burst(tmp_path / "mixed_second.json", 31000.0)
     r = build(tmp_path, 0.95)
@@ -35,6 +41,12 @@ def test_report_reads_logs_and_judges_targets(tmp_path):
         6,
     )
     assert a["graph_capture_s"] == 4.0 and abs(a["ratio"] - 30000 / 31000) < 1e-9
+    c = r["servers"]["mixed_prebuilt"]
+    assert (c["kernels"], c["pool_compiled"], c["worker_compiled"]) == (420, 0, 0)
+    assert (c["spawned_s"], c["worker_ready_s"]) == (0.41, 6.52) and a["spawned_s"] is None
+    assert c["startup"] == "process 3.1 s before the model runner; weights 0.4 s"
+    assert c["host_cache_pinned_s"] == 1.3 and a["host_cache_pinned_s"] is None
+    assert c["cache_read_s"] == 1.3 and a["cache_read_s"] is None
     verdict = {c["target"]: c["pass"] for c in r["checks"]}
     assert verdict == {
         "a: ready <= 30 s": True,
@@ -44,3 +56,4 @@ def test_report_reads_logs_and_judges_targets(tmp_path):
         "mixed_cold: first/second burst >= 0.95": True,
     }
     assert "FAIL b: ready <= 20 s" in table(r)
+    assert "stages spawned at 0.41 s, worker ready at 6.52 s" in table(r)

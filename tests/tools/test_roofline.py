@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from tools import roofline
@@ -28,7 +29,7 @@ def test_weight_and_kv_bytes_match_the_checkpoint(tiny_llama):
             linear += t.numel() * t.element_size()
     got = roofline.ModelBytes.from_config(cfg)
     assert got.weight_bytes == linear
-    elt = cfg.dtype.itemsize
+    elt = getattr(torch, cfg.dtype).itemsize  # torch's own size, against the names' table
     assert got.kv_token_bytes == cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elt
 
 

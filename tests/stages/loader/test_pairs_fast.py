@@ -15,9 +15,9 @@ import pytest
 
 from runtime.common.lora_layout import TARGET_MODULES, LoraLayout
 from runtime.common.model_config import ModelConfig
+from stages.loader.adapter_check import _fast_pairs, _group_pairs
 from stages.loader.adapter_config import AdapterError, read_adapter_config
 from stages.loader.adapter_modules import expected, module_dims, module_path, tensor_key
-from stages.loader.adapter_reader import _fast_pairs, _group_pairs
 from stages.loader.placement import place_expected, place_pairs
 from stages.loader.safetensors_format import TensorEntry
 
