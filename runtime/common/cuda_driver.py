@@ -1,8 +1,8 @@
 """The CUDA driver (libcuda) asked directly, without importing torch: how many devices this process may
 use and a device's compute capability (the launcher checks --device, `auto`, --tensor-parallel-size and
 fp8 weights before it spawns the stages, and importing torch there would put seconds in front of every
-start), and the device's primary context
-made on a thread while the gpu-worker still imports torch (torch's runtime then finds it made)."""
+start), and the device's primary context made on a thread while the gpu-worker still imports torch
+(torch's runtime then finds it made)."""
 
 from __future__ import annotations
 
