@@ -155,7 +155,7 @@ def test_the_cuda_checks_read_the_driver(monkeypatch, tiny_llama, fp8_llama, gpu
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_the_fp8_device_check_speaks_the_workers_words(monkeypatch, dtype):
-    """Every capability from 7.0 to 10.3 and every serving dtype: the launcher's torch-free check refuses
+    """Every capability from 7.0 to 10.9 and every serving dtype: the launcher's torch-free check refuses
     exactly where the worker's `check_fp8_device` does, with its message."""
     for capability in [(major, minor) for major in (7, 8, 9, 10) for minor in range(10)]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
