@@ -5,12 +5,14 @@ initialisation as the launcher asks it (`runtime/common/cuda_driver.py`), `impor
 triton` after it, the worker's imports, the CUDA context torch creates, and the page-locking of a host
 cache of --host-cache-gb. On the GPU machine (--device cuda) these are the numbers the CPU cannot show.
 One markdown table on stdout, everything in OUT/startup_probe.json.
-    python -m benchmarks.startup_probe OUT --model DIR [--adapters DIR --num-adapters N] [--device cuda]"""
+    python -m benchmarks.startup_probe OUT --model DIR [--adapters DIR --num-adapters N] [--device cuda]
+        [--serve-args "--quantization fp8 --dtype bfloat16 --tensor-parallel-size 2"]"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -145,9 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--host-cache-gb", type=float, default=4.0, help="the host cache the worker pins")
+    p.add_argument("--serve-args", default="", help="more `serve` flags for the launcher, one quoted string")
     ns = p.parse_args(argv)
     serve = ["--model", ns.model, "--device", ns.device, "--max-lora-rank", str(ns.max_lora_rank)]
     serve += ["--endpoint", "tcp://127.0.0.1:0", "--metrics-port", "-1", "--port", "0"]
+    serve += shlex.split(ns.serve_args)
     for i in range(ns.num_adapters):
         serve += ["--adapter", f"adapter{i}={ns.adapters / f'adapter{i}'}"]
     result = probe(serve, ns.device == "cuda", ns.reps, ns.host_cache_gb)

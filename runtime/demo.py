@@ -41,17 +41,20 @@ _COUNTED = (
 
 
 def ensure_demo_files(root: Path) -> tuple[Path, dict[str, Path]]:
-    from runtime.synthetic.adapters import make_adapters
-    from runtime.synthetic.model import make_model
-
+    """The demo's model and adapters under `root`, made where missing (only making them imports torch:
+    a demo run on files already made spawns its server as quickly as `serve`)."""
     model = root / "model"
     if not (model / "config.json").exists():
+        from runtime.synthetic.model import make_model
+
         make_model(model, arch="llama", preset="tiny", seed=0)
     adapters = {}
     specs = [(8, None), (4, ("q_proj", "v_proj")), (3, ("gate_proj", "up_proj"))]
     for i, (rank, targets) in enumerate(specs):
         path = root / "adapters" / f"demo{i}"
         if not (path / "adapter_config.json").exists():
+            from runtime.synthetic.adapters import make_adapters
+
             kw = {"targets": targets} if targets else {}
             (made,) = make_adapters(
                 model, root / "adapters", n=1, ranks=(rank,), seed=i, prefix=f"demo{i}", **kw

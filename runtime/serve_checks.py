@@ -140,8 +140,7 @@ def _check_tensor_parallel(args: ServeArgs, model_cfg: ModelConfig) -> None:
     n = args.tensor_parallel_size
     if n <= 1:
         return
-    from runtime.common.model_config import ModelConfigError
-    from stages.worker.tp.shard import check_divisible
+    from runtime.common.model_config import ModelConfigError, check_divisible
 
     try:
         check_divisible(model_cfg, n)
@@ -170,20 +169,21 @@ def _check_device(args: ServeArgs) -> None:
 
 
 def _check_quantization(args: ServeArgs, model_cfg: ModelConfig) -> None:
-    """fp8 weights (asked for, or the checkpoint's) need a GPU that runs fp8 GEMMs and bf16 activations."""
+    """fp8 weights (asked for, or the checkpoint's) need a GPU that runs fp8 GEMMs and bf16 activations:
+    the capability from the driver, not torch (each worker also runs one fp8 GEMM when it starts)."""
     if args.quantization is None and model_cfg.quantization is None:
         return
-    if args.resolved_device() == "cuda":
-        import torch
+    if args.resolved_device() != "cuda":
+        return
+    from runtime.common.cuda_driver import compute_capability
+    from runtime.common.model_config import serving_dtype_name
+    from runtime.common.quant_config import fp8_device_problem
 
-        from runtime.common.model_config import parse_dtype
-        from stages.worker.model.linear import check_fp8_device
-
-        try:
-            check_fp8_device(torch.device("cuda"), parse_dtype(args.dtype, model_cfg.dtype), probe=False)
-        except ValueError as exc:
-            flag = "--quantization fp8" if args.quantization else f"--model {args.model}"
-            raise ServeArgsError(f"{flag}: {exc}") from None
+    capability = compute_capability(0)  # "cuda": the device the worker (TP rank 0) runs on
+    dtype = serving_dtype_name(args.dtype, model_cfg.dtype)
+    if capability is not None and (problem := fp8_device_problem(capability, dtype)):
+        flag = "--quantization fp8" if args.quantization else f"--model {args.model}"
+        raise ServeArgsError(f"{flag}: {problem}")
 
 
 def _check_endpoint(endpoint: str) -> None:

@@ -1,7 +1,8 @@
 """The CUDA driver (libcuda) asked directly, without importing torch: how many devices this process may
-use (the launcher checks --device, `auto` and --tensor-parallel-size before it spawns the stages, and
-importing torch there would put seconds in front of every start), and the device's primary context
-made on a thread while the gpu-worker still imports torch (torch's runtime then finds it made)."""
+use and a device's compute capability (the launcher checks --device, `auto`, --tensor-parallel-size and
+fp8 weights before it spawns the stages, and importing torch there would put seconds in front of every
+start), and the device's primary context made on a thread while the gpu-worker still imports torch
+(torch's runtime then finds it made)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,23 @@ def cuda_device_count() -> int:
     if driver is None or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
         return 0
     return count.value
+
+
+# cuda.h's CUdevice_attribute values (fixed by the driver's ABI)
+_COMPUTE_CAPABILITY_MAJOR, _COMPUTE_CAPABILITY_MINOR = 75, 76
+
+
+def compute_capability(ordinal: int) -> tuple[int, int] | None:
+    """Device `ordinal`'s (major, minor) compute capability, as torch.cuda.get_device_capability gives
+    it; None where there is no such device or driver."""
+    driver, dev = _driver(), ctypes.c_int(0)
+    if driver is None or driver.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
+        return None
+    major, minor = ctypes.c_int(0), ctypes.c_int(0)
+    for out, attribute in ((major, _COMPUTE_CAPABILITY_MAJOR), (minor, _COMPUTE_CAPABILITY_MINOR)):
+        if driver.cuDeviceGetAttribute(ctypes.byref(out), attribute, dev) != 0:
+            return None
+    return major.value, minor.value
 
 
 def retain_primary_context(ordinal: int) -> bool:

@@ -177,6 +177,20 @@ def parse_dtype(name: str | torch.dtype | None, default: str | torch.dtype) -> t
     return getattr(torch, serving_dtype_name(name, default))
 
 
+def check_divisible(cfg: ModelConfig, size: int) -> None:
+    """Refuse a model whose heads or MLP features do not split evenly over `size` tensor-parallel ranks."""
+    for what, n in (
+        ("num_attention_heads", cfg.num_heads),
+        ("num_key_value_heads", cfg.num_kv_heads),
+        ("intermediate_size", cfg.intermediate_size),
+    ):
+        if n % size:
+            raise ModelConfigError(
+                f"tensor_parallel_size {size} does not divide the model's {what} ({n}); "
+                f"choose a size that divides {what}"
+            )
+
+
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies, with the checkpoint's scaling applied."""
     import torch

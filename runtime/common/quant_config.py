@@ -82,3 +82,15 @@ def check_quantization(name: str | None) -> str | None:
     if name is not None and name not in QUANTIZATIONS:
         raise QuantConfigError(f"unknown quantization {name!r} (choose one of {', '.join(QUANTIZATIONS)})")
     return name
+
+
+def fp8_device_problem(capability: tuple[int, int], dtype: str) -> str | None:
+    """Why fp8 weights cannot run on a CUDA device of `capability` with activations of `dtype` (by
+    torch's name), or None: the launcher's half of the worker's `check_fp8_device` (which also runs one
+    fp8 GEMM), with its words, asked without torch."""
+    if capability < (8, 9):
+        major, minor = capability
+        return f"fp8 weights need a GPU of compute capability 8.9 or more; this one is {major}.{minor}"
+    if dtype != "bfloat16":
+        return f"fp8 weights run with bfloat16 activations on CUDA; --dtype gives torch.{dtype}"
+    return None

@@ -1,5 +1,6 @@
 """The start-up probe (benchmarks/startup_probe.py) times each part in a fresh interpreter and writes its
-table and JSON; on the CPU it has no CUDA parts, and the launcher's path imports no torch."""
+table and JSON; on the CPU it has no CUDA parts, and the launcher's path imports no torch (fp8 weights
+and tensor parallelism asked for too)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def test_the_probe_times_every_part(tiny_llama, llama_adapters, tmp_path, capsys
         (adapters / f"adapter{i}").symlink_to(path)
     argv = [str(tmp_path / "out"), "--model", str(tiny_llama), "--adapters", str(adapters)]
     argv += ["--num-adapters", str(len(llama_adapters)), "--device", "cpu", "--reps", "1"]
+    argv += ["--serve-args", "--quantization fp8 --tensor-parallel-size 2"]
     assert main(argv) == 0
     result = json.loads((tmp_path / "out" / "startup_probe.json").read_text())
     assert list(result) == ["launcher to spawn", "import torch", "worker imports"]

@@ -11,23 +11,9 @@ import dataclasses
 
 import torch
 
-from runtime.common.model_config import ModelConfig, ModelConfigError
+from runtime.common.model_config import ModelConfig, check_divisible
 from stages.worker.model.linear import Fp8Weight, Weight
 from stages.worker.model.weights import LayerWeights, ModelWeights
-
-
-def check_divisible(cfg: ModelConfig, size: int) -> None:
-    """Refuse a model whose heads or MLP features do not split evenly over `size` ranks."""
-    for what, n in (
-        ("num_attention_heads", cfg.num_heads),
-        ("num_key_value_heads", cfg.num_kv_heads),
-        ("intermediate_size", cfg.intermediate_size),
-    ):
-        if n % size:
-            raise ModelConfigError(
-                f"tensor_parallel_size {size} does not divide the model's {what} ({n}); "
-                f"choose a size that divides {what}"
-            )
 
 
 def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from runtime.common.cuda_driver import (
+    compute_capability,
     cuda_device_count,
     retain_primary_context,
     start_primary_context,
@@ -18,6 +19,9 @@ def test_the_driver_agrees_with_torch():
     assert cuda_device_count() == torch.cuda.device_count()
     assert retain_primary_context(0) == (torch.cuda.device_count() > 0)
     assert not retain_primary_context(cuda_device_count())  # one past the last device
+    for ordinal in range(cuda_device_count()):
+        assert compute_capability(ordinal) == torch.cuda.get_device_capability(ordinal)
+    assert compute_capability(cuda_device_count()) is None
 
 
 def test_a_context_only_for_a_cuda_device():

@@ -1,5 +1,5 @@
 """On a GPU: the primary context the worker makes on a thread while it imports (runtime/common/cuda_driver.py)
-is the one torch then uses, and the driver's device count is torch's.
+is the one torch then uses, and the driver's device count and compute capabilities are torch's.
 Runs only where CUDA is available (the GPU machine)."""
 
 from __future__ import annotations
@@ -19,18 +19,22 @@ ROOT = Path(__file__).resolve().parents[3]
 # a fresh process: the test session's own may hold a context already
 _CODE = """
 import ctypes, json, os, sys
-from runtime.common.cuda_driver import _driver, cuda_device_count, start_primary_context
+from runtime.common.cuda_driver import _driver, compute_capability, cuda_device_count, start_primary_context
 thread = start_primary_context("cuda:0")
 thread.join(60)
 driver, dev, flags, active = _driver(), ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
 driver.cuDeviceGet(ctypes.byref(dev), 0)
 driver.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active))
+capabilities = [compute_capability(i) for i in range(cuda_device_count() + 1)]
 torch_before = "torch" in sys.modules
 import torch
 total = int(torch.arange(4, device="cuda:0").sum().item())
 print(json.dumps({"active": active.value, "torch_before": torch_before, "sum": total,
                   "loading": os.environ.get("CUDA_MODULE_LOADING"),
-                  "count": cuda_device_count(), "torch_count": torch.cuda.device_count()}))
+                  "count": cuda_device_count(), "torch_count": torch.cuda.device_count(),
+                  "capabilities": capabilities,
+                  "torch_capabilities": [list(torch.cuda.get_device_capability(i))
+                                         for i in range(torch.cuda.device_count())] + [None]}))
 """
 
 
@@ -43,4 +47,5 @@ def test_the_context_made_on_a_thread_serves_torch():
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["active"] == 1 and not got["torch_before"]
     assert got["sum"] == 6 and got["count"] == got["torch_count"] >= 1
+    assert got["capabilities"] == got["torch_capabilities"]  # one past the last device: None
     assert got["loading"] == "LAZY"  # as torch sets it when it initialises the driver first
