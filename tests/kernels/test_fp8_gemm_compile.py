@@ -8,11 +8,7 @@ process, and an interpreted kernel cannot be compiled."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import triton
@@ -20,6 +16,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels import fp8_gemm
+from tests.kernels.compile_child import run_compiled
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
@@ -62,11 +59,7 @@ def check_variants_compile() -> None:
 
 @pytest.mark.timeout(300)
 def test_variants_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.split() == ["16", "32", "64", "fp16"]
+    assert run_compiled(__file__) == ["16", "32", "64", "fp16"]
 
 
 if __name__ == "__main__":

@@ -6,11 +6,6 @@ own process, and an interpreted kernel cannot be compiled."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import triton
 from triton.backends.compiler import GPUTarget
@@ -18,6 +13,7 @@ from triton.compiler import ASTSource
 
 from kernels import lora_expand, lora_expand_act, lora_quant, lora_shrink
 from kernels.batch_info import META_COLS
+from tests.kernels.compile_child import run_compiled
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {  # element type of each pointer argument; a row pointer and its scales take the row type
@@ -73,11 +69,7 @@ def check_model_dtype_variant_pays_nothing() -> None:
 
 @pytest.mark.timeout(300)
 def test_8bit_variants_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.split() == ["fp8e4nv", "i8", "bf16"]
+    assert run_compiled(__file__) == ["fp8e4nv", "i8", "bf16"]
 
 
 if __name__ == "__main__":

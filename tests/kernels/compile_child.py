@@ -1,0 +1,21 @@
+"""Runs a test module as a script in a child process, compiled rather than interpreted: this directory's
+conftest makes kernels interpreted in the tests' own process, and an interpreted kernel cannot be
+compiled for a `GPUTarget`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_compiled(script: str, timeout: float = 280) -> list[str]:
+    """The words `script` printed; fails with its stderr's tail if it exited non-zero."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout.split()
