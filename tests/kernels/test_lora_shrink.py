@@ -64,7 +64,8 @@ def run_case(device, dtype, group_name, lengths, seg_slots, block_m, config, see
     base, rows = pool_operands(gen, mem, ranks_all, layout, pool, device)
     a = LoraLayout.a_rows(layer_rows(base, layer, pool), g)  # [P, N, K] strided
     ranks = ranks_all.to(device)[:, layer, g.first_slice : g.first_slice + g.num_slices]  # strided view
-    config = config or shrink_config(info, g.in_dim, g.num_slices)
+    sizes = (x_cpu.element_size(), a.element_size())
+    config = config or shrink_config(info, g.in_dim, g.num_slices, operand_bytes=sizes)
     shape = (config.parts, indptr[-1], g.num_slices, info.block_rank)  # the partials, or their sum
     out = torch.full(shape, float("nan"), dtype=torch.float32, device=device)  # poisoned: untouched stays NaN
     # A reducing split's partials poisoned too: one summed before its split stored it would make v NaN.
