@@ -207,7 +207,7 @@ def default_configs(case):
     """The backend's choice for this case: token tile, shrink and expand configs."""
     info = case.info(0, None)
     cap = split_cap(case.T, workspace_rows(MAX_TOKENS))
-    sc = shrink_config(info, case.g.in_dim, case.g.num_slices, cap)
+    sc = shrink_config(info, case.g.in_dim, case.g.num_slices, cap, operand_bytes=(2, 2))  # bf16 x and pool
     return info.block_m, sc, expand_config(info, case.g.out_dims, sc.parts)
 
 

@@ -15,6 +15,9 @@ PDL_ENV = "LORAPIPE_PDL"
 # (768 tiles) takes 1.1 % longer with its LoRA kernels as dependents, while steps of up to 320 tiles take
 # 0.4-7 % less.
 PDL_MAX_TILES = 512
+# Shared memory one program may take on an H100 or H200 (cudaDevAttrMaxSharedMemoryPerBlockOptin, 227
+# KiB): the CPU interpreter's stand-in, so that it picks the configs a Hopper GPU would.
+HOPPER_MAX_SHARED = 232448
 
 
 @lru_cache(maxsize=8)
@@ -23,6 +26,16 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@lru_cache(maxsize=8)
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on `device` (the opt-in limit Triton checks a compiled
+    kernel against at load); HOPPER_MAX_SHARED elsewhere."""
+    if device.type != "cuda":
+        return HOPPER_MAX_SHARED
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", HOPPER_MAX_SHARED))
 
 
 def pdl_for(device: torch.device, tiles: int) -> bool:

@@ -21,6 +21,9 @@ from kernels.batch_info import META_COLS, BatchInfo, block_rank_for, interpretin
 from kernels.lora_parts import shrink_columns, shrink_dot, tile_of
 from kernels.lora_quant import check_scales
 
+# Pipeline stages of the shrink's K loop (its x and A tiles in flight), where they fit (`fit_k_step`).
+SHRINK_STAGES = 3
+
 
 @triton.jit
 def _lora_shrink_kernel(
@@ -117,7 +120,7 @@ class ShrinkConfig:
     block_k: int
     split_k: int
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = SHRINK_STAGES
     reduce: bool = False  # the shrink sums its split-K partials itself: the expand reads one v
     # launched as a programmatic dependent when its caller asks (`lora_shrink(pdl=True)`); the heuristic
     # sets it from the device and the tile count (`device_info.pdl_for`), so that a variant's config
@@ -130,10 +133,13 @@ class ShrinkConfig:
         return 1 if self.reduce else self.split_k
 
 
-def shrink_config(info: BatchInfo, in_dim: int, num_slices: int, max_split: int = 16) -> ShrinkConfig:
+def shrink_config(
+    info: BatchInfo, in_dim: int, num_slices: int, max_split: int = 16, *, operand_bytes: tuple[int, int]
+) -> ShrinkConfig:
     """Heuristic block shape from host-known sizes (tuned on an H100, see docs/kernels.md): enough
     programs to fill the GPU, split-K when the batch has few tiles (decode), all slices of a small
-    rank in one program so that x is read once."""
+    rank in one program so that x is read once. `operand_bytes`: the element sizes of x and of the
+    pool's A rows, which bound the K step (`fit_k_step`)."""
     br, bm = info.block_rank, info.block_m
     cols = num_slices * br  # flattened (slice, rank) columns
     sms = device_info.num_sms(info.meta.device)
@@ -161,15 +167,38 @@ def shrink_config(info: BatchInfo, in_dim: int, num_slices: int, max_split: int 
     split = 1
     while split < split_cap and programs * split < target:
         split *= 2
+    block_k, stages = fit_k_step(bm, block_n, block_k, operand_bytes, info.meta.device)
     return ShrinkConfig(
         block_n,
         block_k,
         split,
         num_warps=4,
-        num_stages=3,
+        num_stages=stages,
         reduce=wide and split > 1,
         pdl=device_info.pdl_for(info.meta.device, info.num_tiles),
     )
+
+
+def fit_k_step(
+    block_m: int, block_n: int, block_k: int, operand_bytes: tuple[int, int], device: torch.device
+) -> tuple[int, int]:
+    """(K step, pipeline stages) for a shrink program of `block_m` x `block_n`: at most `block_k` and
+    SHRINK_STAGES, the largest whose pipelined x and A tiles, stages * K step * (block_m * x bytes +
+    block_n * A bytes), fit the shared memory one program may use (else the kernel compiles but the GPU
+    refuses to load it): the K step halves first (down to the 16 of a dot), keeping the pipeline's
+    depth, then the stages drop. bf16 tiles of up to 64 x 128 keep 128 and 3 on an H100."""
+    x_bytes, a_bytes = operand_bytes
+    limit = device_info.max_shared_memory(device)
+    stages = SHRINK_STAGES
+
+    def need(k: int, s: int) -> int:
+        return s * k * (block_m * x_bytes + block_n * a_bytes)
+
+    while block_k > 16 and need(block_k, stages) > limit:
+        block_k //= 2
+    while stages > 1 and need(block_k, stages) > limit:
+        stages -= 1
+    return block_k, stages
 
 
 def split_counters(num_tokens: int, num_slices: int, block_rank: int, device) -> torch.Tensor:
@@ -269,7 +298,7 @@ def lora_shrink(
     T, K = x.shape
     num_slices = a.shape[1]
     br = info.block_rank
-    cfg = config or shrink_config(info, K, num_slices)
+    cfg = config or shrink_config(info, K, num_slices, operand_bytes=(x.element_size(), a.element_size()))
     shape = (cfg.parts, T, num_slices, br)
     grid = (info.num_tiles, triton.cdiv(num_slices * br, cfg.block_n), cfg.split_k)
     if check:

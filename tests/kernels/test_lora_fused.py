@@ -78,7 +78,8 @@ def test_fused_launch_equals_the_two_launches(device, dtype, group_name, tables,
     ranks, scal = ranks_all.to(device)[:, 0, sl], scal_all.to(device)[:, 0, sl]
     x = torch.randn((T, g.in_dim), generator=gen).to(dtype).to(device)
     out0 = torch.randn((T, g.out_total), generator=gen).to(dtype).to(device)
-    sc = dataclasses.replace(shrink_config(info, g.in_dim, g.num_slices), split_k=split, reduce=False)
+    sc = shrink_config(info, g.in_dim, g.num_slices, operand_bytes=(x.element_size(), a.element_size()))
+    sc = dataclasses.replace(sc, split_k=split, reduce=False)
     ec = expand_config(info, g.out_dims, split)
 
     v = lora_shrink(x, a, ranks, rows, info, config=sc)
@@ -112,7 +113,8 @@ def test_fused_launch_checks_its_buffers(device):
     ranks = torch.ones((1, 3), dtype=torch.int32, device=device)
     rows = torch.zeros((1, 16), dtype=torch.int32, device=device)
     x, out = torch.zeros((4, g.in_dim), device=device), torch.zeros((4, g.out_total), device=device)
-    sc, ec = shrink_config(info, g.in_dim, 3), expand_config(info, g.out_dims)
+    sc = shrink_config(info, g.in_dim, 3, operand_bytes=(x.element_size(), a.element_size()))
+    ec = expand_config(info, g.out_dims)
     v = torch.zeros((sc.split_k, 4, 3, 16), device=device)
     args = (x, a, b, ranks, ranks.float(), rows, out, g.out_offsets, g.out_dims, info)
     with pytest.raises(ValueError, match="sync must be int32"):

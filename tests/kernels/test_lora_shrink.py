@@ -10,8 +10,16 @@ import itertools
 import pytest
 import torch
 
+from kernels import device_info
 from kernels.batch_info import BatchInfoBuilder, block_rank_for
-from kernels.lora_shrink import ShrinkConfig, lora_shrink, lora_shrink_ref, shrink_config
+from kernels.lora_shrink import (
+    SHRINK_STAGES,
+    ShrinkConfig,
+    fit_k_step,
+    lora_shrink,
+    lora_shrink_ref,
+    shrink_config,
+)
 from runtime.common.lora_layout import LoraLayout
 from tests.kernels.conftest import (
     LARGE_CHOICES,
@@ -64,7 +72,8 @@ def run_case(device, dtype, group_name, lengths, seg_slots, block_m, config, see
     base, rows = pool_operands(gen, mem, ranks_all, layout, pool, device)
     a = LoraLayout.a_rows(layer_rows(base, layer, pool), g)  # [P, N, K] strided
     ranks = ranks_all.to(device)[:, layer, g.first_slice : g.first_slice + g.num_slices]  # strided view
-    config = config or shrink_config(info, g.in_dim, g.num_slices)
+    sizes = (x_cpu.element_size(), a.element_size())
+    config = config or shrink_config(info, g.in_dim, g.num_slices, operand_bytes=sizes)
     shape = (config.parts, indptr[-1], g.num_slices, info.block_rank)  # the partials, or their sum
     out = torch.full(shape, float("nan"), dtype=torch.float32, device=device)  # poisoned: untouched stays NaN
     # A reducing split's partials poisoned too: one summed before its split stored it would make v NaN.
@@ -266,3 +275,23 @@ def test_shrink_rejects_bad_row_tables(device):
         lora_shrink(x, a, ranks, torch.zeros((24, 3), dtype=torch.int32, device=device).t(), info)
     with pytest.raises(ValueError, match="covers ranks up to 16"):
         lora_shrink(x, a, ranks, rows[:, :16], info)  # the batch was planned for ranks above 16
+
+
+@pytest.mark.parametrize("limit", [device_info.HOPPER_MAX_SHARED, 101376, 49152])
+def test_k_step_is_the_largest_that_fits_shared_memory(monkeypatch, limit):
+    """(The compiled kernels' own needs: tests/stages/worker/test_warmup_smem.py.) bf16 tiles, and bf16 x
+    over an 8-bit pool, keep the tuned 128-wide K step and SHRINK_STAGES on Hopper; elsewhere the K
+    step halves first, then stages drop, only as far as the pipelined tiles need to fit."""
+    monkeypatch.setattr(device_info, "max_shared_memory", lambda _device: limit)
+    cpu = torch.device("cpu")
+    for bm, bn, (xb, ab) in itertools.product((16, 64), (16, 32, 64, 128), ((4, 4), (2, 2), (2, 1))):
+        k, stages = fit_k_step(bm, bn, 128, (xb, ab), cpu)
+
+        def need(k: int, s: int, bm=bm, bn=bn, xb=xb, ab=ab) -> int:
+            return s * k * (bm * xb + bn * ab)
+
+        assert need(k, stages) <= limit, (bm, bn, xb, ab)
+        assert k == 128 or need(2 * k, stages) > limit  # the K step halved only while it did not fit
+        assert stages == SHRINK_STAGES or (k == 16 and need(k, stages + 1) > limit)
+        if limit == device_info.HOPPER_MAX_SHARED and xb == 2:
+            assert (k, stages) == (128, SHRINK_STAGES), (bm, bn, ab)

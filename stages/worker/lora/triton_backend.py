@@ -207,9 +207,11 @@ class TritonLoraBackend(LoraBackend):
 
     def _make_configs(self, info: BatchInfo) -> dict[str, Configs]:
         max_split = split_cap(info.num_tokens, self._ws_rows)
+        # x in the model's dtype, A as the pool's rows hold it
+        operand_bytes = (self.pool.dtype.itemsize, self.pool.mem.dtype.itemsize)
         configs = {}
         for g in self.layout.groups:
-            shrink_cfg = shrink_config(info, g.in_dim, g.num_slices, max_split)
+            shrink_cfg = shrink_config(info, g.in_dim, g.num_slices, max_split, operand_bytes=operand_bytes)
             v = self.shrink_output(info, g, shrink_cfg)
             if self.fuses(g) and info.num_tokens > (self.max_seqs or FUSE_MIN_TOKENS):
                 expand_cfg = expand_act_config(info, g.out_dims, v.shape[0])  # both kernels' configs
