@@ -39,7 +39,10 @@ def plan_seconds(max_rank: int, a: argparse.Namespace) -> dict:
     pool = LoraPool(layout, max_rank, ids, torch.bfloat16, torch.device("cpu"))
     backend = TritonLoraBackend(pool, a.max_tokens, a.max_seqs)
     graph_tokens = min(a.max_tokens, 8192)
-    padded = (*batch_buckets(min(a.max_seqs, 256)), *((b, PADDED_BLOCK_M) for b in token_buckets(graph_tokens)))
+    padded = (
+        *batch_buckets(min(a.max_seqs, 256)),
+        *((b, PADDED_BLOCK_M) for b in token_buckets(graph_tokens)),
+    )
     attn = dict(
         num_heads=HEADS, num_kv_heads=KV_HEADS, max_tokens=a.max_tokens, max_seqs=a.max_seqs,
         max_model_len=a.max_model_len, device=torch.device("cpu"),
@@ -53,16 +56,19 @@ def plan_seconds(max_rank: int, a: argparse.Namespace) -> dict:
         t2 = time.perf_counter()
         lora_s.append(t1 - t0)
         attn_s.append(t2 - t1)
+    total = [x + y for x, y in zip(lora_s, attn_s, strict=True)]
     return {
         "max_rank": max_rank, "ids": ids, "lora_variants": len(launches), "attention_variants": len(variants),
-        "lora_s": min(lora_s), "attention_s": min(attn_s), "total_s": min(x + y for x, y in zip(lora_s, attn_s)),
+        "lora_s": min(lora_s), "attention_s": min(attn_s), "total_s": min(total),
     }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir", nargs="?", type=Path)
-    p.add_argument("--sms", type=int, default=132, help="SM count of the GPU the plan is for (H100/H200: 132)")
+    p.add_argument(
+        "--sms", type=int, default=132, help="SM count of the GPU the plan is for (H100/H200: 132)"
+    )
     p.add_argument("--pdl", type=int, default=1, help="1: dependent launches (Hopper)")
     p.add_argument("--pool-gb", type=float, default=13.5, help="GPU adapter pool (H200 default: ~13.5 GiB)")
     p.add_argument("--max-tokens", type=int, default=8192)

@@ -68,7 +68,12 @@ def test_block_m_spans_give_choose_block_m_at_every_length():
 
 
 def _backend(
-    max_tokens: int, max_rank: int = 24, slots: int = 3, lora_dtype: str = "auto", design: str = "serial"
+    max_tokens: int,
+    max_rank: int = 24,
+    slots: int = 3,
+    lora_dtype: str = "auto",
+    design: str = "serial",
+    max_seqs: int | None = None,
 ) -> TritonLoraBackend:
     # Real projection widths, so that split-K (bounded by in_dim) takes every value it can.
     layout = LoraLayout.build(
@@ -77,10 +82,10 @@ def _backend(
     pool = LoraPool(
         layout, max_rank * slots, slots, torch.float32, torch.device("cpu"), lora_dtype
     )  # `slots` ids
-    return TritonLoraBackend(pool, max_tokens, design=design)
+    return TritonLoraBackend(pool, max_tokens, max_seqs, design=design)
 
 
-def _brute_force_keys(backend: TritonLoraBackend, padded: tuple[int, ...]) -> set[tuple]:
+def _brute_force_keys(backend: TritonLoraBackend, padded: tuple[int | tuple[int, int], ...]) -> set[tuple]:
     """Every (group, block_m, block_rank, shrink config, expand config) the backend can pick, from every
     token count, longest adapter run and tile count, without the plan's shortcuts."""
     backend.prepare([0], [])
@@ -105,9 +110,11 @@ def _brute_force_keys(backend: TritonLoraBackend, padded: tuple[int, ...]) -> se
         for t, bm, tiles in batches
         for br in rank_classes(backend.layout.max_rank)
     ]
-    for size in padded:
-        backend.prepare([0], [], pad_to=size)
-        infos.append(backend.batch_info)
+    for spec in padded:  # a decode size: each of its tile classes; (tokens, token tile): the bound's
+        size, block_m = spec if isinstance(spec, tuple) else (spec, None)
+        for c in backend.tile_classes(size, block_m) if block_m is None else (None,):
+            backend.prepare([0], [], pad_to=size, block_m=block_m, tile_class=c)
+            infos.append(replace(backend.batch_info, num_tiles=backend.tile_class))
     keys = set()
     for info in infos:
         for name, (shrink, expand, _) in backend.configs_for(info).items():
@@ -139,6 +146,37 @@ def test_lora_plan_is_exactly_what_the_heuristics_can_pick(sms, pdl, monkeypatch
     if pdl:  # a shrink config reached on both sides of the bound is two variants, both planned
         below = {(k[0], k[1], k[2], replace(k[3], pdl=False)) for k in want if k[3].pdl}
         assert below & {(k[0], k[1], k[2], k[3]) for k in want if not k[3].pdl}
+
+
+@pytest.mark.parametrize(
+    "max_tokens,max_rank,slots,lora_dtype,design,max_seqs",
+    [
+        (261, 64, 40, "auto", "fused", 40),  # odd size; the fused design's token bound inside a split-K cap
+        (517, 64, 5, "fp8", "serial", 24),  # past 512 tokens; e4m3 pool rows; few adapters (tile gaps)
+        (191, 16, 300, "int8", "side", None),  # more adapters than tokens
+        (130, 40, 2, "auto", "serial", 130),  # prefill fusion never reached (no batch passes max_seqs)
+    ],
+)
+def test_fast_lora_plan_is_the_brute_force_sweep(
+    max_tokens, max_rank, slots, lora_dtype, design, max_seqs, monkeypatch
+):
+    """The plan's shortcuts (token-count runs, bisected tile counts) against every token count, longest
+    run, tile count and rank class, with decode and step graph sizes, on a Hopper-like device."""
+    monkeypatch.setattr(device_info, "num_sms", lambda device: 132)
+    monkeypatch.setattr(device_info, "pdl", lambda device: True)
+    monkeypatch.setattr(device_info, "PDL_MAX_TILES", 24)
+    backend = _backend(max_tokens, max_rank, slots, lora_dtype, design, max_seqs)
+    padded = (1, 2, 4, 8, 16, 24, 32, 48, (64, 16), (max_tokens, 16))
+    planned = [launch.key for launch in lora_launches(backend, padded)]
+    assert len(planned) == len(set(planned)), "a variant planned twice"
+    assert set(planned) == _brute_force_keys(backend, padded)
+    for launch in lora_launches(backend, ()):  # each eager launch is a batch that serving can make
+        t, bm, tiles = launch.num_tokens, launch.block_m, launch.num_tiles
+        assert 1 <= t <= max_tokens and any(
+            choose_block_m(ml, t) == bm
+            and tile_range(t, ml, bm, slots)[0] <= tiles <= tile_range(t, ml, bm, slots)[1]
+            for ml in range(1, t + 1)
+        ), (t, bm, tiles)
 
 
 def test_lora_plan_holds_the_side_design_launches(monkeypatch):
