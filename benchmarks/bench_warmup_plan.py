@@ -77,16 +77,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=3)
     a = p.parse_args(argv)
     # The plan is computed on the CPU here, for the GPU these say (the heuristics read them from device_info).
-    device_info.num_sms = lambda device: a.sms
-    device_info.pdl = lambda device: bool(a.pdl)
+    saved = device_info.num_sms, device_info.pdl
+    device_info.num_sms, device_info.pdl = (lambda device: a.sms), (lambda device: bool(a.pdl))
     results = {}
-    for name, rank in CONFIGS.items():
-        r = results[name] = plan_seconds(rank, a)
-        print(
-            f"{name}: max rank {rank}, {r['ids']} ids: {r['lora_variants']} LoRA + {r['attention_variants']} "
-            f"attention variants; plan {r['total_s']:.3f} s (LoRA {r['lora_s']:.3f}, attention "
-            f"{r['attention_s']:.3f})"
-        )
+    try:
+        for name, rank in CONFIGS.items():
+            r = results[name] = plan_seconds(rank, a)
+            print(
+                f"{name}: max rank {rank}, {r['ids']} ids: {r['lora_variants']} LoRA + "
+                f"{r['attention_variants']} attention variants; plan {r['total_s']:.3f} s (LoRA "
+                f"{r['lora_s']:.3f}, attention {r['attention_s']:.3f})"
+            )
+    finally:
+        device_info.num_sms, device_info.pdl = saved
     if a.out_dir is not None:
         a.out_dir.mkdir(parents=True, exist_ok=True)
         (a.out_dir / "warmup_plan.json").write_text(json.dumps(results, indent=1))
