@@ -217,14 +217,16 @@ def attention_variants(
     longest query (1..max_tokens tokens), splits over every block count and context length."""
     group = num_heads // num_kv_heads
     rows = sorted({decode_block_m(q * group) for q in range(1, max_tokens + 1)})
+    keys = sorted(_key_samples(max_model_len))
+
+    def at(blocks: int) -> tuple[int, ...]:
+        return tuple(choose_splits(blocks, num_kv_heads, k, device) for k in keys)
+
     out = []
     for bm in rows:
         max_blocks = -(-max_tokens * group // bm) + min(max_seqs, max_tokens)  # a partial block per seq
-        splits = {
-            choose_splits(b, num_kv_heads, k, device)
-            for b in range(1, max_blocks + 1)
-            for k in _key_samples(max_model_len)
-        }
+        # every block count 1..max_blocks, bisected (for each key count, fewer splits as blocks grow)
+        splits = {s for _, _, answer in _pieces(at, 1, max_blocks) for s in answer}
         out.extend((bm, s) for s in sorted(splits))
     return out
 

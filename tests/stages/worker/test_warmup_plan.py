@@ -17,7 +17,7 @@ from kernels.batch_info import BatchInfoBuilder, choose_block_m, plan_runs, plan
 from kernels.fp8_gemm import MAX_M, choose_config
 from kernels.lora_expand_act import ExpandActConfig
 from kernels.lora_fused import FusedConfig
-from kernels.paged_attention import choose_splits, plan_blocks
+from kernels.paged_attention import choose_splits, decode_block_m, plan_blocks
 from runtime.common.lora_layout import LoraLayout
 from stages.worker.lora.pool import LoraPool
 from stages.worker.lora.triton_backend import TritonLoraBackend
@@ -243,6 +243,30 @@ def test_attention_plan_holds_every_choice_of_real_batches(sms, monkeypatch):
         chosen.add((bm, choose_splits(meta.shape[0], kv_heads, most_keys, "cpu")))
     assert chosen <= planned
     assert len({s for _, s in chosen}) > 1 and len({b for b, _ in chosen}) > 1
+
+
+@pytest.mark.parametrize(
+    "sms,heads,kv_heads,max_tokens,max_seqs,max_len",
+    [(132, 32, 8, 1000, 64, 2048), (4, 8, 1, 300, 16, 4096), (132, 16, 16, 777, 300, 1500)],
+)
+def test_attention_plan_is_the_sweep_over_every_block_count(
+    sms, heads, kv_heads, max_tokens, max_seqs, max_len, monkeypatch
+):
+    """The bisected block counts against the splits of every block count and sampled key count."""
+    monkeypatch.setattr(device_info, "num_sms", lambda device: sms)
+    group = heads // kv_heads
+    want = set()
+    for bm in {decode_block_m(q * group) for q in range(1, max_tokens + 1)}:
+        for blocks in range(1, -(-max_tokens * group // bm) + min(max_seqs, max_tokens) + 1):
+            for keys in {1, max_len, *(x for p in range(1, 14) for x in (2**p - 1, 2**p, 2**p + 1))}:
+                if keys <= max_len:
+                    want.add((bm, choose_splits(blocks, kv_heads, keys, "cpu")))
+    planned = attention_variants(
+        num_heads=heads, num_kv_heads=kv_heads, max_tokens=max_tokens, max_seqs=max_seqs,
+        max_model_len=max_len, device="cpu",
+    )  # fmt: skip
+    assert len(planned) == len(set(planned)) and set(planned) == want
+    assert len({s for _, s in want}) > 1
 
 
 @pytest.mark.parametrize("sms", [4, 132])
