@@ -1,6 +1,7 @@
 """The warm-up plan (`warmup_plan.py`), kept as a JSON file beside the compiled kernels it lists: a start
-on a filled compile cache (a restart, or a cache made by `lorapipe warmup`) reads it instead of sweeping
-every batch shape again, which takes seconds of host time.
+on a filled compile cache (a restart, or a cache made by `lorapipe warmup`) reads it instead of computing
+it again, and so knows that the graphs' kernels are in the cache too (`warmup.py` then skips their dry
+runs, seconds of host time).
 
 The file's name is a digest of everything the plan is computed from: the backend's sizes and choices,
 the device's SM count and dependent-launch setting, the graphs' padded sizes, the attention sizes, and

@@ -4,14 +4,17 @@ splits), so that the warm-up cannot drift from them. `warmup.py` launches the pl
 
 A variant is fixed by a kernel's constexprs and launch options (the integers that change per batch are
 either not passed or not specialised on). The heuristics see a batch only through host-known sizes:
-- LoRA (`TritonLoraBackend.configs_for`): token count T (through the split-K cap of the workspace),
-  tile count, token tile `block_m` (from the longest adapter run and T) and rank tile `block_rank`; and
-  the pool's row dtype (one per server: the model's, or e4m3 with `--lora-dtype fp8`).
-  Every T in 1..max_tokens is swept, with every longest run (in spans of one `block_m`), every tile
-  count a batch of T tokens can have (`tile_range`, the bounds of `kernels.batch_info.plan_tiles`)
-  and every rank class; padded batches (CUDA graphs: decode sizes, and the step graphs' token buckets
-  with their token tile) add their configurations, made by `prepare(pad_to=...)` itself: one for each
-  tile class of a decode size, one (the tile bound's) for a step graph.
+- LoRA (`TritonLoraBackend.configs_for`): token count T (through `token_class`: the split-K cap of
+  the workspace, and whether T passes the sequence bound), tile count, token tile `block_m` (from the
+  longest adapter run and T) and rank tile `block_rank`; and the pool's row dtype (one per server: the
+  model's, or e4m3 with `--lora-dtype fp8`). Every T in 1..max_tokens is covered, in runs of one token
+  class and one `block_m` shape (`token_classes`), with every longest run (in spans of one `block_m`),
+  every tile count a batch can have (`tile_range`, the bounds of `kernels.batch_info.plan_tiles`; the
+  configs asked only where bisection finds them change) and every rank class; the sweep over every T
+  stays the reference in `tests/stages/worker/test_warmup_plan.py`. Padded batches (CUDA graphs: decode
+  sizes, and the step graphs' token buckets with their token tile) add their configurations, made by
+  `prepare(pad_to=...)` itself: one for each tile class of a decode size, one (the tile bound's) for a
+  step graph.
 - attention (`kernels.paged_attention`): `block_m` from the rows of the longest query
   (`decode_block_m`) and the key splits (`choose_splits`) over every block count and context length.
 - the weight-only fp8 GEMM (`kernels.fp8_gemm.choose_config`), with fp8 base weights: each projection's
@@ -21,7 +24,7 @@ either not passed or not specialised on). The heuristics see a batch only throug
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -29,7 +32,7 @@ import numpy as np
 from kernels.batch_info import BatchInfo, block_rank_for, choose_block_m
 from kernels.fp8_gemm import GemmConfig, configs_for
 from kernels.paged_attention import choose_splits, decode_block_m
-from stages.worker.lora.triton_backend import TritonLoraBackend, split_cap, workspace_rows
+from stages.worker.lora.triton_backend import TritonLoraBackend
 from stages.worker.model.linear import Fp8Weight
 from stages.worker.model.weights import LayerWeights
 
@@ -65,23 +68,24 @@ def tile_range(num_tokens: int, max_len, block_m: int, num_slots: int) -> tuple:
     return first, first + k + np.minimum((budget - k) // block_m, k * ((max_len - 1) // block_m))
 
 
-def block_m_spans(num_tokens: int) -> list[tuple[int, int, int]]:
-    """[(first, last, block_m)]: the longest-run lengths 1..num_tokens in spans of one `choose_block_m`
-    answer. It is asked at both ends and each side of every power of two, and where two neighbouring
-    answers differ, the change is found by bisection (so any single threshold between them is exact;
-    `tests/stages/worker/test_warmup_plan.py` checks every length)."""
-    points = {1, num_tokens}
+def _pieces(f: Callable[[int], Hashable], first: int, last: int, powers: bool = True) -> list[tuple]:
+    """[(a, b, f(a))]: first..last in runs of one answer of `f`. It is asked at both ends (and, with
+    `powers`, each side of every power of two); where two neighbouring answers differ, both halves are
+    bisected until every change is found. Exact for an `f` that never comes back between two points to
+    an answer it left (each part of the answer monotone, as thresholds make it)."""
+    points = {first, last}
     p = 2
-    while p <= num_tokens:
-        points.update(x for x in (p - 1, p, p + 1) if x <= num_tokens)
+    while powers and p <= last:
+        points.update(x for x in (p - 1, p, p + 1) if first <= x <= last)
         p *= 2
-    marks = sorted(points)
-    answers = {x: choose_block_m(x, num_tokens) for x in marks}
-    for a, b in itertools.pairwise(marks):
-        while answers[a] != answers[b] and b - a > 1:
+    answers = {x: f(x) for x in points}
+    todo = list(itertools.pairwise(sorted(points)))
+    while todo:
+        a, b = todo.pop()
+        if b - a > 1 and answers[a] != answers[b]:
             mid = (a + b) // 2
-            answers[mid] = choose_block_m(mid, num_tokens)
-            a, b = (mid, b) if answers[mid] == answers[a] else (a, mid)
+            answers[mid] = f(mid)
+            todo += [(a, mid), (mid, b)]
     marks = sorted(answers)
     spans, start = [], marks[0]
     for a, b in itertools.pairwise(marks):
@@ -92,18 +96,34 @@ def block_m_spans(num_tokens: int) -> list[tuple[int, int, int]]:
     return spans
 
 
-def _reachable_tiles(max_tokens: int, num_slots: int) -> dict[tuple[int, int], np.ndarray]:
-    """{(split-K cap, block_m): first token count per tile count (0: unreachable)}, index = tiles."""
-    ws = workspace_rows(max_tokens)
-    first: dict[tuple[int, int], np.ndarray] = {}
-    for t in range(1, max_tokens + 1):
-        cap = split_cap(t, ws)
-        for a, b, bm in block_m_spans(t):
-            lo, hi = tile_range(t, np.arange(a, b + 1), bm, num_slots)
-            seen = first.setdefault((cap, bm), np.zeros(max_tokens + num_slots + 1, dtype=np.int64))
-            window = seen[int(lo.min()) : int(hi.max()) + 1]  # the spans of consecutive lengths overlap
-            window[window == 0] = t
-    return first
+def block_m_spans(num_tokens: int) -> list[tuple[int, int, int]]:
+    """[(first, last, block_m)]: the longest-run lengths 1..num_tokens in spans of one `choose_block_m`
+    answer (`tests/stages/worker/test_warmup_plan.py` checks every length)."""
+    return _pieces(lambda max_len: choose_block_m(max_len, num_tokens), 1, num_tokens)
+
+
+def token_classes(backend: TritonLoraBackend) -> list[tuple[int, int]]:
+    """[(first, last)]: the token counts 1..max_tokens in runs over which the configs read the same of
+    the token count (`token_class`) and `block_m_spans` has one shape (the same spans but the last, which
+    ends at the count). A run's batches thus give every longest run the token tile its last count gives
+    it, and each tile count those batches reach, its last count reaches too (adding base-only tokens to a
+    batch keeps its runs): the run's batches are its last count's."""
+
+    def shape(t: int) -> tuple:
+        spans = tuple((a, b if b < t else 0, bm) for a, b, bm in block_m_spans(t))
+        return backend.token_class(t), spans
+
+    return [(a, b) for a, b, _ in _pieces(shape, 1, backend.max_tokens)]
+
+
+def _merged(lo: np.ndarray, hi: np.ndarray) -> list[tuple[int, int]]:
+    """The union of the intervals [lo[i], hi[i]] of integers, as disjoint intervals, ascending."""
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], hi[order]
+    reach = np.maximum.accumulate(hi)
+    cut = np.flatnonzero(lo[1:] > reach[:-1] + 1) + 1  # a gap: the next interval starts past all before
+    starts, ends = np.r_[0, cut], np.r_[cut - 1, len(lo) - 1]
+    return [(int(a), int(b)) for a, b in zip(lo[starts], reach[ends], strict=True)]
 
 
 def lora_launches(
@@ -112,39 +132,57 @@ def lora_launches(
     """One launch per distinct LoRA kernel variant: eager batches of every size, tile count and rank
     class, then padded batches of each graph: a decode size, or (tokens, token tile) of a step graph.
     Leaves an empty batch prepared (its device header says 0 tiles, so the launches compile their
-    kernels and compute nothing)."""
+    kernels and compute nothing).
+
+    Eager batches: per token-count run (`token_classes`), token tile and rank class, the configs of each
+    interval of reachable tile counts are found by bisection (`_pieces`: as tiles grow, the configs never
+    come back to an answer they left, since each threshold on the tile count is crossed once: fewer
+    splits within one column block, then wider blocks, no dependent launch past a bound), asked once
+    per (token class, token tile, rank tile, tile count)."""
     backend.prepare([0], [])
     empty = backend.batch_info
     assert empty is not None
     launches: list[LoraLaunch] = []
     seen: set[tuple] = set()
 
-    def add(info: BatchInfo) -> None:
-        for name, (shrink, expand, _) in backend.configs_for(info).items():
-            key = (name, info.block_m, info.block_rank, shrink, expand, backend.pool.mem.dtype)
+    def add(info: BatchInfo) -> tuple:
+        """The variants of `info`'s configs, planned where new."""
+        found = tuple(
+            (name, info.block_m, info.block_rank, shrink, expand, backend.pool.mem.dtype)
+            for name, (shrink, expand, _) in backend.configs_for(info).items()
+        )
+        for key in found:
             if key not in seen:
                 seen.add(key)
                 launches.append(
-                    LoraLaunch(name, info.num_tokens, info.num_tiles, info.block_m, info.block_rank, key)
+                    LoraLaunch(key[0], info.num_tokens, info.num_tiles, info.block_m, info.block_rank, key)
                 )
+        return found
 
     num_slots = backend.pool.num_ids  # distinct adapters (runs) one batch can hold
     ranks = rank_classes(backend.layout.max_rank)
-    for (_, bm), first in sorted(_reachable_tiles(backend.max_tokens, num_slots).items()):
-        for tiles in np.flatnonzero(first):
-            t = int(first[tiles])
+    asked: dict[tuple, tuple] = {}
+    for _, t in token_classes(backend):
+        by_bm: dict[int, list[tuple]] = {}
+        for a, b, bm in block_m_spans(t):
+            by_bm.setdefault(bm, []).append(tile_range(t, np.arange(a, b + 1), bm, num_slots))
+        for bm, ranges in sorted(by_bm.items()):
+            merged = _merged(*(np.concatenate(x) for x in zip(*ranges, strict=True)))
             for br in ranks:
-                add(
-                    replace(
-                        empty,
-                        num_tokens=t,
-                        num_tiles=int(tiles),
-                        block_m=bm,
-                        max_len=min(t, int(tiles) * bm),
-                        block_rank=br,
-                        num_slots_used=min(num_slots, int(tiles)),
-                    )
-                )
+                for lo, hi in merged:
+
+                    def at(tiles: int, t=t, bm=bm, br=br) -> tuple:
+                        memo = (backend.token_class(t), bm, br, tiles)
+                        if memo not in asked:
+                            info = replace(
+                                empty, num_tokens=t, num_tiles=tiles, block_m=bm,
+                                max_len=min(t, tiles * bm), block_rank=br,
+                                num_slots_used=min(num_slots, tiles),
+                            )  # fmt: skip
+                            asked[memo] = add(info)
+                        return asked[memo]
+
+                    _pieces(at, int(lo), int(hi), powers=False)
     for spec in padded_sizes:
         size, block_m = spec if isinstance(spec, tuple) else (spec, None)
         # Decode graphs (a size alone) have a graph per tile class; step graphs use the tile bound.
@@ -179,14 +217,16 @@ def attention_variants(
     longest query (1..max_tokens tokens), splits over every block count and context length."""
     group = num_heads // num_kv_heads
     rows = sorted({decode_block_m(q * group) for q in range(1, max_tokens + 1)})
+    keys = sorted(_key_samples(max_model_len))
+
+    def at(blocks: int) -> tuple[int, ...]:
+        return tuple(choose_splits(blocks, num_kv_heads, k, device) for k in keys)
+
     out = []
     for bm in rows:
         max_blocks = -(-max_tokens * group // bm) + min(max_seqs, max_tokens)  # a partial block per seq
-        splits = {
-            choose_splits(b, num_kv_heads, k, device)
-            for b in range(1, max_blocks + 1)
-            for k in _key_samples(max_model_len)
-        }
+        # every block count 1..max_blocks, bisected (for each key count, fewer splits as blocks grow)
+        splits = {s for _, _, answer in _pieces(at, 1, max_blocks) for s in answer}
         out.extend((bm, s) for s in sorted(splits))
     return out
 

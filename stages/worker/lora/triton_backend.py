@@ -205,17 +205,22 @@ class TritonLoraBackend(LoraBackend):
             cached = self._padded_configs[key] = self._make_configs(replace(info, num_tiles=tile_class))
         self._configs, self._info, self.tile_class = cached, info, tile_class
 
+    def token_class(self, num_tokens: int) -> tuple[int, bool]:
+        """All that a batch's configs read of its token count (the warm-up plan relies on it): the split-K
+        cap of the workspace, and whether it has more tokens than sequences (so holds prefill runs)."""
+        return split_cap(num_tokens, self._ws_rows), num_tokens > (self.max_seqs or FUSE_MIN_TOKENS)
+
     def _make_configs(self, info: BatchInfo) -> dict[str, Configs]:
-        max_split = split_cap(info.num_tokens, self._ws_rows)
+        max_split, prefill = self.token_class(info.num_tokens)
         # x in the model's dtype, A as the pool's rows hold it
         operand_bytes = (self.pool.dtype.itemsize, self.pool.mem.dtype.itemsize)
         configs = {}
         for g in self.layout.groups:
             shrink_cfg = shrink_config(info, g.in_dim, g.num_slices, max_split, operand_bytes=operand_bytes)
             v = self.shrink_output(info, g, shrink_cfg)
-            if self.fuses(g) and info.num_tokens > (self.max_seqs or FUSE_MIN_TOKENS):
+            if self.fuses(g) and prefill:
                 expand_cfg = expand_act_config(info, g.out_dims, v.shape[0])  # both kernels' configs
-            elif self.design == "fused" and info.num_tokens <= (self.max_seqs or FUSE_MIN_TOKENS):
+            elif self.design == "fused" and not prefill:
                 shrink_cfg = replace(shrink_cfg, reduce=False)  # the expand programs sum the partials
                 v = self.shrink_output(info, g, shrink_cfg)
                 expand_cfg = FusedConfig(expand_config(info, g.out_dims, shrink_cfg.split_k))

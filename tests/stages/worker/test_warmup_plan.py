@@ -17,7 +17,7 @@ from kernels.batch_info import BatchInfoBuilder, choose_block_m, plan_runs, plan
 from kernels.fp8_gemm import MAX_M, choose_config
 from kernels.lora_expand_act import ExpandActConfig
 from kernels.lora_fused import FusedConfig
-from kernels.paged_attention import choose_splits, plan_blocks
+from kernels.paged_attention import choose_splits, decode_block_m, plan_blocks
 from runtime.common.lora_layout import LoraLayout
 from stages.worker.lora.pool import LoraPool
 from stages.worker.lora.triton_backend import TritonLoraBackend
@@ -68,7 +68,12 @@ def test_block_m_spans_give_choose_block_m_at_every_length():
 
 
 def _backend(
-    max_tokens: int, max_rank: int = 24, slots: int = 3, lora_dtype: str = "auto", design: str = "serial"
+    max_tokens: int,
+    max_rank: int = 24,
+    slots: int = 3,
+    lora_dtype: str = "auto",
+    design: str = "serial",
+    max_seqs: int | None = None,
 ) -> TritonLoraBackend:
     # Real projection widths, so that split-K (bounded by in_dim) takes every value it can.
     layout = LoraLayout.build(
@@ -77,10 +82,10 @@ def _backend(
     pool = LoraPool(
         layout, max_rank * slots, slots, torch.float32, torch.device("cpu"), lora_dtype
     )  # `slots` ids
-    return TritonLoraBackend(pool, max_tokens, design=design)
+    return TritonLoraBackend(pool, max_tokens, max_seqs, design=design)
 
 
-def _brute_force_keys(backend: TritonLoraBackend, padded: tuple[int, ...]) -> set[tuple]:
+def _brute_force_keys(backend: TritonLoraBackend, padded: tuple[int | tuple[int, int], ...]) -> set[tuple]:
     """Every (group, block_m, block_rank, shrink config, expand config) the backend can pick, from every
     token count, longest adapter run and tile count, without the plan's shortcuts."""
     backend.prepare([0], [])
@@ -105,9 +110,11 @@ def _brute_force_keys(backend: TritonLoraBackend, padded: tuple[int, ...]) -> se
         for t, bm, tiles in batches
         for br in rank_classes(backend.layout.max_rank)
     ]
-    for size in padded:
-        backend.prepare([0], [], pad_to=size)
-        infos.append(backend.batch_info)
+    for spec in padded:  # a decode size: each of its tile classes; (tokens, token tile): the bound's
+        size, block_m = spec if isinstance(spec, tuple) else (spec, None)
+        for c in backend.tile_classes(size, block_m) if block_m is None else (None,):
+            backend.prepare([0], [], pad_to=size, block_m=block_m, tile_class=c)
+            infos.append(replace(backend.batch_info, num_tiles=backend.tile_class))
     keys = set()
     for info in infos:
         for name, (shrink, expand, _) in backend.configs_for(info).items():
@@ -139,6 +146,37 @@ def test_lora_plan_is_exactly_what_the_heuristics_can_pick(sms, pdl, monkeypatch
     if pdl:  # a shrink config reached on both sides of the bound is two variants, both planned
         below = {(k[0], k[1], k[2], replace(k[3], pdl=False)) for k in want if k[3].pdl}
         assert below & {(k[0], k[1], k[2], k[3]) for k in want if not k[3].pdl}
+
+
+@pytest.mark.parametrize(
+    "max_tokens,max_rank,slots,lora_dtype,design,max_seqs",
+    [
+        (261, 64, 40, "auto", "fused", 40),  # odd size; the fused design's token bound inside a split-K cap
+        (517, 64, 5, "fp8", "serial", 24),  # past 512 tokens; e4m3 pool rows; few adapters (tile gaps)
+        (191, 16, 300, "int8", "side", None),  # more adapters than tokens
+        (130, 40, 2, "auto", "serial", 130),  # prefill fusion never reached (no batch passes max_seqs)
+    ],
+)
+def test_fast_lora_plan_is_the_brute_force_sweep(
+    max_tokens, max_rank, slots, lora_dtype, design, max_seqs, monkeypatch
+):
+    """The plan's shortcuts (token-count runs, bisected tile counts) against every token count, longest
+    run, tile count and rank class, with decode and step graph sizes, on a Hopper-like device."""
+    monkeypatch.setattr(device_info, "num_sms", lambda device: 132)
+    monkeypatch.setattr(device_info, "pdl", lambda device: True)
+    monkeypatch.setattr(device_info, "PDL_MAX_TILES", 24)
+    backend = _backend(max_tokens, max_rank, slots, lora_dtype, design, max_seqs)
+    padded = (1, 2, 4, 8, 16, 24, 32, 48, (64, 16), (max_tokens, 16))
+    planned = [launch.key for launch in lora_launches(backend, padded)]
+    assert len(planned) == len(set(planned)), "a variant planned twice"
+    assert set(planned) == _brute_force_keys(backend, padded)
+    for launch in lora_launches(backend, ()):  # each eager launch is a batch that serving can make
+        t, bm, tiles = launch.num_tokens, launch.block_m, launch.num_tiles
+        assert 1 <= t <= max_tokens and any(
+            choose_block_m(ml, t) == bm
+            and tile_range(t, ml, bm, slots)[0] <= tiles <= tile_range(t, ml, bm, slots)[1]
+            for ml in range(1, t + 1)
+        ), (t, bm, tiles)
 
 
 def test_lora_plan_holds_the_side_design_launches(monkeypatch):
@@ -205,6 +243,30 @@ def test_attention_plan_holds_every_choice_of_real_batches(sms, monkeypatch):
         chosen.add((bm, choose_splits(meta.shape[0], kv_heads, most_keys, "cpu")))
     assert chosen <= planned
     assert len({s for _, s in chosen}) > 1 and len({b for b, _ in chosen}) > 1
+
+
+@pytest.mark.parametrize(
+    "sms,heads,kv_heads,max_tokens,max_seqs,max_len",
+    [(132, 32, 8, 1000, 64, 2048), (4, 8, 1, 300, 16, 4096), (132, 16, 16, 777, 300, 1500)],
+)
+def test_attention_plan_is_the_sweep_over_every_block_count(
+    sms, heads, kv_heads, max_tokens, max_seqs, max_len, monkeypatch
+):
+    """The bisected block counts against the splits of every block count and sampled key count."""
+    monkeypatch.setattr(device_info, "num_sms", lambda device: sms)
+    group = heads // kv_heads
+    want = set()
+    for bm in {decode_block_m(q * group) for q in range(1, max_tokens + 1)}:
+        for blocks in range(1, -(-max_tokens * group // bm) + min(max_seqs, max_tokens) + 1):
+            for keys in {1, max_len, *(x for p in range(1, 14) for x in (2**p - 1, 2**p, 2**p + 1))}:
+                if keys <= max_len:
+                    want.add((bm, choose_splits(blocks, kv_heads, keys, "cpu")))
+    planned = attention_variants(
+        num_heads=heads, num_kv_heads=kv_heads, max_tokens=max_tokens, max_seqs=max_seqs,
+        max_model_len=max_len, device="cpu",
+    )  # fmt: skip
+    assert len(planned) == len(set(planned)) and set(planned) == want
+    assert len({s for _, s in want}) > 1
 
 
 @pytest.mark.parametrize("sms", [4, 132])
