@@ -186,3 +186,12 @@ def reference(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, k:
     top = x.topk(k, dim=-1)  # [M, k] each
     values = torch.cat((x.gather(1, tokens.long().view(-1, 1)), top.values), dim=1) - lse  # [M, 1 + k]
     return torch.cat((values.view(torch.int32), top.indices.to(torch.int32)), dim=1)
+
+
+def warm(device: torch.device, vocab: int) -> None:
+    """Launch both kernels once as a sampling step does (float32 logits [N, vocab] with contiguous rows,
+    int64 rows and tokens): compiles or loads the one specialization serving uses (row counts, k and
+    splits are not specialized on)."""
+    logits = torch.zeros((1, vocab), dtype=torch.float32, device=device)
+    index = torch.zeros(1, dtype=torch.int64, device=device)
+    top_logprobs(logits, index, index, 1)
