@@ -2,7 +2,8 @@
 torch ops it replaced (`reference`: float32 copy, logsumexp, topk, gather), device µs per call over
 a sweep of rows (requests that ask) and k, on float32 logits of a real vocabulary; and the host µs of
 turning one step's results into TokenLogprobs (`StepLogprobs.entries`). Every case checks that both
-paths agree (ids exactly where no logits tie; values within 1e-4).
+paths agree (ids exactly where no logits tie; values within 1e-4). Each case also times the kernel at
+fixed vocabulary splits (1 to 64 chunks a row) against the heuristic's choice.
 
     python -m benchmarks.bench_top_logprobs OUT_DIR [--vocab 128256] [--rows 1,8,64,256] [--ks 1,5,20]
         [--iters 50]
@@ -27,11 +28,17 @@ from stages.worker.token_logprobs import StepLogprobs  # noqa: E402
 
 
 def device_us(fn, iters: int) -> float:
-    """Median device µs of `fn` over `iters` calls, each between its own pair of events."""
+    """Median device µs of `fn` over `iters` calls, each between its own pair of events (on the CPU, a
+    plumbing check under TRITON_INTERPRET=1: wall µs)."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(iters):
+        if not torch.cuda.is_available():
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e6)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -41,14 +48,15 @@ def device_us(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def host_us(rows: int, k: int, vocab: int, iters: int) -> float:
+def host_us(rows: int, k: int, vocab: int, iters: int, dev: torch.device) -> float:
     """Median host µs of `entries()` for `rows` requests of top count k (results already on the host)."""
-    logits = torch.randn(rows, vocab, device="cuda")
+    logits = torch.randn(rows, vocab, device=dev)
     wanted = [(i, k) for i in range(rows)]
-    idx = torch.arange(rows, device="cuda")
+    idx = torch.arange(rows, device=dev)
     step = StepLogprobs(logits, idx, idx, wanted)
     step.to_host()
-    torch.cuda.synchronize()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         t = time.perf_counter()
@@ -65,10 +73,10 @@ def main() -> None:
     ap.add_argument("--ks", default="1,5,20")
     ap.add_argument("--iters", type=int, default=50)
     a = ap.parse_args()
-    dev = torch.device("cuda")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results = []
-    print("| rows | k | splits | torch µs | kernel µs | speed-up | entries() host µs |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| rows | k | splits | torch µs | kernel µs | speed-up | best splits (µs) | entries() host µs |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for m in map(int, a.rows.split(",")):
         logits = torch.randn(max(m, 1), a.vocab, device=dev) * 4  # [M, V] float32, as the runner returns
         rows = torch.randperm(m, device=dev)
@@ -83,16 +91,23 @@ def main() -> None:
                 )
             old = device_us(lambda: reference(logits, rows, tokens, k), a.iters)  # noqa: B023
             new = device_us(lambda: top_logprobs(logits, rows, tokens, k), a.iters)  # noqa: B023
-            host = host_us(m, k, a.vocab, a.iters)
+            by_splits = {
+                s: device_us(lambda: top_logprobs(logits, rows, tokens, k, s), a.iters)  # noqa: B023
+                for s in (1, 2, 4, 8, 16, 64)
+            }
+            best = min(by_splits, key=by_splits.get)
+            host = host_us(m, k, a.vocab, a.iters, dev)
             row = dict(rows=m, k=k, vocab=a.vocab, splits=splits_for(m, a.vocab, dev), torch_us=old)
-            row |= dict(kernel_us=new, speedup=old / new, entries_host_us=host)
+            row |= dict(kernel_us=new, speedup=old / new, by_splits_us=by_splits, entries_host_us=host)
             results.append(row)
             print(
-                f"| {m} | {k} | {row['splits']} | {old:.1f} | {new:.1f} | {old / new:.1f}x | {host:.1f} |",
+                f"| {m} | {k} | {row['splits']} | {old:.1f} | {new:.1f} | {old / new:.1f}x "
+                f"| {best} ({by_splits[best]:.1f}) | {host:.1f} |",
                 flush=True,
             )
     a.out.mkdir(parents=True, exist_ok=True)
-    info = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)"
+    info = {"device": name, "torch": torch.__version__}
     (a.out / "top_logprobs.json").write_text(json.dumps({"info": info, "results": results}, indent=1))
 
 

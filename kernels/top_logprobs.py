@@ -19,7 +19,7 @@ KP = 32  # lanes of a running top-k set: holds any k up to MAX_K
 MAX_K = 20  # proto.sampling.MAX_LOGPROBS
 BLOCK = 2048  # vocabulary columns a program reads per tile
 MAX_SPLITS = 64  # vocabulary chunks per row at most (the merge reads them in one tile)
-PROGRAMS_PER_SM = 4  # chunk programs to aim for per SM, so that a few rows still fill the device
+PROGRAMS_PER_SM = 4  # chunk programs an SM holds at once (8 warps of 63 registers a thread, on sm_90)
 I64_MIN: tl.constexpr = tl.constexpr(-(2**63))
 I64_MAX: tl.constexpr = tl.constexpr(2**63 - 1)
 
@@ -73,10 +73,14 @@ def _chunk_kernel(
     acc = 0.0
     start = s * chunk
     end = tl.minimum(start + chunk, vocab)
+    col = start + tl.arange(0, BLOCK)
+    ahead = tl.load(base + col, mask=col < end, other=-float("inf"))
     for off in range(start, end, BLOCK):
         col = off + tl.arange(0, BLOCK)
         ok = col < end
-        x = tl.load(base + col, mask=ok, other=-float("inf")).to(tl.float32)
+        x = ahead.to(tl.float32)
+        # the next tile's load is issued before this tile's work, so two tiles are in flight
+        ahead = tl.load(base + col + BLOCK, mask=col + BLOCK < end, other=-float("inf"))
         key = tl.where(ok, _keys(x, col), I64_MIN)  # [BLOCK]
         top = tl.max(key, axis=0)
         # running max and sum of exp(x - max), the max shifted to 0 when infinite (as torch.logsumexp)
@@ -140,8 +144,9 @@ def _merge_kernel(
 
 
 def splits_for(num_rows: int, vocab: int, device: torch.device) -> int:
-    """Vocabulary chunks per row: enough programs to fill the device, at least one tile each."""
-    want = -(-PROGRAMS_PER_SM * device_info.num_sms(device) // max(1, num_rows))
+    """Vocabulary chunks per row: as many programs as the device holds at once (a second, partial wave
+    would cost as much as the first), at least one tile each."""
+    want = PROGRAMS_PER_SM * device_info.num_sms(device) // max(1, num_rows)
     return max(1, min(MAX_SPLITS, -(-vocab // BLOCK), want))
 
 
