@@ -1,10 +1,10 @@
-"""Log-probabilities of one sampled token per row and the row's k likeliest tokens (k <= 20, OpenAI's
-top_logprobs limit), reading each wanted row of the logits once, in its own dtype: `top_logprobs(logits,
-rows, tokens, k)`. Replaces a float32 copy, torch's composite logsumexp (max, subtract, exp, sum: several
-passes over [M, V]) and a radix-select top-k with two launches: programs over (row, vocabulary chunk)
-keep a running max and sum of exponentials and a running top-k set, and one program per row merges its
-chunks. Order: likeliest first, equal logits towards the lower token id (torch.topk leaves ties in no
-set order). `reference` is the same function in torch."""
+"""Log-probabilities of one sampled token per row and the row's k likeliest tokens (k <= 32; requests
+ask for at most 20, OpenAI's limit), reading each wanted row of the logits once, in its own dtype:
+`top_logprobs(logits, rows, tokens, k)`. Replaces a float32 copy, torch's composite logsumexp (max,
+subtract, exp, sum: several passes over [M, V]) and a radix-select top-k with two launches: programs
+over (row, vocabulary chunk) keep a running max and sum of exponentials and a running top-k set, and
+one program per row merges its chunks. Order: likeliest first, equal logits towards the lower token id
+(torch.topk leaves ties in no set order). `reference` is the same function in torch."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ import triton.language as tl
 from kernels import device_info
 from kernels.batch_info import next_pow2
 
-KP = 32  # lanes of a running top-k set: holds any k up to MAX_K
-MAX_K = 20  # proto.sampling.MAX_LOGPROBS
+KP = 32  # lanes of a running top-k set: any k up to it (requests ask for at most 20)
 BLOCK = 2048  # vocabulary columns a program reads per tile
 MAX_SPLITS = 64  # vocabulary chunks per row at most (the merge reads them in one tile)
 PROGRAMS_PER_SM = 4  # chunk programs an SM holds at once (8 warps of 63 registers a thread, on sm_90)
@@ -163,8 +162,8 @@ def top_logprobs(
     m, vocab = rows.shape[0], logits.shape[1]
     if tokens.shape != (m,) or rows.dim() != 1 or not rows.device == logits.device == tokens.device:
         raise ValueError(f"top_logprobs: rows {tuple(rows.shape)} and tokens {tuple(tokens.shape)} differ")
-    if not 0 <= k <= min(MAX_K, vocab):
-        raise ValueError(f"top_logprobs: k must be in [0, {min(MAX_K, vocab)}], got {k}")
+    if not 0 <= k <= min(KP, vocab):
+        raise ValueError(f"top_logprobs: k must be in [0, {min(KP, vocab)}], got {k}")
     out = torch.empty((m, 1 + 2 * k), dtype=torch.int32, device=logits.device)
     if m == 0:
         return out
