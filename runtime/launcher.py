@@ -12,6 +12,7 @@ import shutil
 import signal
 import stat
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -36,7 +37,7 @@ from runtime.serve_args import ServeArgs, ServeArgsError
 from runtime.serve_checks import validate
 from runtime.stage_configs import compile_cache_dir, stage_configs
 from runtime.supervisor import RestartBudget, StageProcess, describe_exit, log
-from stages.worker.startup import process_age
+from stages.worker.startup import Phases, process_age
 
 STAGES = ("loader", "worker", "scheduler", "tokenizer")  # spawn order
 SHUTDOWN_ORDER = ("tokenizer", "scheduler", "worker", "loader")  # the front stops taking requests first
@@ -86,6 +87,7 @@ class Launcher:
         self._supervisor: asyncio.Task[int] | None = None
         self._restarts = {name: RestartBudget() for name in RESTARTABLE}
         self._output: TextIO | None = None
+        self.ready_at: dict[str, float | None] = {}  # each stage's Ready, seconds after launch
 
     # --- public ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -163,7 +165,11 @@ class Launcher:
     # --- start-up -------------------------------------------------------------------------------------
     async def _start(self) -> None:
         args = self.args
-        model_cfg = self._model_cfg or validate(args)
+        # the launcher's own part of the start-up, in the order it runs (the log line at spawn)
+        steps = Phases()
+        steps.add("interpreter and imports", process_age() or 0.0)
+        model_cfg = self._model_cfg or steps.run("checks", validate, args)
+        mark = time.perf_counter()
         self.run_dir = make_run_dir()
         self.endpoints = Endpoints.in_run_dir(self.run_dir, client=args.endpoint)
         self.control = ControlChannel(self.endpoints.control, self._on_control)  # bound before any stage
@@ -174,8 +180,10 @@ class Launcher:
                 self.metrics.start(args.metrics_port)
             except OSError as exc:
                 raise LaunchError(f"--metrics-port {args.metrics_port}: {exc}") from None
-        pool_name, pool_bytes = self._init_pool(model_cfg)
-        configs = stage_configs(args, model_cfg, self.endpoints, pool_name, pool_bytes)
+        steps.add("sockets", time.perf_counter() - mark)
+        pool_name, pool_bytes = steps.run("host cache", self._init_pool, model_cfg)
+        configs = steps.run("configs", stage_configs, args, model_cfg, self.endpoints, pool_name, pool_bytes)
+        mark = time.perf_counter()
         if args.log_file:
             try:
                 self._output = open(args.log_file, "a")  # noqa: SIM115 (closed in close())
@@ -191,8 +199,15 @@ class Launcher:
             )
         for name in STAGES:
             await self.stages[name].start()
-        log.info("stages spawned %s after launch", _since_launch())
+        steps.add("spawning", time.perf_counter() - mark)
+        log.info("stages spawned %s after launch (%s)", _since_launch(), steps.line(2))
         await self._wait_ready()
+        order = sorted(self.ready_at.items(), key=lambda kv: kv[1] if kv[1] is not None else float("inf"))
+        log.info(
+            "start-up: every stage ready %s after launch; each stage's Ready: %s",
+            _since_launch(),
+            ", ".join(f"{n} {'?' if t is None else f'{t:.2f} s'}" for n, t in order),
+        )
 
     def _init_pool(self, model_cfg: Any) -> tuple[str, int]:
         from runtime.common.host_pool import create_pool
@@ -239,6 +254,7 @@ class Launcher:
                     return
                 if proc is not None:
                     proc.ready = True
+                self.ready_at.setdefault(stage, process_age())
                 log.info("stage %r ready (pid %d) %s after launch", stage, msg.pid, _since_launch())
                 self._events.put_nowait(("ready", stage))
             case FatalError(message=message):

@@ -3,6 +3,8 @@ of per-sequence inputs into one forward pass (tokens grouped by adapter id) and 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kernels.host_copy import IndexUploads
@@ -59,6 +61,10 @@ class ModelRunner:
         this process is one rank of a tensor-parallel group; it holds that rank's shard of the weights,
         KV heads and adapter pool (`model_cfg` is then the rank's view, `full_cfg` the model's).
         `on_warmup`: hears the warm-up's progress (steps done, total)."""
+        # what each part of the start-up took (the worker logs it at ready); together they are the
+        # constructor's whole wall time
+        self.phases = Phases()
+        init_start = time.perf_counter()
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.tp = tp
@@ -75,12 +81,13 @@ class ModelRunner:
         self.pointwise_backend = resolve_pointwise(cfg.pointwise_backend, self.device)
         # gather indices of a step's logits rows, uploaded without queueing behind adapter copies
         self.index_uploads = IndexUploads(self.max_seqs, self.device)
-        self.phases = Phases()  # what each part of the start-up took (the worker logs it at ready)
         # whether the compile cache holds every kernel of this start-up already (then no compile pool)
         cuda_warmup = cfg.warmup and self.device.type == "cuda"
         marker = WarmMarker(cfg, self.model_cfg, self.device) if cuda_warmup else None
         # the pool's processes start while the weights load
         compile_pool = start_compiling(self.device, cfg.warmup, marker)
+        # the config, the backends' choice, torch's CUDA state, the cache's namespace and marker
+        self.phases.add("runner init", time.perf_counter() - init_start)
         try:
             inits = (self._init_model, self._init_lora, self._init_kv_cache, self._init_graphs)
             for name, init in zip(("weights", "adapter pool", "KV cache", "graph setup"), inits, strict=True):
@@ -91,11 +98,12 @@ class ModelRunner:
                 )
         finally:
             if compile_pool is not None:
-                compile_pool.close()
+                self.phases.run("compile pool exit", compile_pool.close)
         self.capture_compiled: list[str] = []  # kernels capture compiled (the warm-up plan should hold them)
         self.phases.run("graph capture", self._capture_graphs)
         if marker is not None and self.warmup.plan:
-            marker.settle(self.warmup.plan, clean=not self.warmup.compiled_here and not self.capture_compiled)
+            clean = not self.warmup.compiled_here and not self.capture_compiled
+            self.phases.run("cache marker", marker.settle, self.warmup.plan, clean)
 
     def _init_model(self) -> None:
         # `host_layout`: how the loader packs adapters (the whole model's); `lora_layout`: this pool's
