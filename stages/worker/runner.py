@@ -13,7 +13,7 @@ from runtime.common.model_config import ModelConfig, parse_dtype
 from runtime.common.packed import PackedAdapter
 from runtime.common.quant_config import check_quantization
 from stages.worker.decode_graphs import DecodeGraphs
-from stages.worker.graph_capture import caches_kept, graph_pool_bytes
+from stages.worker.graph_capture import graph_pool_bytes
 from stages.worker.lora.backend import slot_segments
 from stages.worker.lora.factory import make_backend
 from stages.worker.lora.pool import LoraPool, Runs, default_pool_bytes, pool_geometry
@@ -216,12 +216,17 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         """Step graphs first (the largest buckets), then decode graphs, into the shared pool; the memory
-        it took is kept for the log."""
+        it took is kept for the log. The allocator's cache is emptied once before them (what the warm-up
+        left cached goes back, so the pool has the room the KV cache's sizing kept), and no capture waits
+        for the device (`graph_capture.recording`): what stays cached is at most the eager run of the
+        largest bucket, captured first, which that sizing keeps room for beside the graph pool."""
         if self.graphs is None and self.step_graphs is None:
             return
         from stages.worker.compile_pool import counting_compiles
 
-        with torch.inference_mode(), counting_compiles(self.capture_compiled), caches_kept():
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        with torch.inference_mode(), counting_compiles(self.capture_compiled):
             if self.step_graphs is not None:
                 self.step_graphs.capture_all()
             if self.graphs is not None:
