@@ -33,29 +33,37 @@ def _ready_seconds(endpoint: str, since: float, deadline_s: float) -> float:
         raise AssertionError("never ready")
 
 
-def test_every_second_to_ready_is_attributed(tiny_llama, llama_adapters, tmp_path):
+def start_up(model, adapters, tmp_path, device: str, *flags: str) -> tuple[dict, float]:
+    """Start a server, time it to its first ok health reply, stop it; its log read by the report, and that
+    time."""
     port = free_port()
     cmd = [
-        sys.executable, "-m", "runtime.cli", "serve", "--model", str(tiny_llama), "--device", "cpu",
+        sys.executable, "-m", "runtime.cli", "serve", "--model", str(model), "--device", device,
         "--endpoint", f"tcp://127.0.0.1:{port}", "--metrics-port", "-1", "--port", "0",
-        "--compile-cache-dir", str(tmp_path / "cache"),
+        "--compile-cache-dir", str(tmp_path / "cache"), *flags,
     ]  # fmt: skip
-    for name, path in llama_adapters.items():
+    for name, path in adapters.items():
         cmd += ["--adapter", f"{name}={path}"]
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log_file:
         since = time.time()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log_file, text=True)
         try:
-            ready_s = _ready_seconds(f"tcp://127.0.0.1:{port}", since, 120)
+            ready_s = _ready_seconds(f"tcp://127.0.0.1:{port}", since, 600)
             wait_for_banner(proc, 60)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
     log = read_log(log_path)
+    assert log["worker_timeline"] is not None, log_path.read_text()
+    return log, ready_s
+
+
+def check_timeline(log: dict, ready_s: float, runner_parts: list[str]) -> list[tuple[str, float]]:
+    """The worker's parts are the ones named, in order, and add up; the launcher's and the Ready come in
+    order; the report's timeline adds up to `ready_s` with next to nothing unattributed. Returns it."""
     w = log["worker_timeline"]
-    assert w is not None, log_path.read_text()
-    assert [n for n, _ in w["runner"]] == [*WORKER_PARTS, "rest of the runner"]
+    assert [n for n, _ in w["runner"]] == [*runner_parts, "rest of the runner"]
     assert [n for n, _ in w["after"]] == AFTER_RUNNER
     assert all(s >= 0 for _, s in w["runner"] + w["after"])
     # the worker's parts follow each other from its process start to WorkerStarted on the wire
@@ -70,6 +78,12 @@ def test_every_second_to_ready_is_attributed(tiny_llama, llama_adapters, tmp_pat
     parts = timeline(log, ready_s)
     assert abs(sum(s for _, s in parts) - ready_s) < 1e-9
     assert parts[-1][0] == "unattributed" and abs(parts[-1][1]) < 0.1
-    row = {**log, "label": "cpu", "ready_s": ready_s, "timeline": parts}
-    text = table({"servers": {"cpu": row}, "weights_read_s": None, "warmup_cli_s": None, "checks": []})
+    row = {**log, "label": "server", "ready_s": ready_s, "timeline": parts}
+    text = table({"servers": {"s": row}, "weights_read_s": None, "warmup_cli_s": None, "checks": []})
     assert "| worker: graph capture |" in text and "| unattributed |" in text
+    return parts
+
+
+def test_every_second_to_ready_is_attributed(tiny_llama, llama_adapters, tmp_path):
+    log, ready_s = start_up(tiny_llama, llama_adapters, tmp_path, "cpu")
+    check_timeline(log, ready_s, WORKER_PARTS)
