@@ -1,7 +1,9 @@
 """`python -m stages.worker CONFIG.json`: run the gpu-worker stage (the launcher writes the config). On
 CUDA the device's primary context is made on a thread first, while the stage's modules (torch among
-them) import: seconds of the start-up that would otherwise follow each other."""
+them) import: seconds of the start-up that would otherwise follow each other. What the imports made is
+then frozen out of the garbage collector's scans."""
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -24,4 +26,8 @@ if __name__ == "__main__":
     from stages.worker.actor import WorkerActor
     from stages.worker.config import WorkerConfig
 
+    # What the imports made lives as long as the process: frozen now, it is left out of the collection
+    # that follows setup (runtime/base/gc_pauses.py), which then scans only what the start-up made, while
+    # WorkerStarted waits for it. Thawed with the rest when the stage ends.
+    gc.freeze()
     stage_main(WorkerActor, WorkerConfig)

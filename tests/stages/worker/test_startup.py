@@ -68,3 +68,19 @@ def test_a_child_tells_when_it_started_on_its_parents_clock():
     assert before - 0.02 <= started <= after + 0.02  # clock ticks: 10 ms
     assert own >= 0.3 and abs(parent - own - started) < 0.03
     assert process_age(2**22 + 1) is None  # past pid_max: no such process
+
+
+def test_the_worker_stage_freezes_what_its_imports_made_before_it_starts():
+    """`python -m stages.worker` freezes the objects its imports made before the stage runs, so the
+    collection after setup (while WorkerStarted waits) scans only what the start-up made. The stage's
+    entry point is replaced here by one that reports the frozen count (nothing else runs)."""
+    code = (
+        "import gc, runpy, sys\n"
+        "import runtime.base.actor as actor\n"
+        "actor.stage_main = lambda make, config_type: print(gc.get_freeze_count(), flush=True)\n"
+        "sys.argv = ['stages.worker', 'no-config.json']\n"
+        "runpy.run_module('stages.worker', run_name='__main__')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert int(out.stdout.split()[0]) > 50_000  # torch's and the worker's modules, their functions...
