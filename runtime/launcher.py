@@ -167,7 +167,8 @@ class Launcher:
         args = self.args
         # the launcher's own part of the start-up, in the order it runs (the log line at spawn)
         steps = Phases()
-        steps.add("interpreter and imports", process_age() or 0.0)
+        # before the launcher: the interpreter, the imports and the CLI's argument checks
+        steps.add("interpreter, imports, argument checks", process_age() or 0.0)
         model_cfg = self._model_cfg or steps.run("checks", validate, args)
         mark = time.perf_counter()
         self.run_dir = make_run_dir()

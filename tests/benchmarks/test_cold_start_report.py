@@ -62,7 +62,7 @@ def test_report_reads_logs_and_judges_targets(tmp_path):
 def test_timeline_puts_every_second_to_ready_in_order(tmp_path):
     (tmp_path / "ready.txt").write_text("mixed_prebuilt=14.20\nweights_read_s=0.40\n")
     (tmp_path / "server_mixed_prebuilt.log").write_text(
-        "t launcher INFO stages spawned 0.96 s after launch (interpreter and imports 0.70 s, checks 0.10 s, "
+        "t launcher INFO stages spawned 0.96 s after launch (interpreter, imports, argument checks 0.80 s, "
         "spawning 0.16 s)\n"
         "t worker INFO start-up: process started 0.90 s after launch, 3.80 s before the model runner; "
         "runner init 0.50 s, weights 0.40 s, warm-up 1.80 s, graph capture 4.20 s, "
@@ -75,7 +75,7 @@ def test_timeline_puts_every_second_to_ready_in_order(tmp_path):
     )
     row = build(tmp_path, 0.95)["servers"]["mixed_prebuilt"]
     parts = dict(row["timeline"])
-    first = "launch to the worker's process (launcher: interpreter and imports 0.70 s"
+    first = "launch to the worker's process (launcher: interpreter, imports, argument checks 0.80 s"
     assert list(parts)[0].startswith(first) and parts[list(parts)[0]] == 0.90
     assert parts["worker: imports and actor"] == 3.80 and parts["worker: graph capture"] == 4.20
     assert parts["worker: announce"] == 0.30 and parts["worker: executor"] == 0.10

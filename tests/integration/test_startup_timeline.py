@@ -71,7 +71,7 @@ def check_timeline(log: dict, ready_s: float, runner_parts: list[str]) -> list[t
     assert abs(w["started"] + worker_total - w["sent"]) < 0.1, (w, worker_total)
     assert w["before"] > 0.3  # the interpreter and imports (torch's) are counted, not lost
     # the launcher's parts before the stages, and the order of the Ready that followed
-    assert log["launcher_parts"].startswith("interpreter and imports ")
+    assert log["launcher_parts"].startswith("interpreter, imports, argument checks ")
     assert 0 <= w["started"] <= log["spawned_s"] + 0.05
     assert w["sent"] <= log["worker_ready_s"] + 0.02 <= log["scheduler_ready_s"] + 0.04
     assert log["scheduler_ready_s"] <= ready_s + 0.05
