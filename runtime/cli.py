@@ -9,6 +9,13 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    if words[:1] in (["serve"], ["warmup"]) and not _cpu_only(words):
+        # the CUDA driver's initialisation, which the argument checks ask for (--device, fp8, TP), runs
+        # beside the imports and parsing below rather than after them: the stages spawn that much sooner
+        from runtime.common.cuda_driver import start_driver
+
+        start_driver()
     from runtime.serve_args import (
         ArgumentParser,
         HelpFormatter,
@@ -67,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(args.dir, args.device, max_tokens=args.max_tokens)
     return 2
+
+
+def _cpu_only(words: list[str]) -> bool:
+    """Whether the command line says `--device cpu` (then nothing asks the CUDA driver)."""
+    pairs = zip(words, [*words[1:], ""], strict=True)
+    return any(a == "--device=cpu" or (a == "--device" and b == "cpu") for a, b in pairs)
 
 
 if __name__ == "__main__":
