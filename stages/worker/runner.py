@@ -79,15 +79,17 @@ class ModelRunner:
         self.dtype = parse_dtype(cfg.dtype, self.model_cfg.dtype)
         self.attention_backend = resolve_backend(cfg.attention_backend, self.device)
         self.pointwise_backend = resolve_pointwise(cfg.pointwise_backend, self.device)
-        # gather indices of a step's logits rows, uploaded without queueing behind adapter copies
-        self.index_uploads = IndexUploads(self.max_seqs, self.device)
+        self.phases.add("runner init", time.perf_counter() - init_start)  # the config, the backends
+        # gather indices of a step's logits rows, uploaded without queueing behind adapter copies (the
+        # process's first device memory: torch's CUDA state is set up here)
+        self.phases.run("device init", self._init_index_uploads)
         # whether the compile cache holds every kernel of this start-up already (then no compile pool)
         cuda_warmup = cfg.warmup and self.device.type == "cuda"
+        mark = time.perf_counter()
         marker = WarmMarker(cfg, self.model_cfg, self.device) if cuda_warmup else None
         # the pool's processes start while the weights load
         compile_pool = start_compiling(self.device, cfg.warmup, marker)
-        # the config, the backends' choice, torch's CUDA state, the cache's namespace and marker
-        self.phases.add("runner init", time.perf_counter() - init_start)
+        self.phases.add("compile cache setup", time.perf_counter() - mark)  # Triton's driver, namespace
         try:
             inits = (self._init_model, self._init_lora, self._init_kv_cache, self._init_graphs)
             for name, init in zip(("weights", "adapter pool", "KV cache", "graph setup"), inits, strict=True):
@@ -104,6 +106,9 @@ class ModelRunner:
         if marker is not None and self.warmup.plan:
             clean = not self.warmup.compiled_here and not self.capture_compiled
             self.phases.run("cache marker", marker.settle, self.warmup.plan, clean)
+
+    def _init_index_uploads(self) -> None:
+        self.index_uploads = IndexUploads(self.max_seqs, self.device)
 
     def _init_model(self) -> None:
         # `host_layout`: how the loader packs adapters (the whole model's); `lora_layout`: this pool's

@@ -15,7 +15,10 @@ from runtime.base.endpoints import free_port
 from runtime.client import Client, LorapipeError
 from tests.integration.serving import ROOT, wait_for_banner
 
-RUNNER_PARTS = ["runner init", "weights", "adapter pool", "KV cache", "graph setup", "warm-up"]
+RUNNER_PARTS = [
+    "runner init", "device init", "compile cache setup", "weights", "adapter pool", "KV cache", "graph setup",
+    "warm-up",
+]  # fmt: skip
 WORKER_PARTS = [*RUNNER_PARTS, "graph capture"]
 AFTER_RUNNER = ["host cache pinning", "executor", "rest of setup", "announce"]
 
