@@ -27,8 +27,9 @@ _SCHEDULER_READY = re.compile(r"stage 'scheduler' ready \(pid \d+\) ([0-9.]+) s 
 _STARTUP = re.compile(r"worker INFO start-up: (.*)")
 # the worker's parts, in order (stages/worker/actor.py `_log_startup`)
 _WORKER_PARTS = re.compile(
-    r"process started ([0-9.]+) s after launch, ([0-9.]+) s before the model runner; (.*?); after the "
-    r"runner: (.*?); WorkerStarted sent ([0-9.]+) s after launch"
+    r"process started ([0-9.]+) s after launch, ([0-9.]+) s before the model runner"
+    r"(?: \(([0-9.]+) s of it waiting for its config\))?; (.*?); after the runner: (.*?); "
+    r"WorkerStarted sent ([0-9.]+) s after launch"
 )
 _PART = re.compile(r"([^,;()]+?) (-?[0-9.]+) s(?:, |$)")
 _READ = re.compile(r"compiled in the worker, ([0-9.]+) s reading kernels from the cache")
@@ -56,6 +57,7 @@ def timeline(log: dict[str, Any], ready_s: float) -> list[tuple[str, float]] | N
     launcher = log.get("launcher_parts") or "-"
     out = [(f"launch to the worker's process (launcher: {launcher})", w["started"])]
     out += [("worker: imports and actor", w["before"])]
+    out += [("worker: waiting for the launcher's config", w.get("config_wait", 0.0))]
     out += [(f"worker: {name}", s) for name, s in w["runner"] + w["after"]]
     attributed = sum(s for _, s in out)
     scheduler = log.get("scheduler_ready_s")
@@ -76,12 +78,14 @@ def read_log(path: Path) -> dict[str, Any]:
     scheduler, parts = _SCHEDULER_READY.search(text), _WORKER_PARTS.search(text)
     worker_timeline = None
     if parts:
+        wait = float(parts[3] or 0.0)
         worker_timeline = {
             "started": float(parts[1]),
-            "before": float(parts[2]),
-            "runner": parts_of(parts[3]),
-            "after": parts_of(parts[4]),
-            "sent": float(parts[5]),
+            "before": float(parts[2]) - wait,  # the interpreter, the imports and the actor
+            "config_wait": wait,  # a prestarted worker's wait for the launcher's hand-over
+            "runner": parts_of(parts[4]),
+            "after": parts_of(parts[5]),
+            "sent": float(parts[6]),
         }
     return {
         "launcher_parts": spawned[2] if spawned and spawned[2] else None,

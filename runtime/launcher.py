@@ -31,6 +31,7 @@ from proto.control import (
 )
 from runtime.base import parent_death
 from runtime.base.endpoints import Endpoints, make_run_dir
+from runtime.base.prestart import PrestartedWorker
 from runtime.control_channel import ControlChannel, MetricsEndpoint
 from runtime.host_cache_size import host_cache_bytes
 from runtime.serve_args import ServeArgs, ServeArgsError
@@ -66,9 +67,13 @@ class Launcher:
         *,
         stage_modules: Mapping[str, str] | None = None,
         model_cfg: Any = None,
+        prestarted: PrestartedWorker | None = None,
     ) -> None:
-        """`model_cfg`: what `validate(args)` returned, when the caller already checked the arguments."""
+        """`model_cfg`: what `validate(args)` returned, when the caller already checked the arguments.
+        `prestarted`: the worker's process, started before them (`runtime.base.prestart`): it becomes
+        the worker stage, or is killed with everything else if the start-up fails first."""
         self.args = args
+        self.prestarted = prestarted
         self._model_cfg = model_cfg
         self.modules = {name: f"stages.{name}" for name in STAGES} | dict(stage_modules or {})
         self.stages: dict[str, StageProcess] = {}
@@ -199,7 +204,10 @@ class Launcher:
                 name, self.modules[name], path, self._on_exit, self._output, env=env
             )
         for name in STAGES:
-            await self.stages[name].start()
+            if name == "worker" and self.prestarted is not None:
+                await self.stages[name].adopt(self.prestarted, args.log_file)
+            else:
+                await self.stages[name].start()
         steps.add("spawning", time.perf_counter() - mark)
         log.info("stages spawned %s after launch (%s)", _since_launch(), steps.line(2))
         await self._wait_ready()
@@ -343,6 +351,8 @@ class Launcher:
         """Synchronous, idempotent cleanup: no child, socket file, run dir or shared memory left."""
         for proc in self.stages.values():
             proc.kill_now()
+        if self.prestarted is not None and not self.prestarted.adopted:
+            self.prestarted.kill()
         if self.metrics is not None:
             self.metrics.close()
         if self.control is not None:
@@ -370,13 +380,19 @@ def _since_launch() -> str:
     return "?" if age is None else f"{age:.2f} s"
 
 
-def run_server(args: ServeArgs, stage_modules: Mapping[str, str] | None = None, model_cfg: Any = None) -> int:
+def run_server(
+    args: ServeArgs,
+    stage_modules: Mapping[str, str] | None = None,
+    model_cfg: Any = None,
+    prestarted: PrestartedWorker | None = None,
+) -> int:
     """`lorapipe serve`: run a Launcher on uvloop in this process until it stops; the exit code (2: the
-    arguments could not be served, 1: a stage failed)."""
+    arguments could not be served, 1: a stage failed). `prestarted`: see Launcher."""
     fmt = "%(asctime)s launcher %(levelname)s %(message)s"
     logging.basicConfig(level=args.log_level.upper(), format=fmt, stream=sys.stderr)
     spawner = parent_death.spawner_pid()  # a Ray Serve replica's (runtime/ray_serve/server_process.py)
     if spawner is not None and not parent_death.arm(signal.SIGTERM, spawner):  # SIGTERM: drain and stop
         log.error("the process that started this server (pid %d) is gone", spawner)
         return 1
-    return uvloop.run(Launcher(args, stage_modules=stage_modules, model_cfg=model_cfg).run())
+    launcher = Launcher(args, stage_modules=stage_modules, model_cfg=model_cfg, prestarted=prestarted)
+    return uvloop.run(launcher.run())

@@ -34,6 +34,7 @@ from runtime.common.host_pool import (
     register_pinned,
     unregister_pinned,
 )
+from stages.worker import startup
 from stages.worker.config import WorkerConfig
 from stages.worker.executor import StepExecutor
 from stages.worker.lora.pool import runs_of
@@ -246,11 +247,12 @@ class WorkerActor(Actor[WorkerConfig]):
         late = Counter(getattr(self.runner, "capture_compiled", ()))
         age = process_age()
         self.log.info(
-            "start-up: process started %s after launch, %s before the model runner; %s; after the "
-            "runner: %s; WorkerStarted sent %s after launch; warm-up parts%s; %d kernels compiled "
-            "during graph capture%s",
+            "start-up: process started %s after launch, %s before the model runner (%.2f s of it waiting "
+            "for its config); %s; after the runner: %s; WorkerStarted sent %s after launch; warm-up "
+            "parts%s; %d kernels compiled during graph capture%s",
             "?" if launched is None else f"{launched:.2f} s",
             "?" if before is None else f"{before:.2f} s",
+            startup.config_wait_s,
             seconds_line(runner.items(), 2),
             seconds_line(after.items(), 2),
             "?" if launched is None or age is None else f"{launched + age:.2f} s",

@@ -10,6 +10,10 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+# Seconds a worker started before its launcher checked the arguments (runtime/base/prestart.py) waited,
+# its imports done, for its config: set by `python -m stages.worker --prestarted`, 0 otherwise.
+config_wait_s = 0.0
+
 
 class Phases:
     """Wall seconds of named start-up phases, in the order they ran."""

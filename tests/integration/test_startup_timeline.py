@@ -5,6 +5,7 @@ log into one timeline from launch to the first health check that said ok."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -70,13 +71,15 @@ def check_timeline(log: dict, ready_s: float, runner_parts: list[str]) -> list[t
     assert [n for n, _ in w["after"]] == AFTER_RUNNER
     assert all(s >= 0 for _, s in w["runner"] + w["after"])
     # the worker's parts follow each other from its process start to WorkerStarted on the wire
-    worker_total = w["before"] + sum(s for _, s in w["runner"] + w["after"])
+    worker_total = w["before"] + w["config_wait"] + sum(s for _, s in w["runner"] + w["after"])
     assert abs(w["started"] + worker_total - w["sent"]) < 0.1, (w, worker_total)
     assert w["before"] > 0.3  # the interpreter and imports (torch's) are counted, not lost
     # the launcher's parts before the stages, and the order of the Ready that followed
-    assert log["launcher_parts"].startswith("interpreter, imports, argument checks ")
+    before_launcher = re.match(r"interpreter, imports, argument checks ([0-9.]+) s, ", log["launcher_parts"])
+    assert before_launcher, log["launcher_parts"]
     # (each reading of /proc is good to a clock tick, 10 ms: the margins hold a few of them)
-    assert 0 <= w["started"] <= log["spawned_s"] + 0.05
+    # the worker's process started before the launcher had read and checked its arguments
+    assert 0 <= w["started"] <= float(before_launcher[1]) + 0.02 <= log["spawned_s"] + 0.04
     assert w["sent"] <= min(log["worker_ready_s"], log["scheduler_ready_s"]) + 0.05
     assert log["scheduler_ready_s"] <= ready_s + 0.05
     parts = timeline(log, ready_s)

@@ -77,7 +77,7 @@ def test_the_worker_stage_freezes_what_its_imports_made_before_it_starts():
     code = (
         "import gc, runpy, sys\n"
         "import runtime.base.actor as actor\n"
-        "actor.stage_main = lambda make, config_type: print(gc.get_freeze_count(), flush=True)\n"
+        "actor.stage_main = lambda make, config_type, argv=None: print(gc.get_freeze_count(), flush=True)\n"
         "sys.argv = ['stages.worker', 'no-config.json']\n"
         "runpy.run_module('stages.worker', run_name='__main__')\n"
     )
