@@ -12,10 +12,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_compiled(script: str, timeout: float = 280) -> list[str]:
-    """The words `script` printed; fails with its stderr's tail if it exited non-zero."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=timeout)
+def run_compiled(
+    script: str | os.PathLike, *args: str, timeout: float = 280, env: dict[str, str] | None = None
+) -> list[str]:
+    """The words `script` printed, run with `args` (and `env` added to this process's environment); fails
+    with its stderr's tail if it exited non-zero."""
+    child = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
+    child["PYTHONPATH"] = os.pathsep.join([str(ROOT), child.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, str(script), *args], env=child, capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout.split()

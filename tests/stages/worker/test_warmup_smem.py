@@ -10,18 +10,15 @@ CASES all`), so that the test stays well under a minute on two cores."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import triton
 
 from kernels.device_info import HOPPER_MAX_SHARED
+from tests.kernels.compile_child import run_compiled
 
 SCENARIO = Path(__file__).with_name("smem_scenario.py")
-ROOT = Path(__file__).resolve().parents[3]
 H100_SMS = 132
 # float32 and bf16 tiny llama, max rank 64 and 16, the whole model's shapes and a TP=2 rank's shard
 CASES = [
@@ -46,10 +43,8 @@ def _cuda_compiler() -> bool:
 @pytest.mark.skipif(not _cuda_compiler(), reason="Triton's CUDA backend (ptxas) is not installed")
 def test_every_warm_up_variant_fits_hopper_shared_memory(tmp_path):
     out = tmp_path / "variants.json"
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"), "TRITON_INTERPRET": "0",
-           "PYTHONPATH": str(ROOT)}  # fmt: skip
-    args = [sys.executable, str(SCENARIO), str(out), "90", str(H100_SMS), json.dumps(CASES)]
-    subprocess.run(args, env=env, check=True, timeout=300, cwd=ROOT)
+    cache = {"TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    run_compiled(SCENARIO, str(out), "90", str(H100_SMS), json.dumps(CASES), timeout=300, env=cache)
     result = json.loads(out.read_text())
     variants = result["variants"]
     for dtype in ("float32", "bfloat16"):  # the plan was recorded and compiled for each data type

@@ -8,16 +8,14 @@ test_warmup_gpu.py. The plan is made of kernel configs; Triton also specialises 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import triton
 
+from tests.kernels.compile_child import run_compiled
+
 SCENARIO = Path(__file__).with_name("serving_specs_scenario.py")
-ROOT = Path(__file__).resolve().parents[3]
 LORA_KERNELS = ["_lora_expand_act_kernel", "_lora_expand_kernel", "_lora_shrink_kernel"]
 DEVICES = ["hopper", "default"]  # an H100's or H200's device facts; the CPU's
 
@@ -26,9 +24,7 @@ DEVICES = ["hopper", "default"]  # an H100's or H200's device facts; the CPU's
 def recorded(tmp_path_factory) -> dict:
     """One child process records both devices (its imports take a third of its time)."""
     tmp = tmp_path_factory.mktemp("specs")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    args = [sys.executable, str(SCENARIO), str(tmp / "specs.json"), str(tmp), *DEVICES]
-    subprocess.run(args, env=env, check=True, timeout=240, cwd=ROOT)
+    run_compiled(SCENARIO, str(tmp / "specs.json"), str(tmp), *DEVICES, timeout=240)
     return json.loads((tmp / "specs.json").read_text())
 
 
