@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from proto.loader import AdapterStaged
 from proto.plan import SlotLoad
 from runtime.common.lora_layout import NUM_SLICES, LoraLayout
+from runtime.common.model_config import dtype_name  # the wire name AdapterStaged/SlotLoad carry
 from runtime.common.packed import PackedAdapter
 
 if TYPE_CHECKING:  # the launcher creates and sizes the pool without torch; the views import it
@@ -38,11 +39,6 @@ _SHM_DIR = "/dev/shm"
 _attach_lock = threading.Lock()
 
 ALIGN = 4096  # page-aligned blocks: contiguous, DMA-friendly copies
-
-
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """The wire name of a dtype ("bfloat16"), as AdapterStaged/SlotLoad carry it."""
-    return str(dtype).removeprefix("torch.")
 
 
 def pool_bytes_for(layout: LoraLayout, max_rank: int, dtype: torch.dtype | str, max_cpu_loras: int) -> int:

@@ -158,11 +158,16 @@ def _known_dtype(name: str) -> str:
     return name if name in DTYPE_BYTES else "float32"
 
 
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """A dtype by torch's name ("bfloat16"), as configs and the wire messages carry it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def serving_dtype_name(name: str | torch.dtype | None, default: str | torch.dtype) -> str:
     """The serving dtype's name ("auto"/None: `default`); ValueError naming the choices otherwise."""
     if name is None or name == "auto":
         name = default
-    text = name if isinstance(name, str) else str(name).removeprefix("torch.")
+    text = name if isinstance(name, str) else dtype_name(name)
     if text in DTYPE_BYTES:
         return text
     if isinstance(name, str):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kernels.fp8_gemm import MAX_M, w8a16_matmul, w8a16_matmul_ref
 from kernels.fp8_quant import FP8, FP8_MAX, MIN_AMAX, quantize_per_token, quantize_per_token_ref
+from runtime.common.model_config import dtype_name
 from runtime.common.quant_config import fp8_device_problem
 
 Weight = torch.Tensor  # or Fp8Weight
@@ -96,7 +97,7 @@ def check_fp8_device(device: torch.device, dtype: torch.dtype, probe: bool = Tru
     if device.type != "cuda":
         return
     capability = torch.cuda.get_device_capability(device)
-    if problem := fp8_device_problem(capability, str(dtype).removeprefix("torch.")):
+    if problem := fp8_device_problem(capability, dtype_name(dtype)):
         raise ValueError(problem)
     if not probe:
         return
