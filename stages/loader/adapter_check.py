@@ -24,7 +24,6 @@ from stages.loader.safetensors_reader import FormatError, TensorEntry, open_regu
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 TENSORS_FILE = "adapter_model.safetensors"
-_TENSORS = TENSORS_FILE  # the name the messages below use
 
 
 def max_file_bytes(layout: LoraLayout) -> int:
@@ -66,11 +65,11 @@ def check_adapter(name: str, path: str | Path, cfg: ModelConfig, layout: LoraLay
 
 def _open_tensors(name: str, adapter_dir: Path, limits: ReadLimits, deadline: float):
     """(fd, size, header entries) of adapter_model.safetensors; every refusal is an AdapterError."""
-    file = adapter_dir / _TENSORS
+    file = adapter_dir / TENSORS_FILE
     if not file.exists() and (adapter_dir / "adapter_model.bin").exists():
         raise AdapterError(name, "adapter_model.bin (a pickle) is not supported; save it as safetensors")
     if not file.exists():
-        raise AdapterError(name, f"no {_TENSORS} in {adapter_dir}")
+        raise AdapterError(name, f"no {TENSORS_FILE} in {adapter_dir}")
     try:
         fd, size = open_regular(file, limits.max_file_bytes)
     except FormatError as e:
@@ -79,7 +78,7 @@ def _open_tensors(name: str, adapter_dir: Path, limits: ReadLimits, deadline: fl
         return fd, size, read_header(fd, size, deadline)
     except FormatError as e:
         os.close(fd)
-        raise AdapterError(name, f"unreadable {_TENSORS} ({e})") from None
+        raise AdapterError(name, f"unreadable {TENSORS_FILE} ({e})") from None
 
 
 _DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
@@ -121,7 +120,7 @@ def _group_pairs(name, entries: dict[str, TensorEntry], cfg: ModelConfig, acfg: 
             raise AdapterError(name, f"tensor {key} has shape {t.shape}; LoRA weights are 2-D")
         found.setdefault((layer, module), {})[ab] = t
     if not found:
-        raise AdapterError(name, f"{_TENSORS} holds no LoRA tensors")
+        raise AdapterError(name, f"{TENSORS_FILE} holds no LoRA tensors")
     for (layer, module), ab in sorted(found.items()):
         for missing in sorted({"A", "B"} - ab.keys()):
             raise AdapterError(name, f"missing tensor {_key(layer, module, missing)}")
