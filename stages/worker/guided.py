@@ -285,7 +285,7 @@ class GuidedMasks:
         failed = {}
         for k, rid in enumerate(request_ids):
             r = self._requests[rid]
-            matcher = (r.built if r.built is not None else self._matcher(r)) if r.error is None else None
+            matcher = self._matcher(r) if r.error is None else None
             if matcher is None:
                 failed[k] = r.error or "its grammar failed"
                 packed[k] = 0
