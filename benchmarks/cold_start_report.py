@@ -1,6 +1,8 @@
 """The cold-start benchmark's summary (benchmarks/run_cold_start_bench.sh): time to ready per server, the
 warm-up's share and its compile counts from the server logs, the bursts' throughput, and the targets as
-PASS/FAIL lines. One markdown table on stdout, everything in `--out` JSON.
+PASS/FAIL lines; then, per server, where every second to ready went (`timeline`: the launcher's and the
+worker's start-up lines on one clock, the scheduler's Ready and the health check that saw it, the rest
+as "unattributed"). Markdown tables on stdout, everything in `--out` JSON.
     python -m benchmarks.cold_start_report OUT_DIR --min-ratio 0.95 --out OUT_DIR/results.json"""
 
 from __future__ import annotations
@@ -19,9 +21,17 @@ _DONE = re.compile(
 _PLAN = re.compile(r"warm-up: (\d+) LoRA and (\d+) attention kernel variants")
 _GRAPHS = re.compile(r"captured (\d+) (?:decode|\w+ step) CUDA graphs.*? in ([0-9.]+) s")
 # the launcher's and the worker's own timestamps (runtime/launcher.py, stages/worker/actor.py)
-_SPAWNED = re.compile(r"stages spawned ([0-9.]+) s after launch")
+_SPAWNED = re.compile(r"stages spawned ([0-9.]+) s after launch(?: \((.*)\))?")
 _WORKER_READY = re.compile(r"stage 'worker' ready \(pid \d+\) ([0-9.]+) s after launch")
+_SCHEDULER_READY = re.compile(r"stage 'scheduler' ready \(pid \d+\) ([0-9.]+) s after launch")
 _STARTUP = re.compile(r"worker INFO start-up: (.*)")
+# the worker's parts, in order (stages/worker/actor.py `_log_startup`)
+_WORKER_PARTS = re.compile(
+    r"process started ([0-9.]+) s after launch, ([0-9.]+) s before the model runner"
+    r"(?: \(([0-9.]+) s of it waiting for its config\))?; (.*?); after the runner: (.*?); "
+    r"WorkerStarted sent ([0-9.]+) s after launch"
+)
+_PART = re.compile(r"([^,;()]+?) (-?[0-9.]+) s(?:, |$)")
 _READ = re.compile(r"compiled in the worker, ([0-9.]+) s reading kernels from the cache")
 _PINNED = re.compile(r"host cache pinned \(\d+ MiB\) in ([0-9.]+) s")
 SERVERS = {
@@ -33,12 +43,54 @@ SERVERS = {
 BURSTS = {"mixed_cold": "mixed", "s1_cold": "s1"}
 
 
+def parts_of(text: str) -> list[tuple[str, float]]:
+    """ "name 1.20 s, other 0.30 s" as [(name, seconds)], in order."""
+    return [(name.strip(), float(s)) for name, s in _PART.findall(text)]
+
+
+def timeline(log: dict[str, Any], ready_s: float) -> list[tuple[str, float]] | None:
+    """Where the seconds from launch to a client's first "ready" went, in order; they add up to `ready_s`
+    (the last part, "unattributed", is what the lines do not cover). None without the worker's line."""
+    w = log.get("worker_timeline")
+    if w is None:
+        return None
+    launcher = log.get("launcher_parts") or "-"
+    out = [(f"launch to the worker's process (launcher: {launcher})", w["started"])]
+    out += [("worker: imports and actor", w["before"])]
+    out += [("worker: waiting for the launcher's config", w.get("config_wait", 0.0))]
+    out += [(f"worker: {name}", s) for name, s in w["runner"] + w["after"]]
+    attributed = sum(s for _, s in out)
+    scheduler = log.get("scheduler_ready_s")
+    if scheduler is not None:
+        handshake = scheduler - w["sent"]
+        out.append(("scheduler's Ready after WorkerStarted (planner; the loader if later)", handshake))
+        out.append(("health seen ok by the client after the scheduler's Ready", ready_s - scheduler))
+        attributed += handshake + ready_s - scheduler
+    out.append(("unattributed", ready_s - attributed))
+    return out
+
+
 def read_log(path: Path) -> dict[str, Any]:
     text = path.read_text(errors="replace") if path.exists() else ""
     done, plan = _DONE.search(text), _PLAN.search(text)
     spawned, worker, startup = _SPAWNED.search(text), _WORKER_READY.search(text), _STARTUP.search(text)
     pinned, read = _PINNED.search(text), _READ.search(text)
+    scheduler, parts = _SCHEDULER_READY.search(text), _WORKER_PARTS.search(text)
+    worker_timeline = None
+    if parts:
+        wait = float(parts[3] or 0.0)
+        worker_timeline = {
+            "started": float(parts[1]),
+            "before": float(parts[2]) - wait,  # the interpreter, the imports and the actor
+            "config_wait": wait,  # a prestarted worker's wait for the launcher's hand-over
+            "runner": parts_of(parts[4]),
+            "after": parts_of(parts[5]),
+            "sent": float(parts[6]),
+        }
     return {
+        "launcher_parts": spawned[2] if spawned and spawned[2] else None,
+        "scheduler_ready_s": float(scheduler[1]) if scheduler else None,
+        "worker_timeline": worker_timeline,
         "variants": int(plan[1]) + int(plan[2]) if plan else None,
         "warmup_s": float(done[1]) if done else None,
         "pool_compiled": int(done[2]) if done else None,
@@ -69,6 +121,7 @@ def build(out: Path, min_ratio: float) -> dict[str, Any]:
         if key not in ready:
             continue
         row = {"label": label, "ready_s": ready[key], **read_log(out / f"server_{key}.log")}
+        row["timeline"] = timeline(row, ready[key])
         if key in BURSTS:
             first, second = (_throughput(out / f"{BURSTS[key]}_{n}.json") for n in ("first", "second"))
             row.update(
@@ -144,6 +197,10 @@ def table(r: dict[str, Any]) -> str:
     lines += [
         f"{'PASS' if c['pass'] else 'FAIL'} {c['target']}: {_fmt(c['value'], '{:.3f}')}" for c in r["checks"]
     ]
+    for row in r["servers"].values():
+        if row.get("timeline"):
+            lines += ["", f"Where {row['label']}'s {row['ready_s']:.2f} s to ready went:", "", "| part | s |"]
+            lines += ["|---|---|"] + [f"| {name} | {s:.2f} |" for name, s in row["timeline"]]
     return "\n".join(lines)
 
 

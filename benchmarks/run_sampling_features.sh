@@ -8,7 +8,8 @@
 # given, `plain` runs A-B-B-A, A on OLD_TREE and B here, each its own process. This tree also runs
 # top_logprobs=5, a JSON schema on every request, and a bounded schema whose every output must validate.
 # Knobs: NUM_PROMPTS (256), INPUT_LEN (128), OUTPUT_LEN (128), PRESET (1b), DEVICE (cuda), DTYPE
-# (bfloat16), SCRATCH; PRESET=tiny DEVICE=cpu DTYPE=float32 NUM_PROMPTS=8 is a plumbing check.
+# (bfloat16), SCRATCH, VARIANTS (without OLD_TREE: this tree's variants in order, e.g.
+# plain,logprobs5,logprobs5,plain); PRESET=tiny DEVICE=cpu DTYPE=float32 NUM_PROMPTS=8 is a plumbing check.
 # PROFILE=1: one more process of this tree runs each variant under torch.profiler and cProfile too
 # (bench_sampling_features.py --profile), into OUT_DIR/profile.json; it is not counted in the table.
 # GUIDED_STEP=1: benchmarks/bench_guided_step.py on the model's tokenizer too (CPU only: one step's
@@ -47,7 +48,7 @@ if [ -n "$old" ]; then
   run B3 "$here" plain,logprobs5,guided
   run A4 "$old" plain
 else
-  run B1 "$here" plain,logprobs5,guided,guided_check,plain
+  run B1 "$here" "${VARIANTS:-plain,logprobs5,guided,guided_check,plain}"
 fi
 if [ "${PROFILE:-0}" = 1 ]; then run P "$here" plain,logprobs5,guided "$out/profile.json" --profile; fi
 if [ "${GUIDED_STEP:-0}" = 1 ] && [ "$preset" != tiny ]; then  # the host's grammar work a step, alone

@@ -6,9 +6,35 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime.base.prestart import PrestartedWorker
 
 
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    prestarted = None
+    if words[:1] == ["serve"]:
+        # the worker's interpreter and imports (seconds) run beside everything below: the launcher hands
+        # it its config once written (runtime/base/prestart.py), or kills it if the start-up ends first
+        from runtime.base.prestart import PrestartedWorker, device_hint
+
+        prestarted = PrestartedWorker(device_hint(words[1:]))
+    try:
+        return _main(words, prestarted)
+    finally:
+        if prestarted is not None and not prestarted.adopted:
+            prestarted.kill()
+
+
+def _main(words: list[str], prestarted: PrestartedWorker | None) -> int:
+    if words[:1] in (["serve"], ["warmup"]) and not _cpu_only(words):
+        # the CUDA driver's initialisation, which the argument checks ask for (--device, fp8, TP), runs
+        # beside the imports and parsing below rather than after them: the stages spawn that much sooner
+        from runtime.common.cuda_driver import start_driver
+
+        start_driver()
     from runtime.serve_args import (
         ArgumentParser,
         HelpFormatter,
@@ -44,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--dir", type=Path, default=Path(".cache/lorapipe-demo"), help="demo files live here")
     demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the demo runs")
     demo.add_argument("--max-tokens", type=int, default=12, help="tokens each request generates")
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(words)
     if extra:  # told by the subcommand, whose flags they were meant to be
         command = {"serve": serve, "warmup": warmup, "demo": demo}[args.command]
         command.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -61,12 +87,18 @@ def main(argv: list[str] | None = None) -> int:
             return run_warmup(serve_args, model_cfg)
         from runtime.launcher import run_server
 
-        return run_server(serve_args, model_cfg=model_cfg)
+        return run_server(serve_args, model_cfg=model_cfg, prestarted=prestarted)
     if args.command == "demo":
         from runtime.demo import run_demo
 
         return run_demo(args.dir, args.device, max_tokens=args.max_tokens)
     return 2
+
+
+def _cpu_only(words: list[str]) -> bool:
+    """Whether the command line says `--device cpu` (then nothing asks the CUDA driver)."""
+    pairs = zip(words, [*words[1:], ""], strict=False)  # the last word pairs with ""
+    return any(a == "--device=cpu" or (a == "--device" and b == "cpu") for a, b in pairs)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import shutil
 import signal
 import stat
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -30,13 +31,14 @@ from proto.control import (
 )
 from runtime.base import parent_death
 from runtime.base.endpoints import Endpoints, make_run_dir
+from runtime.base.prestart import PrestartedWorker
 from runtime.control_channel import ControlChannel, MetricsEndpoint
 from runtime.host_cache_size import host_cache_bytes
 from runtime.serve_args import ServeArgs, ServeArgsError
 from runtime.serve_checks import validate
 from runtime.stage_configs import compile_cache_dir, stage_configs
 from runtime.supervisor import RestartBudget, StageProcess, describe_exit, log
-from stages.worker.startup import process_age
+from stages.worker.startup import Phases, process_age
 
 STAGES = ("loader", "worker", "scheduler", "tokenizer")  # spawn order
 SHUTDOWN_ORDER = ("tokenizer", "scheduler", "worker", "loader")  # the front stops taking requests first
@@ -65,9 +67,13 @@ class Launcher:
         *,
         stage_modules: Mapping[str, str] | None = None,
         model_cfg: Any = None,
+        prestarted: PrestartedWorker | None = None,
     ) -> None:
-        """`model_cfg`: what `validate(args)` returned, when the caller already checked the arguments."""
+        """`model_cfg`: what `validate(args)` returned, when the caller already checked the arguments.
+        `prestarted`: the worker's process, started before them (`runtime.base.prestart`): it becomes
+        the worker stage, or is killed with everything else if the start-up fails first."""
         self.args = args
+        self.prestarted = prestarted
         self._model_cfg = model_cfg
         self.modules = {name: f"stages.{name}" for name in STAGES} | dict(stage_modules or {})
         self.stages: dict[str, StageProcess] = {}
@@ -86,6 +92,7 @@ class Launcher:
         self._supervisor: asyncio.Task[int] | None = None
         self._restarts = {name: RestartBudget() for name in RESTARTABLE}
         self._output: TextIO | None = None
+        self.ready_at: dict[str, float | None] = {}  # each stage's Ready, seconds after launch
 
     # --- public ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -163,7 +170,12 @@ class Launcher:
     # --- start-up -------------------------------------------------------------------------------------
     async def _start(self) -> None:
         args = self.args
-        model_cfg = self._model_cfg or validate(args)
+        # the launcher's own part of the start-up, in the order it runs (the log line at spawn)
+        steps = Phases()
+        # before the launcher: the interpreter, the imports and the CLI's argument checks
+        steps.add("interpreter, imports, argument checks", process_age() or 0.0)
+        model_cfg = self._model_cfg or steps.run("checks", validate, args)
+        mark = time.perf_counter()
         self.run_dir = make_run_dir()
         self.endpoints = Endpoints.in_run_dir(self.run_dir, client=args.endpoint)
         self.control = ControlChannel(self.endpoints.control, self._on_control)  # bound before any stage
@@ -174,8 +186,10 @@ class Launcher:
                 self.metrics.start(args.metrics_port)
             except OSError as exc:
                 raise LaunchError(f"--metrics-port {args.metrics_port}: {exc}") from None
-        pool_name, pool_bytes = self._init_pool(model_cfg)
-        configs = stage_configs(args, model_cfg, self.endpoints, pool_name, pool_bytes)
+        steps.add("sockets", time.perf_counter() - mark)
+        pool_name, pool_bytes = steps.run("host cache", self._init_pool, model_cfg)
+        configs = steps.run("configs", stage_configs, args, model_cfg, self.endpoints, pool_name, pool_bytes)
+        mark = time.perf_counter()
         if args.log_file:
             try:
                 self._output = open(args.log_file, "a")  # noqa: SIM115 (closed in close())
@@ -190,9 +204,19 @@ class Launcher:
                 name, self.modules[name], path, self._on_exit, self._output, env=env
             )
         for name in STAGES:
-            await self.stages[name].start()
-        log.info("stages spawned %s after launch", _since_launch())
+            if name == "worker" and self.prestarted is not None:
+                await self.stages[name].adopt(self.prestarted, args.log_file)
+            else:
+                await self.stages[name].start()
+        steps.add("spawning", time.perf_counter() - mark)
+        log.info("stages spawned %s after launch (%s)", _since_launch(), steps.line(2))
         await self._wait_ready()
+        order = sorted(self.ready_at.items(), key=lambda kv: kv[1] if kv[1] is not None else float("inf"))
+        log.info(
+            "start-up: every stage ready %s after launch; each stage's Ready: %s",
+            _since_launch(),
+            ", ".join(f"{n} {'?' if t is None else f'{t:.2f} s'}" for n, t in order),
+        )
 
     def _init_pool(self, model_cfg: Any) -> tuple[str, int]:
         from runtime.common.host_pool import create_pool
@@ -239,6 +263,7 @@ class Launcher:
                     return
                 if proc is not None:
                     proc.ready = True
+                self.ready_at.setdefault(stage, process_age())
                 log.info("stage %r ready (pid %d) %s after launch", stage, msg.pid, _since_launch())
                 self._events.put_nowait(("ready", stage))
             case FatalError(message=message):
@@ -326,6 +351,8 @@ class Launcher:
         """Synchronous, idempotent cleanup: no child, socket file, run dir or shared memory left."""
         for proc in self.stages.values():
             proc.kill_now()
+        if self.prestarted is not None and not self.prestarted.adopted:
+            self.prestarted.kill()
         if self.metrics is not None:
             self.metrics.close()
         if self.control is not None:
@@ -353,13 +380,19 @@ def _since_launch() -> str:
     return "?" if age is None else f"{age:.2f} s"
 
 
-def run_server(args: ServeArgs, stage_modules: Mapping[str, str] | None = None, model_cfg: Any = None) -> int:
+def run_server(
+    args: ServeArgs,
+    stage_modules: Mapping[str, str] | None = None,
+    model_cfg: Any = None,
+    prestarted: PrestartedWorker | None = None,
+) -> int:
     """`lorapipe serve`: run a Launcher on uvloop in this process until it stops; the exit code (2: the
-    arguments could not be served, 1: a stage failed)."""
+    arguments could not be served, 1: a stage failed). `prestarted`: see Launcher."""
     fmt = "%(asctime)s launcher %(levelname)s %(message)s"
     logging.basicConfig(level=args.log_level.upper(), format=fmt, stream=sys.stderr)
     spawner = parent_death.spawner_pid()  # a Ray Serve replica's (runtime/ray_serve/server_process.py)
     if spawner is not None and not parent_death.arm(signal.SIGTERM, spawner):  # SIGTERM: drain and stop
         log.error("the process that started this server (pid %d) is gone", spawner)
         return 1
-    return uvloop.run(Launcher(args, stage_modules=stage_modules, model_cfg=model_cfg).run())
+    launcher = Launcher(args, stage_modules=stage_modules, model_cfg=model_cfg, prestarted=prestarted)
+    return uvloop.run(launcher.run())

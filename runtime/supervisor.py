@@ -1,6 +1,7 @@
 """The launcher's view of its stage processes: `StageProcess` spawns `python -m <module> CONFIG.json` in
-its own session (told the launcher's pid, so that it dies with it: `runtime.base.parent_death`), watches
-its exit and escalates SIGTERM → SIGKILL; `RestartBudget` bounds restarts. Owns no sockets (the control
+its own session (told the launcher's pid, so that it dies with it: `runtime.base.parent_death`), or
+adopts the worker's process started before the launcher (`runtime.base.prestart`), watches its exit and
+escalates SIGTERM → SIGKILL; `RestartBudget` bounds restarts. Owns no sockets (the control
 ROUTER is `runtime.control_channel`)."""
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TextIO
 
 from runtime.base.parent_death import PARENT_PID_ENV
+from runtime.base.prestart import PrestartedWorker
 
 log = logging.getLogger("lorapipe.launcher")
 ROOT = Path(__file__).resolve().parents[1]  # so `python -m stages.x` imports from any working dir
@@ -28,6 +32,40 @@ def describe_exit(code: int) -> str:
             return f"killed by {signal.Signals(-code).name}"
         return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+class _Adopted:
+    """A stage process spawned before the event loop ran (`runtime.base.prestart`), with the part of
+    asyncio's Process the launcher uses: its pid, its exit code once reaped, and `wait()`. A thread
+    blocked in its wait reaps it and wakes the loop."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        loop = asyncio.get_running_loop()
+        self._exited: asyncio.Future[int] = loop.create_future()
+
+        def reap() -> None:
+            code = popen.wait()
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(_settle, self._exited, code)
+
+        threading.Thread(target=reap, name=f"reap-{popen.pid}", daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)  # an awaiter cancelled leaves the others waiting
+
+
+def _settle(fut: asyncio.Future[int], code: int) -> None:
+    if not fut.done():
+        fut.set_result(code)
 
 
 class StageProcess:
@@ -82,6 +120,17 @@ class StageProcess:
         self.generation += 1
         self.ready = False
         log.info("started stage %r (pid %d)", self.name, self.proc.pid)
+        self._watcher = asyncio.ensure_future(self._watch(self.proc, self.generation))
+
+    async def adopt(self, worker: PrestartedWorker, output: str | None) -> None:
+        """Take `worker`, started before the launcher checked its arguments, as this stage's process:
+        hand it this stage's config, environment and output file (None: stderr), then watch it as if
+        `start` had spawned it. A worker already gone is reported by its exit, as any stage's."""
+        self.proc = _Adopted(worker.proc)  # type: ignore[assignment]
+        self.generation += 1
+        self.ready = False
+        worker.hand_over(Path(self.argv[-1]), self.env, output)
+        log.info("started stage %r (pid %d, its imports begun at launch)", self.name, self.proc.pid)
         self._watcher = asyncio.ensure_future(self._watch(self.proc, self.generation))
 
     async def _watch(self, proc: asyncio.subprocess.Process, generation: int) -> None:

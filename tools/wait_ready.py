@@ -23,7 +23,12 @@ def alive(pid: int) -> bool:
     return True
 
 
-def wait_ready(endpoint: str, deadline_s: float, pid: int | None = None, poll_s: float = 0.2) -> bool:
+# Between probes: a start-up benchmark's time to ready is late by up to this much (its timeline's part
+# "health seen ok by the client after the scheduler's Ready", benchmarks/cold_start_report.py).
+POLL_S = 0.02
+
+
+def wait_ready(endpoint: str, deadline_s: float, pid: int | None = None, poll_s: float = POLL_S) -> bool:
     """True once the server's health reply says ok; False on the deadline or when `pid` has exited."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:

@@ -85,3 +85,12 @@ def start_primary_context(device: str) -> threading.Thread | None:
     )
     thread.start()
     return thread
+
+
+def start_driver() -> threading.Thread:
+    """A started daemon thread initialising the driver (`_driver`: about half a second on a GPU host; its
+    calls release the GIL), so that whoever asks it later (the launcher's device checks) finds it ready
+    while this thread's time overlapped the imports and argument parsing before them."""
+    thread = threading.Thread(target=_driver, name="cuda-driver", daemon=True)
+    thread.start()
+    return thread

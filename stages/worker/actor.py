@@ -34,12 +34,13 @@ from runtime.common.host_pool import (
     register_pinned,
     unregister_pinned,
 )
+from stages.worker import startup
 from stages.worker.config import WorkerConfig
 from stages.worker.executor import StepExecutor
 from stages.worker.lora.pool import runs_of
 from stages.worker.runner import ModelRunner
 from stages.worker.slot_loads import LoadHandle
-from stages.worker.startup import process_age, seconds_line
+from stages.worker.startup import Phases, process_age, seconds_line, started_after
 from stages.worker.step_loop import StepLoop, StepOutcome
 from stages.worker.step_profiler import StepProfiler
 from stages.worker.tp.rank_zero import RankZero
@@ -64,6 +65,10 @@ class WorkerActor(Actor[WorkerConfig]):
         self.rank_zero: RankZero | None = None
         self.to_scheduler = self.mailbox("to_scheduler")
         self.to_tokenizer = self.mailbox("to_tokenizer")
+        # the start-up's parts after the model runner, to the WorkerStarted on the wire (the line at ready)
+        self.after_runner = Phases()
+        self.announced = asyncio.Event()  # WorkerStarted was sent: the scheduler can plan from now on
+        self._startup: tuple[float | None, float | None, float, float] | None = None
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -133,6 +138,8 @@ class WorkerActor(Actor[WorkerConfig]):
             loop.call_soon_threadsafe(self._send_progress, scheduler, WarmupProgress(done=done, total=total))
 
         before = process_age()  # the interpreter, the imports and the actor's own start
+        launched = started_after(self.parent_pid)  # on the launcher's clock
+        runner_start = time.perf_counter()
         if self.rank_zero is not None:
             start = self.rank_zero.start
         else:
@@ -144,9 +151,12 @@ class WorkerActor(Actor[WorkerConfig]):
         if torch.device(cfg.runner.device).type == "cuda":
             pinning = loop.run_in_executor(None, self._pin_host_pool)
         self.runner = await loop.run_in_executor(self.thread, start)
+        runner_s = time.perf_counter() - runner_start
+        mark = time.perf_counter()
         if pinning is not None:
             await pinning
-        self._log_startup(before)
+        after = self.after_runner
+        after.add("host cache pinning", time.perf_counter() - mark)  # what the runner did not hide
         graphs, steps = self.runner.graphs, self.runner.step_graphs
         if graphs is not None:
             self.log.info(
@@ -164,6 +174,7 @@ class WorkerActor(Actor[WorkerConfig]):
         if graphs is not None or steps is not None:
             self.log.info("CUDA graph memory pool: %.0f MiB", self.runner.graph_memory_bytes / 2**20)
         self.cuda = self.runner.device.type == "cuda"
+        mark = time.perf_counter()
         if self.cuda:
             self.load_stream = torch.cuda.Stream(self.runner.device)
         self.executor = StepExecutor(
@@ -177,6 +188,8 @@ class WorkerActor(Actor[WorkerConfig]):
         # structured output's tokenizer (about a second for a 128k vocabulary) builds in the background
         # now, so the first request with a grammar does not hold its step for it
         self.executor.guided.prepare()
+        after.add("executor", time.perf_counter() - mark)
+        mark = time.perf_counter()
         if self.rank_zero is not None:
             self.executor = await loop.run_in_executor(self.thread, self.rank_zero.wrap, self.executor)
             self.add_loop("ranks", self.rank_zero.watch)
@@ -192,7 +205,7 @@ class WorkerActor(Actor[WorkerConfig]):
             self.executor, self.thread, plans, self._send_step, cfg.overlap_schedule, self.log, profiler
         )
         self.add_loop("steps", self.steps.run)
-        self.add_sender("scheduler", self.to_scheduler, scheduler.send)
+        self.add_sender("scheduler", self.to_scheduler, lambda msg: self._to_scheduler(scheduler, msg))
         self.add_sender("tokenizer", self.to_tokenizer, tokenizer.send)
         self.add_loop("slot_poll", self._poll_idle_loads)
         pool = self.runner.pool
@@ -205,19 +218,44 @@ class WorkerActor(Actor[WorkerConfig]):
             lora_row_bytes=pool.row_nbytes,
             lora_max_rank=pool.layout.max_rank,
         )
+        after.add("rest of setup", time.perf_counter() - mark)
+        self._startup = (before, launched, runner_s, time.perf_counter())
         await self.to_scheduler.put(started)
 
-    def _log_startup(self, before: float | None) -> None:
-        """One line: where the start-up's seconds went (docs/deploy.md, "Compile cache")."""
+    async def _to_scheduler(self, scheduler: PushSocket, msg: Any) -> None:
+        await scheduler.send(msg)
+        if isinstance(msg, WorkerStarted):
+            self._log_startup()
+            self.announced.set()
+
+    async def until_ready(self) -> None:
+        """Ready once WorkerStarted is on its way: the scheduler plans (and health says ok) from then on."""
+        await self.announced.wait()
+
+    def _log_startup(self) -> None:
+        """One line, once WorkerStarted is sent: where every second of the worker's start-up went, from
+        its process's start to that message (docs/deploy.md, "Compile cache"). The parts follow each
+        other, so they add up to the process's age then; "after launch" is on the launcher's clock."""
+        assert self._startup is not None
+        before, launched, runner_s, setup_end = self._startup
         phases = getattr(self.runner, "phases", None)  # rank zero of a TP group: its own runner's
+        runner = dict(phases.seconds) if phases is not None else {}
+        runner["rest of the runner"] = max(0.0, runner_s - sum(runner.values()))
+        after = {**self.after_runner.seconds, "announce": time.perf_counter() - setup_end}
         warm = getattr(self.runner, "warmup", None)
         parts = f" ({seconds_line(warm.parts)})" if warm and warm.parts else ""
         late = Counter(getattr(self.runner, "capture_compiled", ()))
+        age = process_age()
         self.log.info(
-            "start-up: process %s before the model runner; %s; warm-up parts%s; %d kernels compiled "
-            "during graph capture%s",
-            "?" if before is None else f"{before:.1f} s",
-            phases.line() if phases is not None else "-",
+            "start-up: process started %s after launch, %s before the model runner (%.2f s of it waiting "
+            "for its config); %s; after the runner: %s; WorkerStarted sent %s after launch; warm-up "
+            "parts%s; %d kernels compiled during graph capture%s",
+            "?" if launched is None else f"{launched:.2f} s",
+            "?" if before is None else f"{before:.2f} s",
+            startup.config_wait_s,
+            seconds_line(runner.items(), 2),
+            seconds_line(after.items(), 2),
+            "?" if launched is None or age is None else f"{launched + age:.2f} s",
             parts or " -",
             late.total(),
             f" ({', '.join(f'{n} x{c}' for n, c in late.most_common())})" if late else "",

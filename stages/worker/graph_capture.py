@@ -1,5 +1,6 @@
 """Every CUDA graph the project records goes through `recording`: a capture whose errors are thread-local
-(in the worker only the step thread issues CUDA work), with Python's automatic garbage collection paused.
+(in the worker only the step thread issues CUDA work), on a side stream without a device synchronisation
+before it, with Python's automatic garbage collection paused.
 
 A collection that runs inside a capture can free an unreachable object whose finalizer makes a CUDA call
 that a capturing stream forbids: a `torch.cuda.CUDAGraph` (its reset destroys the executable graph), or
@@ -19,52 +20,45 @@ from contextlib import contextmanager
 
 import torch
 
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
+    """The side stream every capture on `device` (default: the current one) records on: one per device,
+    as torch.cuda.graph's own default (capture cannot run on the legacy default stream)."""
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    stream = _capture_streams.get(index)
+    if stream is None:
+        stream = _capture_streams[index] = torch.cuda.Stream(index)
+    return stream
+
 
 @contextmanager
 def recording(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
-    """Record `graph` from the work of the body, into the memory `pool` (the worker's graphs share one).
-    Automatic collection is off from before the capture begins until it has ended, and back on after
-    only if it was on; explicit `gc.collect()` calls are the caller's business."""
+    """Record `graph` from the work of the body, into the memory `pool` (the worker's graphs share one),
+    on the capture stream of the current device. Automatic collection is off from before the capture
+    begins until it has ended, and back on after only if it was on; explicit `gc.collect()` calls are
+    the caller's business.
+
+    Unlike torch.cuda.graph, it neither synchronises the device nor empties the allocator's cache first.
+    A capture computes nothing and reads no result of earlier work, so it need not wait for it: the eager
+    run before each of the worker's start-up captures (which loads its kernels) keeps the device busy
+    while the host records the next graphs, where a synchronisation per graph would make the host wait
+    for every eager forward in turn (the largest buckets' take milliseconds each). The graphs' memory
+    comes from their own pool, never from blocks the eager work frees. Whoever captures many graphs
+    empties the cache once before them (runner.py), as a first capture through torch.cuda.graph would."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            yield
+        with torch.cuda.stream(capture_stream()):
+            graph.capture_begin(*(() if pool is None else (pool,)), capture_error_mode="thread_local")
+            try:
+                yield
+            finally:
+                graph.capture_end()
     finally:
         if enabled:
             gc.enable()
-
-
-# what torch.cuda.graph calls before each capture to give cached memory back (device; pinned host)
-_CACHE_RELEASES = ((torch.cuda, "empty_cache"), (torch._C, "_host_emptyCache"))
-
-
-@contextmanager
-def caches_kept() -> Iterator[None]:
-    """Within: `torch.cuda.graph` empties the allocator's device cache (and, where torch has one, its
-    pinned-host cache) before the first capture only, as it does before every capture outside. Captures
-    in a row (the worker's start-up: a hundred or more) otherwise each give back the memory of the eager
-    run before them and take it again: a device synchronisation and driver frees and allocations each
-    time. What stays cached is at most the eager run of the largest bucket, captured first: a full
-    step's activations, which the KV cache's sizing keeps room for beside the graph pool (runner.py)."""
-    released: set[str] = set()
-    saved = [(mod, name, getattr(mod, name)) for mod, name in _CACHE_RELEASES if hasattr(mod, name)]
-
-    def once(name: str, release):
-        def first_only() -> None:
-            if name not in released:
-                released.add(name)
-                release()
-
-        return first_only
-
-    for mod, name, release in saved:
-        setattr(mod, name, once(name, release))
-    try:
-        yield
-    finally:
-        for mod, name, release in saved:
-            setattr(mod, name, release)
 
 
 def graph_pool_bytes(pool: tuple[int, int]) -> int:

@@ -3,6 +3,8 @@ of per-sequence inputs into one forward pass (tokens grouped by adapter id) and 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kernels.host_copy import IndexUploads
@@ -11,7 +13,7 @@ from runtime.common.model_config import ModelConfig, parse_dtype
 from runtime.common.packed import PackedAdapter
 from runtime.common.quant_config import check_quantization
 from stages.worker.decode_graphs import DecodeGraphs
-from stages.worker.graph_capture import caches_kept, graph_pool_bytes
+from stages.worker.graph_capture import graph_pool_bytes
 from stages.worker.lora.backend import slot_segments
 from stages.worker.lora.factory import make_backend
 from stages.worker.lora.pool import LoraPool, Runs, default_pool_bytes, pool_geometry
@@ -59,6 +61,10 @@ class ModelRunner:
         this process is one rank of a tensor-parallel group; it holds that rank's shard of the weights,
         KV heads and adapter pool (`model_cfg` is then the rank's view, `full_cfg` the model's).
         `on_warmup`: hears the warm-up's progress (steps done, total)."""
+        # what each part of the start-up took (the worker logs it at ready); together they are the
+        # constructor's whole wall time
+        self.phases = Phases()
+        init_start = time.perf_counter()
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.tp = tp
@@ -73,14 +79,17 @@ class ModelRunner:
         self.dtype = parse_dtype(cfg.dtype, self.model_cfg.dtype)
         self.attention_backend = resolve_backend(cfg.attention_backend, self.device)
         self.pointwise_backend = resolve_pointwise(cfg.pointwise_backend, self.device)
-        # gather indices of a step's logits rows, uploaded without queueing behind adapter copies
-        self.index_uploads = IndexUploads(self.max_seqs, self.device)
-        self.phases = Phases()  # what each part of the start-up took (the worker logs it at ready)
+        self.phases.add("runner init", time.perf_counter() - init_start)  # the config, the backends
+        # gather indices of a step's logits rows, uploaded without queueing behind adapter copies (the
+        # process's first device memory: torch's CUDA state is set up here)
+        self.phases.run("device init", self._init_index_uploads)
         # whether the compile cache holds every kernel of this start-up already (then no compile pool)
         cuda_warmup = cfg.warmup and self.device.type == "cuda"
+        mark = time.perf_counter()
         marker = WarmMarker(cfg, self.model_cfg, self.device) if cuda_warmup else None
         # the pool's processes start while the weights load
         compile_pool = start_compiling(self.device, cfg.warmup, marker)
+        self.phases.add("compile cache setup", time.perf_counter() - mark)  # Triton's driver, namespace
         try:
             inits = (self._init_model, self._init_lora, self._init_kv_cache, self._init_graphs)
             for name, init in zip(("weights", "adapter pool", "KV cache", "graph setup"), inits, strict=True):
@@ -91,11 +100,15 @@ class ModelRunner:
                 )
         finally:
             if compile_pool is not None:
-                compile_pool.close()
+                self.phases.run("compile pool exit", compile_pool.close)
         self.capture_compiled: list[str] = []  # kernels capture compiled (the warm-up plan should hold them)
         self.phases.run("graph capture", self._capture_graphs)
         if marker is not None and self.warmup.plan:
-            marker.settle(self.warmup.plan, clean=not self.warmup.compiled_here and not self.capture_compiled)
+            clean = not self.warmup.compiled_here and not self.capture_compiled
+            self.phases.run("cache marker", marker.settle, self.warmup.plan, clean)
+
+    def _init_index_uploads(self) -> None:
+        self.index_uploads = IndexUploads(self.max_seqs, self.device)
 
     def _init_model(self) -> None:
         # `host_layout`: how the loader packs adapters (the whole model's); `lora_layout`: this pool's
@@ -208,12 +221,17 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         """Step graphs first (the largest buckets), then decode graphs, into the shared pool; the memory
-        it took is kept for the log."""
+        it took is kept for the log. The allocator's cache is emptied once before them (what the warm-up
+        left cached goes back, so the pool has the room the KV cache's sizing kept), and no capture waits
+        for the device (`graph_capture.recording`): what stays cached is at most the eager run of the
+        largest bucket, captured first, which that sizing keeps room for beside the graph pool."""
         if self.graphs is None and self.step_graphs is None:
             return
         from stages.worker.compile_pool import counting_compiles
 
-        with torch.inference_mode(), counting_compiles(self.capture_compiled), caches_kept():
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        with torch.inference_mode(), counting_compiles(self.capture_compiled):
             if self.step_graphs is not None:
                 self.step_graphs.capture_all()
             if self.graphs is not None:

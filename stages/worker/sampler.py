@@ -177,7 +177,8 @@ class Sampler:
                 ok[i] = good
             if adjuster is not None:
                 adjuster.record(tokens[i])
-        logprobs = _logprobs(logits, at, tokens, wanted) if wanted else None
+        on_device = rows[1] if rows is not None else None
+        logprobs = _logprobs(logits, at, on_device, tokens, wanted) if wanted else None
         failed = allowed.failed if allowed is not None else None
         return SampledTokens(torch.stack((tokens, ok.to(tokens.dtype))), logprobs, failed)  # [2, B]
 
@@ -210,25 +211,34 @@ def _greedy_masked(
 
 
 def _logprobs(
-    logits: torch.Tensor, at: Sequence[int], tokens: torch.Tensor, wanted: list[tuple[int, int]]
+    logits: torch.Tensor,
+    at: Sequence[int],
+    rows: torch.Tensor | None,
+    tokens: torch.Tensor,
+    wanted: list[tuple[int, int]],
 ) -> StepLogprobs:
-    """The step's log-probabilities for the `wanted` requests (request k's logits row at[k], its token
-    tokens[k]). When every row of the logits is wanted (the usual case: all ask) they are computed in
-    the logits' own order, with the [B] tokens put in that order; else the wanted rows are gathered
-    first. Either way one small index upload at most, never an op per request."""
+    """The step's log-probabilities for the `wanted` requests (request k's logits row at[k], `rows` the
+    same on the device, None for row k; its token tokens[k]). When every request asks (the usual case)
+    the rows index and the tokens are those already on the device; else one small index upload picks
+    the wanted ones. Never an op per request."""
+    if len(wanted) == tokens.shape[0]:  # wanted[j] is request j
+        return StepLogprobs(
+            logits, rows if rows is not None else _arange(len(wanted), logits.device), tokens, wanted
+        )
     ks = [k for k, _ in wanted]
-    rows = [at[k] for k in ks]
-    n = logits.shape[0]
-    if len(ks) != n:
-        index = _upload([rows, ks], logits.device)  # [2, M]
-        picked, picked_tokens = logits.index_select(0, index[0]), tokens.index_select(0, index[1])
-        return StepLogprobs(picked, picked_tokens, wanted, range(len(ks)))
-    owner = [0] * n  # the request whose token row r sampled
-    for k, r in zip(ks, rows, strict=True):
-        owner[r] = k
-    if owner != list(range(n)) or tokens.shape[0] != n:
-        tokens = tokens.index_select(0, _upload([owner], logits.device)[0])
-    return StepLogprobs(logits, tokens, wanted, rows)
+    index = _upload([[at[k] for k in ks], ks], logits.device)  # [2, M]
+    return StepLogprobs(logits, index[0], tokens.index_select(0, index[1]), wanted)
+
+
+_ARANGE: dict[torch.device, torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """0 .. n - 1 on `device`, from one tensor kept per device (no launch per step)."""
+    have = _ARANGE.get(device)
+    if have is None or have.shape[0] < n:
+        have = _ARANGE[device] = torch.arange(max(n, 256), dtype=torch.int64, device=device)
+    return have[:n]
 
 
 def _upload(rows: list[list[int]], device: torch.device) -> torch.Tensor:

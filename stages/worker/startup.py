@@ -10,6 +10,10 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+# Seconds a worker started before its launcher checked the arguments (runtime/base/prestart.py) waited,
+# its imports done, for its config: set by `python -m stages.worker --prestarted`, 0 otherwise.
+config_wait_s = 0.0
+
 
 class Phases:
     """Wall seconds of named start-up phases, in the order they ran."""
@@ -22,22 +26,26 @@ class Phases:
         try:
             return fn(*args, **kwargs)
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            self.add(name, time.perf_counter() - start)
 
-    def line(self) -> str:
-        return seconds_line(self.seconds.items())
+    def add(self, name: str, seconds: float) -> None:
+        """Seconds of a phase timed by the caller (they add to the phase's earlier ones)."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def line(self, digits: int = 1) -> str:
+        return seconds_line(self.seconds.items(), digits)
 
 
-def seconds_line(parts: Iterable[tuple[str, float]]) -> str:
-    """Named wall seconds as the start-up log line gives them: "name 1.2 s, other 0.3 s"."""
-    return ", ".join(f"{name} {s:.1f} s" for name, s in parts)
+def seconds_line(parts: Iterable[tuple[str, float]], digits: int = 1) -> str:
+    """Named wall seconds as the start-up log lines give them: "name 1.2 s, other 0.3 s"."""
+    return ", ".join(f"{name} {s:.{digits}f} s" for name, s in parts)
 
 
-def process_age() -> float | None:
-    """Seconds since this process started (Linux: /proc), interpreter start-up and imports included;
-    None where /proc is not there."""
+def process_age(pid: int | str = "self") -> float | None:
+    """Seconds since process `pid` (default: this one) started (Linux: /proc), interpreter start-up and
+    imports included; None where /proc does not tell (no /proc, or no such process)."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
@@ -45,3 +53,10 @@ def process_age() -> float | None:
         return None
     # field 22 of stat (the 20th after the command's closing parenthesis): start time in clock ticks
     return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def started_after(parent: int) -> float | None:
+    """When this process started on `parent`'s clock (seconds after `parent` started): the stages' start-up
+    lines and the launcher's count from the same moment, its launch. None where /proc does not tell."""
+    own, theirs = process_age(), process_age(parent)
+    return None if own is None or theirs is None else theirs - own

@@ -163,6 +163,7 @@ def warm_up(
             _lora(runner, launches, None)
             _attention(runner, attn, None)
             _fp8(runner, fp8, None)
+            _top_logprobs(runner)
             # The step-sized forward's own kernels (norms, rotary, activation) too, and those graph capture
             # will launch (its buffers' shapes and strides, which Triton specialises on, are the graphs'
             # own). Recorded launches do not run, so activations are garbage; indices all come from host
@@ -184,6 +185,7 @@ def warm_up(
         _lora(runner, launches, progress)
         _attention(runner, attn, progress)
         _fp8(runner, fp8, progress)
+        _top_logprobs(runner)
         _forward(runner)
     torch.cuda.synchronize(runner.device)
     marks.append(("launch", time.perf_counter()))
@@ -285,6 +287,14 @@ def _fp8(runner: ModelRunner, launches: list, progress: _Progress | None) -> Non
         w8a16_matmul(x, w.q, w.scale, bias, config=launch.config)
         if progress is not None:
             progress.step(f"fp8 GEMM {launch.proj} block_m={launch.config.block_m}")
+
+
+def _top_logprobs(runner: ModelRunner) -> None:
+    """The sampler's fused top-k log-probability kernels (a step with logprobs launches them), on the
+    logits the runner returns."""
+    from kernels import top_logprobs
+
+    top_logprobs.warm(runner.device, runner.full_cfg.vocab_size)
 
 
 def _forward(runner: ModelRunner) -> None:

@@ -57,3 +57,35 @@ def test_report_reads_logs_and_judges_targets(tmp_path):
     }
     assert "FAIL b: ready <= 20 s" in table(r)
     assert "stages spawned at 0.41 s, worker ready at 6.52 s" in table(r)
+
+
+def test_timeline_puts_every_second_to_ready_in_order(tmp_path):
+    (tmp_path / "ready.txt").write_text("mixed_prebuilt=14.20\nweights_read_s=0.40\n")
+    (tmp_path / "server_mixed_prebuilt.log").write_text(
+        "t launcher INFO stages spawned 0.96 s after launch (interpreter, imports, argument checks 0.80 s, "
+        "spawning 0.16 s)\n"
+        "t worker INFO start-up: process started 0.90 s after launch, 3.80 s before the model runner "
+        "(0.50 s of it waiting for its config); "
+        "runner init 0.50 s, weights 0.40 s, warm-up 1.80 s, graph capture 4.20 s, "
+        "rest of the runner 0.00 s; after the runner: host cache pinning 0.00 s, executor 0.10 s, "
+        "rest of setup 0.00 s, announce 0.30 s; "
+        "WorkerStarted sent 12.10 s after launch; warm-up parts (plan 0.1 s, launch 1.7 s); 0 kernels "
+        "compiled during graph capture\n"
+        "t launcher INFO stage 'worker' ready (pid 7) 12.11 s after launch\n"
+        "t launcher INFO stage 'scheduler' ready (pid 8) 13.90 s after launch\n"
+    )
+    row = build(tmp_path, 0.95)["servers"]["mixed_prebuilt"]
+    parts = dict(row["timeline"])
+    first = "launch to the worker's process (launcher: interpreter, imports, argument checks 0.80 s"
+    assert list(parts)[0].startswith(first) and parts[list(parts)[0]] == 0.90
+    assert abs(parts["worker: imports and actor"] - 3.30) < 1e-9 and parts["worker: graph capture"] == 4.20
+    assert parts["worker: waiting for the launcher's config"] == 0.50
+    assert parts["worker: announce"] == 0.30 and parts["worker: executor"] == 0.10
+    # 0.90 + 3.80 + 0.50 + 0.40 + 1.80 + 4.20 + 0.10 + 0.30 = 12.00 of the 12.10 s at WorkerStarted
+    assert abs(parts["unattributed"] - 0.10) < 1e-9
+    assert abs(parts["scheduler's Ready after WorkerStarted (planner; the loader if later)"] - 1.80) < 1e-9
+    assert abs(parts["health seen ok by the client after the scheduler's Ready"] - 0.30) < 1e-9
+    assert abs(sum(parts.values()) - 14.20) < 1e-9
+    text = table(build(tmp_path, 0.95))
+    assert "Where c. as a, on a `lorapipe warmup` cache's 14.20 s to ready went:" in text
+    assert "| worker: graph capture | 4.20 |" in text and "| unattributed | 0.10 |" in text

@@ -14,10 +14,18 @@ import torch.distributed as dist
 
 from stages.worker.tp.allreduce import PeerAllReduce, make_peer
 
-# Set before the group is made, unless the caller set them: NVLink multicast stays off, in NCCL (NVLS)
-# and in the symmetric-memory buffers of the peer sums; on shared multi-GPU hosts it can take the GPUs
-# out of service.
-NCCL_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# Set before the group is made, unless the caller set them:
+# - NVLink multicast stays off, in NCCL (NVLS) and in the symmetric-memory buffers of the peer sums: on
+#   shared multi-GPU hosts it can take the GPUs out of service;
+# - a failed or aborted NCCL collective aborts its communicator and fails the waiting step (2), which the
+#   engine turns into an error or the rank watchdog into a bounded exit; torch's default (3) instead kills
+#   the whole process with SIGABRT from its own watchdog thread whenever the group is aborted: after a rank
+#   died, or after a graceful leave that outlived its bound (a loaded host), even once the engine is closed.
+NCCL_ENV_DEFAULTS = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+}
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,16 @@ from runtime.common.cuda_driver import (
     compute_capability,
     cuda_device_count,
     retain_primary_context,
+    start_driver,
     start_primary_context,
     torch_has_cuda,
 )
 
 
 def test_the_driver_agrees_with_torch():
+    thread = start_driver()  # initialised on a thread first, as `lorapipe serve` does
+    thread.join(timeout=30)
+    assert not thread.is_alive()
     assert torch_has_cuda() == (torch.version.cuda is not None)
     assert cuda_device_count() == torch.cuda.device_count()
     assert retain_primary_context(0) == (torch.cuda.device_count() > 0)

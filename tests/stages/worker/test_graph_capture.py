@@ -1,9 +1,11 @@
 """Every CUDA graph capture in the project goes through `graph_capture.recording`, which pauses Python's
-automatic garbage collection while it records and leaves it as it found it (CPU; the GPU side is
+automatic garbage collection while it records and leaves it as it found it, and records on the capture
+stream without waiting for the device or emptying the allocator's cache (CPU; the GPU side is
 test_graph_capture_gpu.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import re
 from pathlib import Path
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stages.worker import graph_capture
 from stages.worker.graph_capture import recording
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -30,44 +33,58 @@ def test_no_capture_bypasses_the_helper():
     assert not found, "captures outside stages/worker/graph_capture.recording:\n" + "\n".join(found)
 
 
-class _Capture:
-    """Stands in for torch's capture context (this test is about the collector around it): notes whether
-    automatic collection is on as the capture begins and ends, and can fail to begin or in its body."""
+class _Graph:
+    """Stands in for a torch.cuda.CUDAGraph (this test is about what surrounds the capture: the collector,
+    the stream, no wait for the device): notes whether automatic collection is on as the capture begins
+    and ends, and can fail to begin."""
 
-    seen: list = []
-    fail: str | None = None  # "begin": the capture fails to begin
+    def __init__(self, seen: list, fail: str | None):
+        self.seen, self.fail = seen, fail
 
-    def __init__(self, graph, pool=None, capture_error_mode="global"):
-        self.seen.append(("mode", capture_error_mode))
-
-    def __enter__(self):
-        self.seen.append(("begin", gc.isenabled()))
+    def capture_begin(self, *pool, capture_error_mode="global"):
+        self.seen.append(("begin", gc.isenabled(), pool, capture_error_mode))
         if self.fail == "begin":
             raise RuntimeError("capture failed to begin")
 
-    def __exit__(self, *exc):
+    def capture_end(self):
         self.seen.append(("end", gc.isenabled()))
-        return False
 
 
 @pytest.mark.parametrize("fail", [None, "begin", "body"])
 @pytest.mark.parametrize("enabled", [True, False])
 def test_collection_is_paused_for_the_capture_and_restored_after(monkeypatch, enabled, fail):
-    _Capture.seen, _Capture.fail = [], fail
-    monkeypatch.setattr(torch.cuda, "graph", _Capture)
+    seen: list = []
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        seen.append(("stream", stream))
+        yield
+        seen.append(("stream done", stream))
+
+    monkeypatch.setattr(graph_capture, "capture_stream", lambda: "side")
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    # torch.cuda.graph waits for the device and empties the cache before each capture; recording does not
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: seen.append(("synchronize",)))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: seen.append(("empty_cache",)))
     was = gc.isenabled()
     (gc.enable if enabled else gc.disable)()
     try:
         if fail is None:
-            with recording(object()):
+            with recording(_Graph(seen, fail), pool=(0, 7)):
                 assert not gc.isenabled()
+                seen.append(("body",))
         else:
             with pytest.raises(RuntimeError, match="capture failed|body failed"):
-                with recording(object()):
+                with recording(_Graph(seen, fail)):
                     raise RuntimeError("body failed")
         after = gc.isenabled()
     finally:
         (gc.enable if was else gc.disable)()
     assert after == enabled, "the collector was not left as it was found"
-    want = [("mode", "thread_local"), ("begin", False)] + ([] if fail == "begin" else [("end", False)])
-    assert _Capture.seen == want
+    pool = ((0, 7),) if fail is None else ()
+    want = [("stream", "side"), ("begin", False, pool, "thread_local")]
+    if fail is None:
+        want += [("body",), ("end", False), ("stream done", "side")]
+    elif fail == "body":
+        want += [("end", False)]
+    assert seen == want

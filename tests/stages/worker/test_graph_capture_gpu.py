@@ -126,3 +126,41 @@ def test_start_up_captures_survive_a_collection(garbage_in_captures, tiny_llama,
         assert after == replays + 1, f"{name}: the step did not replay a graph"
         err = _rel_err(got, want)
         assert err < TOL, f"{name}: relative error {err:.2e}"
+
+
+def test_captures_wait_for_no_device_and_replays_match_the_reference(tiny_llama, llama_adapters, monkeypatch):
+    """Every key is captured once more with the device left busy (no synchronisation from capture to
+    capture: the eager run before each overlaps the next recordings); the graphs replay the reference's
+    logits, a prefill step and decodes with adapters alike."""
+    cfg = RunnerConfig(
+        model_dir=str(tiny_llama), device="cuda", dtype="float32", max_lora_rank=16, lora_backend="triton",
+        attention_backend="triton", page_size=PAGE, num_pages=400, max_tokens_per_step=128,
+        max_model_len=96, max_running_requests=12, cuda_graph_max_batch=8, cuda_graph_max_tokens=64,
+    )  # fmt: skip
+    runner = ModelRunner(cfg)
+    steps, decodes = runner.step_graphs, runner.graphs
+    step_keys, decode_keys = set(steps.graph_keys()), set(decodes.graph_keys())
+    assert len(steps.full) == len(step_keys) and len(decodes.graphs) == len(decode_keys)
+    steps.full.clear()
+    decodes.graphs.clear()
+    waits: list[str] = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (waits.append("sync"), real(*a, **k))[1])
+    with torch.inference_mode():
+        assert steps.capture_all() == len(step_keys) and decodes.capture_all() == len(decode_keys)
+    assert waits == [], "a capture waited for the device"
+    monkeypatch.undo()
+    for slot, (name, path) in enumerate(llama_adapters.items()):
+        packed = read_adapter(name, path, runner.model_cfg, runner.lora_layout, runner.dtype)
+        runner.load_adapter(slot, packed, [(16 * slot, packed.rank)])
+    torch_model = LlamaModel(runner.model_cfg, runner.model.w, runner.lora_layout, attention_backend="torch")
+    torch_lora = TorchLoraBackend(runner.pool, cfg.max_tokens_per_step)
+    decode6 = [(5 + i, 1, i % 5 - 1) for i in range(6)]
+    for name, spec in (("mixed14", BATCHES["mixed14"]), ("decode6", decode6)):
+        seqs = _batch(runner, spec, seed=len(name))
+        want = _reference(runner, torch_model, torch_lora, seqs)
+        replays = steps.replays + decodes.replays
+        got = runner.execute(seqs)
+        assert steps.replays + decodes.replays == replays + 1, f"{name}: the step did not replay a graph"
+        err = _rel_err(got, want)
+        assert err < TOL, f"{name}: relative error {err:.2e}"
