@@ -1,11 +1,11 @@
 """One decode step of a Llama-shaped model (random bf16 weights), as the worker runs it: the decode CUDA
 graph of its batch bucket (`stages/worker/decode_graphs.py`), replayed, base-only against each LoRA
-design of the Triton backend (`TritonLoraBackend.design`: "serial", "side", "fused"; "serial-nopdl" is
+design of the Triton backend (`TritonLoraBackend.design`: "serial", "side", "fused", "fold"; "serial-nopdl" is
 "serial" with programmatic dependent launch off), sequence i on adapter i % N (rank-R adapters at
 scattered pool rows), every variant in one process, measured in rounds of alternating order (A-B-B-A).
 
     python -m benchmarks.bench_lora_decode OUT_DIR [--cases 8b:16:4,8b:64:4,1b:64:32,1b:256:32]
-        [--designs serial,serial-nopdl,side,fused] [--rank 16] [--lora-dtype auto|fp8|int8] [--ctx 512]
+        [--designs serial,serial-nopdl,side,fused,fold] [--rank 16] [--lora-dtype auto|fp8|int8] [--ctx 512]
         [--rounds 6] [--smoke] [--tile-classes 8,32,128] [--fused-programs-per-sm 8]
 
 Per case: the median µs of one step, the LoRA overhead (step / base-only - 1), base-only / step, the
@@ -229,7 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
     p.add_argument("--cases", default="8b:16:4,8b:64:4,1b:64:32,1b:256:32", help="preset:batch:adapters,...")
-    p.add_argument("--designs", default="serial,serial-nopdl,side,fused", help=f"of {', '.join(VARIANTS)}")
+    p.add_argument(
+        "--designs", default="serial,serial-nopdl,side,fused,fold", help=f"of {', '.join(VARIANTS)}"
+    )
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--lora-dtype", choices=("auto", *QUANT_DTYPES), default="auto", help="the pool's rows")
     p.add_argument("--ctx", type=int, default=512, help="tokens each sequence has in the KV cache")

@@ -1,0 +1,150 @@
+"""Rotary embedding and the K/V cache write with the q/k/v LoRA expand folded in, one launch: each head of
+the fused QKV output gets its token's adapter delta (scaling * v @ B over the head's columns, rounded to
+the model dtype as `lora_expand` stores it) before it is rotated (q, k) or written (v), as
+`kernels/rotary.py` rotates and writes. v comes from the shrink folded into the layer's input norm, its
+partials summed and scaled by each row's 1 / rms here (`kernels/lora_fold_parts.py`).
+
+Grid: (T, q heads + 2 * kv heads): one program a (token, head), which finds its token's adapter in the
+batch tiles, so base-only and padding rows are rotated as they are."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.batch_info import META_COLS, BatchInfo, next_pow2
+from kernels.lora_fold_parts import (
+    FoldExpand,
+    check_fold,
+    row_adapter,
+    row_delta,
+    row_slot,
+    row_v,
+    tile_block,
+)
+
+
+@triton.jit
+def _rotate(x1, x2, c1, c2, s1, s2):
+    """The half-split rotation of one head's halves (fp32 in), rounded as torch rounds it in x1's dtype."""
+    dt = x1.dtype
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    a1 = (x1f * c1).to(dt).to(tl.float32)
+    b1 = (-x2f * s1).to(dt).to(tl.float32)
+    a2 = (x2f * c2).to(dt).to(tl.float32)
+    b2 = (x1f * s2).to(dt).to(tl.float32)
+    return (a1 + b1).to(dt), (a2 + b2).to(dt)
+
+
+@triton.jit
+def _fold_rope_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, kvrows_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    v_ptr, inv_ptr, b_ptr, bs_ptr, ranks_ptr, scal_ptr, rows_ptr, meta_ptr,
+    n_grid, table_width, stride_qkv, stride_cs, stride_kr, stride_vr,
+    stride_vp, stride_vt, stride_vi, stride_br, stride_bsr, stride_bsi, stride_rs, stride_ri, stride_ss,
+    stride_si, stride_ts,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, SPLITS: tl.constexpr,
+    META: tl.constexpr, SCALED: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    hh = tl.program_id(1)
+    s = (hh >= NUM_HEADS).to(tl.int32) + (hh >= NUM_HEADS + NUM_KV_HEADS).to(tl.int32)  # q, k or v
+    slot = row_slot(meta_ptr, t, n_grid, BLOCK_T, META)
+    r, scale, offs_r, r_ok, prow = row_adapter(
+        ranks_ptr, scal_ptr, rows_ptr, slot, s, table_width, stride_rs, stride_ri, stride_ss, stride_si,
+        stride_ts, BLOCK_R,
+    )  # fmt: skip
+    cdt = q_ptr.dtype.element_ty
+    v = row_v(v_ptr + t * stride_vt + s * stride_vi + offs_r, r_ok, inv_ptr, t,
+              bs_ptr + prow * stride_bsr + s * stride_bsi, stride_vp, SPLITS, True, SCALED, cdt)  # fmt: skip
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HALF
+    col = hh * HEAD_DIM + d  # the head's first half in the fused output and in B^T's columns
+    src = qkv_ptr + t * stride_qkv
+    x1 = tl.load(src + col, mask=d_ok, other=0.0)
+    x2 = tl.load(src + col + HALF, mask=d_ok, other=0.0)
+    delta1 = row_delta(v, b_ptr, prow, r_ok, col, d_ok, stride_br, SCALED, cdt)
+    delta2 = row_delta(v, b_ptr, prow, r_ok, col + HALF, d_ok, stride_br, SCALED, cdt)
+    x1 = (x1.to(tl.float32) + delta1 * scale).to(x1.dtype)
+    x2 = (x2.to(tl.float32) + delta2 * scale).to(x2.dtype)
+    if hh < NUM_HEADS + NUM_KV_HEADS:
+        cs = t * stride_cs
+        c1 = tl.load(cos_ptr + cs + d, mask=d_ok, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + cs + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + cs + d, mask=d_ok, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + cs + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
+        o1, o2 = _rotate(x1, x2, c1, c2, s1, s2)
+        if hh < NUM_HEADS:
+            dst = q_ptr + t * (NUM_HEADS * HEAD_DIM) + hh * HEAD_DIM
+            tl.store(dst + d, o1, mask=d_ok)
+            tl.store(dst + HALF + d, o2, mask=d_ok)
+        else:
+            row = tl.load(kvrows_ptr + t).to(tl.int64)
+            dst = k_cache_ptr + row * stride_kr + (hh - NUM_HEADS) * HEAD_DIM
+            tl.store(dst + d, o1, mask=d_ok)
+            tl.store(dst + HALF + d, o2, mask=d_ok)
+    else:
+        row = tl.load(kvrows_ptr + t).to(tl.int64)
+        dst = v_cache_ptr + row * stride_vr + (hh - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM
+        tl.store(dst + d, x1, mask=d_ok)
+        tl.store(dst + HALF + d, x2, mask=d_ok)
+
+
+def fold_rope_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_rows: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    expand: FoldExpand,
+    info: BatchInfo,
+    rows: torch.Tensor,
+    check: bool = True,
+) -> torch.Tensor:
+    """`kernels.rotary.rope_kv_write` of qkv + the q/k/v group's LoRA delta (`expand`: its three slices,
+    v from a norm's shrink, so with `inv`); qkv is not written. Returns q [T, H, D] (a new tensor)."""
+    T = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    if check:
+        if head_dim % 2 or qkv.stride(-1) != 1 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
+            raise ValueError(
+                f"qkv {tuple(qkv.shape)} is not [T, ({num_heads} + 2 * {num_kv_heads}) * even D]"
+            )
+        for cache in (k_cache, v_cache):
+            if (
+                cache.shape[1:] != (num_kv_heads, head_dim)
+                or cache.stride(2) != 1
+                or cache.stride(1) != head_dim
+            ):
+                raise ValueError(
+                    f"a K/V cache {tuple(cache.shape)} is not [rows, {num_kv_heads}, {head_dim}]"
+                )
+        check_fold(qkv, expand.b, expand.v, expand.ranks, info)
+        if expand.v.shape[2] != 3 or expand.inv is None or expand.b.shape[1] < qkv.shape[1]:
+            raise ValueError("the q/k/v expand has three slices over qkv's columns and a norm's inv")
+    cos2, sin2 = cos.reshape(T, head_dim), sin.reshape(T, head_dim)
+    if check and (cos2.stride() != sin2.stride() or cos2.stride(-1) != 1):
+        raise ValueError("rotary cos and sin must share one layout with contiguous rows")
+    q = torch.empty((T, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q
+    e, bs = expand, expand.b_scales
+    _fold_rope_kernel[(T, num_heads + 2 * num_kv_heads)](
+        qkv, cos2, sin2, kv_rows, q, k_cache, v_cache, e.v, e.inv, e.b, bs if bs is not None else e.b,
+        e.ranks, e.scalings, rows, info.meta, info.num_tiles, rows.shape[1],
+        qkv.stride(0), cos2.stride(0), k_cache.stride(0), v_cache.stride(0),
+        e.v.stride(0), e.v.stride(1), e.v.stride(2), e.b.stride(0),
+        bs.stride(0) if bs is not None else 0, bs.stride(1) if bs is not None else 0,
+        e.ranks.stride(0), e.ranks.stride(1), e.scalings.stride(0), e.scalings.stride(1), rows.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
+        BLOCK_D=next_pow2(head_dim // 2), BLOCK_R=info.block_rank, BLOCK_T=tile_block(info.num_tiles),
+        SPLITS=e.v.shape[0], META=META_COLS, SCALED=bs is not None,
+        num_warps=max(1, min(4, info.block_rank * next_pow2(head_dim // 2) // 1024)),
+    )  # fmt: skip
+    return q

@@ -1,0 +1,117 @@
+"""The Triton backend's "fold" design for batches of at most `max_seqs` tokens (decode): each group's LoRA
+runs inside the kernels around its projection instead of launches of its own (`kernels/lora_fold_*.py`).
+A layer then runs: input norm (+ the previous layer's down expand, + the q/k/v shrink), QKV, rotary and
+K/V write (+ the q/k/v expand), attention, O, o's shrink (the one LoRA launch of the layer: its input is
+attention's output), post-attention norm (+ o's expand, + the gate/up shrink), gate/up, activation (+ its
+expand, + the down shrink), down; the last down expand goes into the final norm. `LlamaModel` asks the
+backend for this (`folds`) and calls these steps in that order; every buffer here is allocated once, so
+captured graphs hold their addresses. Tensor-parallel ranks keep the serial design."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.batch_info import block_rank_for
+from kernels.lora_fold_act import MAX_PARTIALS, act_blocks, fold_silu_mul
+from kernels.lora_fold_norm import MAX_SPLITS, fold_norm, norm_splits, shrink_blocks
+from kernels.lora_fold_parts import FoldExpand, FoldShrink
+from kernels.lora_fold_rope import fold_rope_kv
+
+
+class FoldLora:
+    """The fold steps of one forward over `backend`'s prepared batch (a `TritonLoraBackend`: its views,
+    scales, row table, o's shrink config). Between the steps it holds the v each shrink left for the
+    expand of a later step."""
+
+    def __init__(self, backend, max_tokens: int):
+        """`max_tokens`: the most tokens of a batch this design serves (the backend's decode class)."""
+        self.backend = backend
+        self.max_tokens = max_tokens
+        layout = backend.layout
+        br = block_rank_for(layout.max_rank)
+        dev = backend.pool.device
+        f32 = torch.float32
+        n = max_tokens * br
+        self._v_qkv = torch.empty(MAX_SPLITS * n * 3, dtype=f32, device=dev)  # [splits, T, 3, br]
+        self._v_gu = torch.empty(MAX_SPLITS * n * 2, dtype=f32, device=dev)  # [splits, T, 2, br]
+        self._v_down = torch.empty(MAX_PARTIALS * n, dtype=f32, device=dev)  # [groups, T, 1, br]
+        self._inv_in = torch.empty(max_tokens, dtype=f32, device=dev)  # each row's 1 / rms
+        self._inv_post = torch.empty(max_tokens, dtype=f32, device=dev)
+        self._qkv: FoldShrink | None = None  # what the last input norm left for the rotary
+        self._gu: FoldShrink | None = None  # the post-attention norm's, for the activation
+        self._down: FoldShrink | None = None  # the activation's, for the next norm
+
+    def serves(self, num_tokens: int, num_tiles: int) -> bool:
+        return 0 < num_tiles and num_tokens <= self.max_tokens
+
+    @staticmethod
+    def _view(buf: torch.Tensor, parts: int, T: int, slices: int, br: int) -> torch.Tensor:
+        return buf[: parts * T * slices * br].view(parts, T, slices, br)
+
+    def _shrink(self, layer: int, group: str, buf, parts: int, inv) -> FoldShrink:
+        b = self.backend
+        info = b.batch_info
+        a, _, ranks, _ = b._views[layer, group]
+        v = self._view(buf, parts, info.num_tokens, ranks.shape[1], info.block_rank)
+        return FoldShrink(a, ranks, v, b._scales[layer, group][0], inv)
+
+    def _expand(self, layer: int, group: str, v: torch.Tensor, inv=None) -> FoldExpand:
+        _, b, ranks, scalings = self.backend._views[layer, group]
+        return FoldExpand(v, b, ranks, scalings, self.backend._scales[layer, group][1], inv)
+
+    def _norm_shrink(self, layer: int, group: str, buf, inv_buf) -> FoldShrink:
+        info = self.backend.batch_info
+        g = self.backend.layout.group(group)
+        _, col_blocks = shrink_blocks(g.num_slices, info.block_rank)
+        splits = norm_splits(info, g.in_dim, col_blocks)
+        return self._shrink(layer, group, buf, splits, inv_buf[: info.num_tokens])
+
+    def input_norm(self, layer: int, h, down, weight, eps: float):
+        """Layer `layer`'s input norm of h + down (down: the previous layer's down projection, whose delta
+        this adds; None for the first layer). Returns (the residual, the normed rows)."""
+        b = self.backend
+        self._qkv = self._norm_shrink(layer, "qkv", self._v_qkv, self._inv_in)
+        expand = None if down is None else self._expand(layer - 1, "down", self._down.v)
+        total, x = fold_norm(
+            h, weight, eps, b.batch_info, b.rows, d=down, expand=expand, shrink=self._qkv, check=False
+        )
+        return (h if total is None else total), x
+
+    def rope_kv(self, layer: int, qkv, cos, sin, kv_rows, kv, num_heads: int, num_kv_heads: int):
+        b = self.backend
+        expand = self._expand(layer, "qkv", self._qkv.v, self._qkv.inv)
+        return fold_rope_kv(
+            qkv, cos, sin, kv_rows, kv.k[layer], kv.v[layer], num_heads, num_kv_heads, expand,
+            b.batch_info, b.rows, check=False,
+        )  # fmt: skip
+
+    def shrink_o(self, layer: int, attn: torch.Tensor) -> None:
+        """o's shrink, as the serial design launches it (its v then waits for the post-attention norm)."""
+        b = self.backend
+        cfg, _, v = b._configs["o"]
+        a, _, ranks, _ = b._views[layer, "o"]
+        b._shrink(attn, a, ranks, b.batch_info, v, cfg, b._scales[layer, "o"][0])
+
+    def post_norm(self, layer: int, h, o, weight, eps: float):
+        """h + o (+ o's delta) and its norm, the gate/up shrink of the normed rows."""
+        b = self.backend
+        self._gu = self._norm_shrink(layer, "gate_up", self._v_gu, self._inv_post)
+        expand = self._expand(layer, "o", b._configs["o"][2])
+        return fold_norm(
+            h, weight, eps, b.batch_info, b.rows, d=o, expand=expand, shrink=self._gu, check=False
+        )
+
+    def act(self, layer: int, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up with gate/up's delta, and the down shrink of the result."""
+        b = self.backend
+        info = b.batch_info
+        _, _, groups = act_blocks(gate_up.shape[1] // 2, info.block_rank)
+        self._down = self._shrink(layer, "down", self._v_down, groups, None)
+        expand = self._expand(layer, "gate_up", self._gu.v, self._gu.inv)
+        return fold_silu_mul(gate_up, expand, info, b.rows, self._down, check=False)
+
+    def final_norm(self, layer: int, h, down, weight, eps: float) -> torch.Tensor:
+        """The final norm of h + down (+ the down delta of the last layer, `layer`), every row."""
+        b = self.backend
+        expand = self._expand(layer, "down", self._down.v)
+        return fold_norm(h, weight, eps, b.batch_info, b.rows, d=down, expand=expand, check=False)[1]
