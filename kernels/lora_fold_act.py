@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from kernels.batch_info import META_COLS, BatchInfo, interpreting
 from kernels.lora_fold_parts import FoldExpand, FoldShrink, block_slots, check_fold, tile_block
@@ -32,8 +33,11 @@ def _fold_act_kernel(
     stride_vdp, stride_vdt,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
     BLOCK_T: tl.constexpr, SPLITS: tl.constexpr, META: tl.constexpr, SHRINK: tl.constexpr,
-    UPCAST: tl.constexpr, SCALED: tl.constexpr,
+    UPCAST: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    # PDL: this kernel may start while the gate/up GEMM before it runs. Before its wait it reads only the
+    # step's constant data (the batch tiles, the adapter tables); gate_up, v, inv and the adapter rows
+    # after it. Every program passes the wait before it returns.
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     is_tile = pid_b < n_grid
@@ -44,6 +48,8 @@ def _fold_act_kernel(
     free = block_slots(meta_ptr, offs_m, n_grid, BLOCK_T, META) < 0  # rows no tile holds
     m_ok = tl.where(live & (offs_m < end), 1, 0) + tl.where((pid_b >= n_grid) & (offs_m < T) & free, 1, 0) > 0
     if tl.max(m_ok.to(tl.int32), axis=0) == 0:
+        if PDL:
+            gdc_wait()
         return
     slot = tl.where(live, tile_slot, -1).to(tl.int64)
     has = slot >= 0
@@ -60,6 +66,8 @@ def _fold_act_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     g_ok, u_ok, d_ok = offs_r < rg, offs_r < ru, offs_r < rd
     prow = tl.load(rows_ptr + sid * stride_ts + offs_r, mask=g_ok | u_ok | d_ok, other=0).to(tl.int64)
+    if PDL:
+        gdc_wait()
     cdt = act_ptr.dtype.element_ty
     rows_m = offs_m[:, None].to(tl.int64)
     v_rows = v_ptr + rows_m * stride_vt + offs_r[None, :]
@@ -75,7 +83,7 @@ def _fold_act_kernel(
         vg = vg.to(tl.float32)
         vu = vu.to(tl.float32)
     acc_d = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for j in tl.static_range(NB):
+    for j in range(NB):  # a loop: its B and A loads feed dots, which the compiler pipelines
         offs_n = (pid_n * NB + j) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < inter
         io = m_ok[:, None] & n_ok[None, :]
@@ -132,10 +140,12 @@ def fold_silu_mul(
     rows: torch.Tensor,
     shrink: FoldShrink | None = None,
     check: bool = True,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """gate_up [T, 2I] (gate, then up) → silu(gate + delta) * (up + delta) [T, I] (a new tensor; gate_up
     is not written). `expand`: the gate/up group (two slices, v of a norm's shrink, with inv); `shrink`:
-    the down group, whose v [groups, T, 1, block_rank] (`act_blocks`) it writes at adapter rows."""
+    the down group, whose v [groups, T, 1, block_rank] (`act_blocks`) it writes at adapter rows. `pdl`:
+    launch as a programmatic dependent (the kernel before writes neither tiles nor adapter tables)."""
     T, inter = gate_up.shape[0], gate_up.shape[1] // 2
     br = info.block_rank
     block_n, nb, groups = act_blocks(inter, br)
@@ -168,6 +178,6 @@ def fold_silu_mul(
         s.v.stride(0) if sh else 0, s.v.stride(1) if sh else 0,
         BLOCK_R=br, BLOCK_M=info.block_m, BLOCK_N=block_n, NB=nb, BLOCK_T=tile_block(info.num_tiles),
         SPLITS=e.v.shape[0], META=META_COLS, SHRINK=sh, UPCAST=interpreting(), SCALED=bs is not None,
-        num_warps=4,
+        PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return act

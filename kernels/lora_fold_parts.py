@@ -17,8 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_parts import split_sum
-
 
 @dataclass(frozen=True)
 class FoldExpand:
@@ -98,37 +96,48 @@ def row_adapter(ranks_ptr, scal_ptr, rows_ptr, slot, s, table_width, stride_rs, 
                 stride_si, stride_ts, BLOCK_R: tl.constexpr):  # fmt: skip
     """Slice s of adapter `slot` (-1: none): its rank (0 for none; capped by the rank tile and the table,
     as the expand caps it), scaling, the rank offsets [BLOCK_R], which are below the rank, and their pool
-    rows (int64, 0 past the rank: never dereferenced)."""
+    rows (int64; loaded masked by the table width, not the rank, so that the gather is in flight with
+    the rank load; rows past the rank are never dereferenced)."""
     has = slot >= 0
     sid = tl.maximum(slot, 0)
     r = tl.load(ranks_ptr + sid * stride_rs + s * stride_ri, mask=has, other=0)
-    r = tl.minimum(tl.minimum(r, BLOCK_R), table_width)
     scale = tl.load(scal_ptr + sid * stride_ss + s * stride_si, mask=has, other=0.0)
     offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < r
-    prow = tl.load(rows_ptr + sid * stride_ts + offs_r, mask=r_ok, other=0).to(tl.int64)
-    return r, scale, offs_r, r_ok, prow
+    width = tl.where(has, table_width, 0)
+    prow = tl.load(rows_ptr + sid * stride_ts + offs_r, mask=offs_r < width, other=0).to(tl.int64)
+    r = tl.minimum(tl.minimum(r, BLOCK_R), table_width)
+    return r, scale, offs_r, offs_r < r, prow
 
 
 @triton.jit
 def row_v(v_ptrs, r_ok, inv_ptr, t, bs_ptrs, stride_vp, NUM_SPLITS: tl.constexpr, INV: tl.constexpr,
           SCALED: tl.constexpr, CDT: tl.constexpr):  # fmt: skip
     """One row's v [BLOCK_R] as an expand feeds its dot: the partials summed, times the row's factor (a
-    norm's shrink), times the B rows' scales (8-bit pools), rounded to CDT; returned as fp32."""
-    v = split_sum(v_ptrs, r_ok, stride_vp, NUM_SPLITS, "")
+    norm's shrink), times the B rows' scales (8-bit pools), rounded to CDT; returned as fp32, zero past
+    the rank. The loads need no rank (the whole rank tile of v exists; what is past the rank is dropped),
+    so they are issued before it is known."""
+    v = tl.load(v_ptrs)
+    for p in tl.static_range(1, NUM_SPLITS):
+        v += tl.load(v_ptrs + p * stride_vp)
     if INV:
         v = v * tl.load(inv_ptr + t)
     if SCALED:
         v = v * tl.load(bs_ptrs, mask=r_ok, other=0.0)
-    return v.to(CDT).to(tl.float32)
+    return tl.where(r_ok, v, 0.0).to(CDT).to(tl.float32)
 
 
 @triton.jit
-def row_delta(v, b_ptr, prow, r_ok, cols, col_ok, stride_br, SCALED: tl.constexpr, CDT: tl.constexpr):
-    """fp32 [BLOCK_C]: v [BLOCK_R] (of `row_v`) times the B^T rows `prow` at columns `cols`, unscaled."""
-    b = tl.load(
-        b_ptr + prow[:, None] * stride_br + cols[None, :], mask=r_ok[:, None] & col_ok[None, :], other=0.0
-    )
+def b_tile(b_ptr, prow, r_ok, cols, col_ok, stride_br, SCALED: tl.constexpr, CDT: tl.constexpr):
+    """fp32 [BLOCK_R, BLOCK_C]: the B^T rows `prow` at columns `cols`, zero past the rank (8-bit rows: in
+    CDT first, as the expand converts them)."""
+    mask = r_ok[:, None] & col_ok[None, :]
+    b = tl.load(b_ptr + prow[:, None] * stride_br + cols[None, :], mask=mask, other=0.0)
     if SCALED:  # 8-bit rows: exact in fp32 and in CDT
         b = b.to(tl.float32).to(CDT)
-    return tl.sum(v[:, None] * b.to(tl.float32), axis=0)
+    return b.to(tl.float32)
+
+
+@triton.jit
+def row_delta(v, b):
+    """fp32 [BLOCK_C]: v [BLOCK_R] (of `row_v`) times a `b_tile`, unscaled."""
+    return tl.sum(v[:, None] * b, axis=0)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from kernels.batch_info import META_COLS, BatchInfo, next_pow2
 from kernels.lora_fold_parts import (
     FoldExpand,
+    b_tile,
     check_fold,
     row_adapter,
     row_delta,
@@ -47,8 +49,11 @@ def _fold_rope_kernel(
     stride_si, stride_ts,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, SPLITS: tl.constexpr,
-    META: tl.constexpr, SCALED: tl.constexpr,
+    META: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    # PDL: this kernel may start while the QKV GEMM before it runs. Before its wait it reads only the
+    # step's constant data: the batch tiles, the adapter tables and B rows, the K/V rows, cos and sin;
+    # qkv and v after it. Every program passes the wait: its completion implies the GEMM's.
     t = tl.program_id(0).to(tl.int64)
     hh = tl.program_id(1)
     s = (hh >= NUM_HEADS).to(tl.int32) + (hh >= NUM_HEADS + NUM_KV_HEADS).to(tl.int32)  # q, k or v
@@ -58,36 +63,37 @@ def _fold_rope_kernel(
         stride_ts, BLOCK_R,
     )  # fmt: skip
     cdt = q_ptr.dtype.element_ty
-    v = row_v(v_ptr + t * stride_vt + s * stride_vi + offs_r, r_ok, inv_ptr, t,
-              bs_ptr + prow * stride_bsr + s * stride_bsi, stride_vp, SPLITS, True, SCALED, cdt)  # fmt: skip
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HALF
     col = hh * HEAD_DIM + d  # the head's first half in the fused output and in B^T's columns
+    b1 = b_tile(b_ptr, prow, r_ok, col, d_ok, stride_br, SCALED, cdt)
+    b2 = b_tile(b_ptr, prow, r_ok, col + HALF, d_ok, stride_br, SCALED, cdt)
+    row = tl.load(kvrows_ptr + t).to(tl.int64)
+    cs = t * stride_cs
+    c1 = tl.load(cos_ptr + cs + d, mask=d_ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + cs + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + cs + d, mask=d_ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + cs + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
+    v = row_v(v_ptr + t * stride_vt + s * stride_vi + offs_r, r_ok, inv_ptr, t,
+              bs_ptr + prow * stride_bsr + s * stride_bsi, stride_vp, SPLITS, True, SCALED, cdt)  # fmt: skip
     src = qkv_ptr + t * stride_qkv
     x1 = tl.load(src + col, mask=d_ok, other=0.0)
     x2 = tl.load(src + col + HALF, mask=d_ok, other=0.0)
-    delta1 = row_delta(v, b_ptr, prow, r_ok, col, d_ok, stride_br, SCALED, cdt)
-    delta2 = row_delta(v, b_ptr, prow, r_ok, col + HALF, d_ok, stride_br, SCALED, cdt)
-    x1 = (x1.to(tl.float32) + delta1 * scale).to(x1.dtype)
-    x2 = (x2.to(tl.float32) + delta2 * scale).to(x2.dtype)
+    x1 = (x1.to(tl.float32) + row_delta(v, b1) * scale).to(x1.dtype)
+    x2 = (x2.to(tl.float32) + row_delta(v, b2) * scale).to(x2.dtype)
     if hh < NUM_HEADS + NUM_KV_HEADS:
-        cs = t * stride_cs
-        c1 = tl.load(cos_ptr + cs + d, mask=d_ok, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + cs + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + cs + d, mask=d_ok, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + cs + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
         o1, o2 = _rotate(x1, x2, c1, c2, s1, s2)
         if hh < NUM_HEADS:
             dst = q_ptr + t * (NUM_HEADS * HEAD_DIM) + hh * HEAD_DIM
             tl.store(dst + d, o1, mask=d_ok)
             tl.store(dst + HALF + d, o2, mask=d_ok)
         else:
-            row = tl.load(kvrows_ptr + t).to(tl.int64)
             dst = k_cache_ptr + row * stride_kr + (hh - NUM_HEADS) * HEAD_DIM
             tl.store(dst + d, o1, mask=d_ok)
             tl.store(dst + HALF + d, o2, mask=d_ok)
     else:
-        row = tl.load(kvrows_ptr + t).to(tl.int64)
         dst = v_cache_ptr + row * stride_vr + (hh - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM
         tl.store(dst + d, x1, mask=d_ok)
         tl.store(dst + HALF + d, x2, mask=d_ok)
@@ -106,9 +112,12 @@ def fold_rope_kv(
     info: BatchInfo,
     rows: torch.Tensor,
     check: bool = True,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """`kernels.rotary.rope_kv_write` of qkv + the q/k/v group's LoRA delta (`expand`: its three slices,
-    v from a norm's shrink, so with `inv`); qkv is not written. Returns q [T, H, D] (a new tensor)."""
+    v from a norm's shrink, so with `inv`); qkv is not written. Returns q [T, H, D] (a new tensor).
+    `pdl`: launch as a programmatic dependent (the kernel before writes none of what is read before
+    the wait)."""
     T = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     if check:
@@ -144,7 +153,7 @@ def fold_rope_kv(
         e.ranks.stride(0), e.ranks.stride(1), e.scalings.stride(0), e.scalings.stride(1), rows.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
         BLOCK_D=next_pow2(head_dim // 2), BLOCK_R=info.block_rank, BLOCK_T=tile_block(info.num_tiles),
-        SPLITS=e.v.shape[0], META=META_COLS, SCALED=bs is not None,
+        SPLITS=e.v.shape[0], META=META_COLS, SCALED=bs is not None, PDL=pdl, launch_pdl=pdl,
         num_warps=max(1, min(4, info.block_rank * next_pow2(head_dim // 2) // 1024)),
     )  # fmt: skip
     return q

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import device_info
 from kernels.batch_info import block_rank_for
 from kernels.lora_fold_act import MAX_PARTIALS, act_blocks, fold_silu_mul
 from kernels.lora_fold_norm import MAX_SPLITS, fold_norm, norm_splits, shrink_blocks
@@ -40,6 +41,13 @@ class FoldLora:
         self._qkv: FoldShrink | None = None  # what the last input norm left for the rotary
         self._gu: FoldShrink | None = None  # the post-attention norm's, for the activation
         self._down: FoldShrink | None = None  # the activation's, for the next norm
+
+    def _pdl(self) -> bool:
+        """Whether the fold kernels launch as programmatic dependents (`device_info.pdl_for`): each reads
+        only the step's constant data (tiles, adapter tables) before its wait, which no kernel of the
+        step writes."""
+        info = self.backend.batch_info
+        return device_info.pdl_for(info.meta.device, info.num_tiles)
 
     def serves(self, num_tokens: int, num_tiles: int) -> bool:
         return 0 < num_tiles and num_tokens <= self.max_tokens
@@ -73,7 +81,16 @@ class FoldLora:
         self._qkv = self._norm_shrink(layer, "qkv", self._v_qkv, self._inv_in)
         expand = None if down is None else self._expand(layer - 1, "down", self._down.v)
         total, x = fold_norm(
-            h, weight, eps, b.batch_info, b.rows, d=down, expand=expand, shrink=self._qkv, check=False
+            h,
+            weight,
+            eps,
+            b.batch_info,
+            b.rows,
+            d=down,
+            expand=expand,
+            shrink=self._qkv,
+            check=False,
+            pdl=self._pdl(),
         )
         return (h if total is None else total), x
 
@@ -82,7 +99,7 @@ class FoldLora:
         expand = self._expand(layer, "qkv", self._qkv.v, self._qkv.inv)
         return fold_rope_kv(
             qkv, cos, sin, kv_rows, kv.k[layer], kv.v[layer], num_heads, num_kv_heads, expand,
-            b.batch_info, b.rows, check=False,
+            b.batch_info, b.rows, check=False, pdl=self._pdl(),
         )  # fmt: skip
 
     def shrink_o(self, layer: int, attn: torch.Tensor) -> None:
@@ -98,7 +115,16 @@ class FoldLora:
         self._gu = self._norm_shrink(layer, "gate_up", self._v_gu, self._inv_post)
         expand = self._expand(layer, "o", b._configs["o"][2])
         return fold_norm(
-            h, weight, eps, b.batch_info, b.rows, d=o, expand=expand, shrink=self._gu, check=False
+            h,
+            weight,
+            eps,
+            b.batch_info,
+            b.rows,
+            d=o,
+            expand=expand,
+            shrink=self._gu,
+            check=False,
+            pdl=self._pdl(),
         )
 
     def act(self, layer: int, gate_up: torch.Tensor) -> torch.Tensor:
@@ -108,10 +134,11 @@ class FoldLora:
         _, _, groups = act_blocks(gate_up.shape[1] // 2, info.block_rank)
         self._down = self._shrink(layer, "down", self._v_down, groups, None)
         expand = self._expand(layer, "gate_up", self._gu.v, self._gu.inv)
-        return fold_silu_mul(gate_up, expand, info, b.rows, self._down, check=False)
+        return fold_silu_mul(gate_up, expand, info, b.rows, self._down, check=False, pdl=self._pdl())
 
     def final_norm(self, layer: int, h, down, weight, eps: float) -> torch.Tensor:
         """The final norm of h + down (+ the down delta of the last layer, `layer`), every row."""
         b = self.backend
         expand = self._expand(layer, "down", self._down.v)
-        return fold_norm(h, weight, eps, b.batch_info, b.rows, d=down, expand=expand, check=False)[1]
+        pdl = self._pdl()
+        return fold_norm(h, weight, eps, b.batch_info, b.rows, d=down, expand=expand, check=False, pdl=pdl)[1]
