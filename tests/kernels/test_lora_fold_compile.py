@@ -1,7 +1,8 @@
 """The fold kernels (kernels/lora_fold_*.py) compile for sm_90 without a GPU (`triton.compile` with a
 `GPUTarget`), in the variants a decode step launches (dependent launch on; bf16 rows of rank tile 16,
-e4m3 rows of rank tile 128): code the CPU interpreter accepts and the compiler refuses fails here, not first on the
-GPU machine. In a child process, as tests/kernels/test_lora_fp8_compile.py explains."""
+e4m3 rows of rank tile 128): code the CPU interpreter accepts and the compiler refuses (one name of two
+types in the branches of an `if`) fails here, not first on the GPU machine. In a child process, as
+tests/kernels/test_lora_fp8_compile.py explains."""
 
 from __future__ import annotations
 
