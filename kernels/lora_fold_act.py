@@ -17,8 +17,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from kernels.batch_info import META_COLS, BatchInfo, interpreting
-from kernels.lora_fold_parts import FoldExpand, FoldShrink, block_slots, check_fold, tile_block
-from kernels.lora_parts import split_sum, tile_of
+from kernels.lora_fold_parts import FoldExpand, FoldShrink, check_fold, tile_block, tile_rows
+from kernels.lora_parts import split_sum
 
 MAX_PARTIALS = 32  # the down shrink's partials at most (column groups of the activation)
 
@@ -40,18 +40,11 @@ def _fold_act_kernel(
     # after it. Every program passes the wait before it returns.
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    is_tile = pid_b < n_grid
-    live = is_tile & (pid_b < tl.load(meta_ptr))
-    start, end, tile_slot = tile_of(meta_ptr, tl.minimum(pid_b, tl.maximum(n_grid - 1, 0)), META)
-    base0 = (pid_b - n_grid) * BLOCK_M
-    offs_m = tl.where(is_tile, start, base0) + tl.arange(0, BLOCK_M)
-    free = block_slots(meta_ptr, offs_m, n_grid, BLOCK_T, META) < 0  # rows no tile holds
-    m_ok = tl.where(live & (offs_m < end), 1, 0) + tl.where((pid_b >= n_grid) & (offs_m < T) & free, 1, 0) > 0
+    offs_m, m_ok, slot = tile_rows(meta_ptr, pid_b, n_grid, T, BLOCK_M, BLOCK_T, META)
     if tl.max(m_ok.to(tl.int32), axis=0) == 0:
         if PDL:
             gdc_wait()
         return
-    slot = tl.where(live, tile_slot, -1).to(tl.int64)
     has = slot >= 0
     sid = tl.maximum(slot, 0)
     cap = tl.minimum(BLOCK_R, table_width)  # a rank past the table would index the next id's rows

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora_parts import tile_of
+
 
 @dataclass(frozen=True)
 class FoldExpand:
@@ -141,3 +143,19 @@ def b_tile(b_ptr, prow, r_ok, cols, col_ok, stride_br, SCALED: tl.constexpr, CDT
 def row_delta(v, b):
     """fp32 [BLOCK_C]: v [BLOCK_R] (of `row_v`) times a `b_tile`, unscaled."""
     return tl.sum(v[:, None] * b, axis=0)
+
+
+@triton.jit
+def tile_rows(meta_ptr, pid_b, n_grid, T, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, META: tl.constexpr):
+    """The rows of program pid_b of a grid of (tiles, then blocks of BLOCK_M rows): a tile's rows (one
+    adapter; none past the device header's count), or the rows of block pid_b - n_grid that no tile
+    holds (base-only and padding rows). Returns (offs_m [BLOCK_M], m_ok, the rows' adapter id: int64,
+    -1 for a block). Reads only the batch metadata."""
+    is_tile = pid_b < n_grid
+    live = is_tile & (pid_b < tl.load(meta_ptr))
+    start, end, tile_slot = tile_of(meta_ptr, tl.minimum(pid_b, tl.maximum(n_grid - 1, 0)), META)
+    offs_m = tl.where(is_tile, start, (pid_b - n_grid) * BLOCK_M) + tl.arange(0, BLOCK_M)
+    free = block_slots(meta_ptr, offs_m, n_grid, BLOCK_T, META) < 0
+    # sums of 0/1 rather than | and &: the interpreter gives a mixed scalar-vector | an integer type
+    m_ok = tl.where(live & (offs_m < end), 1, 0) + tl.where((pid_b >= n_grid) & (offs_m < T) & free, 1, 0) > 0
+    return offs_m, m_ok, tl.where(live, tile_slot, -1).to(tl.int64)
