@@ -46,18 +46,24 @@ def test_fold_logits_match_serial(lora_dtype, batch):
         num_layers=cfg.num_layers, num_pages=batch * pages, page_size=PAGE, num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, dtype=torch.bfloat16, device=dev,
     )  # fmt: skip
-    # ids -1 (base-only) to 3, each id's sequences contiguous, as the runner orders them
-    seqs = sorted(
-        (SeqInput([7 + i], CTX, list(range(i * pages, (i + 1) * pages)), i % 5 - 1) for i in range(batch)),
-        key=lambda s: s.slot,
-    )
-    _, base = step_runner(model, kv, None, seqs, CTX, True, "base-only")
+
+    def seqs(lora: bool) -> list[SeqInput]:
+        """Sequence i on id i % 5 - 1 (-1: base-only), or all base-only; sorted by id, as the runner
+        orders them (stably: the base-only step's rows stay in sequence order)."""
+        out = [
+            SeqInput([7 + i], CTX, list(range(i * pages, (i + 1) * pages)), i % 5 - 1 if lora else -1)
+            for i in range(batch)
+        ]
+        return sorted(out, key=lambda s: s.slot)
+
+    _, base = step_runner(model, kv, None, seqs(False), CTX, True, "base-only")
     logits = {}
     for design in ("serial", "fold"):
         backend = TritonLoraBackend(pool, max_tokens=2048, max_seqs=64, design=design)
-        _, logits[design] = step_runner(model, kv, backend, seqs, CTX, True, design)
+        _, logits[design] = step_runner(model, kv, backend, seqs(True), CTX, True, design)
         if design == "fold":
             assert backend.folds() is not None  # the step ran the fold kernels
+    base = base[torch.tensor(sorted(range(batch), key=lambda i: i % 5 - 1))]  # rows in the LoRA steps' order
     serial, fold = logits["serial"], logits["fold"]
     assert torch.isfinite(fold).all()
     change = serial - base
