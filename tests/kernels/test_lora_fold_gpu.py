@@ -41,6 +41,9 @@ def test_fold_logits_match_serial(lora_dtype, batch):
     layout = LoraLayout.for_model(cfg, 80)
     model.lora_layout = layout
     pool, _ = make_pool(layout, 256 << 20, 4, [16, 1, 80, 7], dev, seed=5, lora_dtype=lora_dtype)
+    # rows 4x the benchmark's (16x the delta): the LoRA change of the bf16 logits then stands far above
+    # their rounding (2^-8 at magnitude 1), which bounds how closely two designs can agree
+    (pool.mem if pool.scales is None else pool.scales).mul_(4)
     pages = CTX // PAGE + 2
     kv = KVCache(
         num_layers=cfg.num_layers, num_pages=batch * pages, page_size=PAGE, num_kv_heads=cfg.num_kv_heads,
