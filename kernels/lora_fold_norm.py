@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from kernels import device_info
 from kernels.batch_info import META_COLS, BatchInfo, interpreting, next_pow2
 from kernels.lora_fold_parts import (
     FoldExpand,
@@ -260,15 +259,13 @@ def _fold_norm_kernel(
         )  # fmt: skip
 
 
-def norm_splits(info: BatchInfo, in_dim: int, col_blocks: int) -> int:
-    """K splits of a norm's shrink: a power of two, enough programs for about two an SM over the batch's
-    tiles, at most MAX_SPLITS and one K step of SHRINK_K each."""
-    target = 2 * device_info.num_sms(info.meta.device)
-    split = 1
+def norm_splits(in_dim: int) -> int:
+    """K splits of a norm's shrink: the largest power of two with at least one K step of SHRINK_K each,
+    at most MAX_SPLITS. Fixed by the model's width (not the batch's tiles), so that a norm has one
+    compiled variant per tile search width, not one per graph: the 16 splits of an 8B step over a few
+    tiles fill the GPU, and over many each program is short."""
     most = min(MAX_SPLITS, max(1, triton.cdiv(in_dim, SHRINK_K)))
-    while split < most and max(1, info.num_tiles) * col_blocks * split < target:
-        split *= 2
-    return split
+    return 1 << (most.bit_length() - 1)
 
 
 def shrink_blocks(num_slices: int, block_rank: int) -> tuple[int, int]:

@@ -59,9 +59,14 @@ def check_fold(t: torch.Tensor, w: torch.Tensor, v: torch.Tensor, ranks: torch.T
         raise ValueError("fold operands and the batch metadata must be on one device")
 
 
+# Narrowest tile search: the grids of small batches share one compiled variant of each fold kernel (a
+# search of 64 tiles is three loads of 256 bytes).
+MIN_TILE_BLOCK = 64
+
+
 def tile_block(num_tiles: int) -> int:
     """The constexpr width of a row's tile search: a power of two covering the launch's tile grid."""
-    return triton.next_power_of_2(max(1, num_tiles))
+    return max(MIN_TILE_BLOCK, triton.next_power_of_2(max(1, num_tiles)))
 
 
 @triton.jit

@@ -30,7 +30,8 @@ from tests.kernels.test_triton_backend import _scattered_runs
 # per id: the rank of each slice (q, k, v, o, gate, up, down); id 4 stays empty
 SMALL = ([1] * 7, [7, 3, 0, 5, 7, 2, 6], [24, 13, 17, 24, 9, 24, 11], [16] * 7)
 LARGE = ([1] * 7, [7, 3, 0, 5, 7, 2, 6], [80, 65, 1, 80, 33, 80, 71], [16] * 7)
-SHAPE = dict(hidden_size=64, intermediate_size=56, num_attention_heads=4, num_key_value_heads=2)
+# hidden 160: the norms' shrinks split K in two, the second ragged (norm_splits); heads of 32 (q: 128)
+SHAPE = dict(hidden_size=160, intermediate_size=56, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 
 
 def _cfg(dtype: str) -> ModelConfig:

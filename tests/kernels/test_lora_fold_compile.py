@@ -49,14 +49,14 @@ def check_variants(row: str, br: int) -> None:
     common = dict(BLOCK_R=br, META=META_COLS, PDL=True)
     for add, ex, sh in ((False, False, True), (True, True, True), (True, True, False)):
         consts = dict(common, ADD=add, EXPAND=ex, SHRINK=sh, PE=28 if ex else 1, NUM_SLICES=3 if sh else 1)
-        consts.update(BLOCK_C=8192 // br if ex else 4096, NCH=br // 2 if ex else 1, BLOCK_T=8, BLOCK_M=16)
+        consts.update(BLOCK_C=8192 // br if ex else 4096, NCH=br // 2 if ex else 1, BLOCK_T=64, BLOCK_M=16)
         consts.update(UNROLL=consts["NCH"] <= lora_fold_norm.MAX_UNROLL)
         consts.update(BLOCK_N=64, BLOCK_K=lora_fold_norm.SHRINK_K, SPLITS=16, UPCAST=False)
         _compile(lora_fold_norm._fold_norm_kernel, row, dict(consts, SCALED_E=ex and scaled, SCALED_S=scaled))
     rope = dict(common, NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, BLOCK_D=64, BLOCK_M=16)
-    rope.update(BLOCK_T=8, UPCAST=False)
+    rope.update(BLOCK_T=64, UPCAST=False)
     _compile(lora_fold_rope._fold_rope_kernel, row, dict(rope, SPLITS=16, SCALED=scaled))
-    act = dict(common, BLOCK_M=16, BLOCK_N=128 if br <= 32 else 64, NB=4, BLOCK_T=8, SPLITS=16)
+    act = dict(common, BLOCK_M=16, BLOCK_N=128 if br <= 32 else 64, NB=4, BLOCK_T=64, SPLITS=16)
     _compile(lora_fold_act._fold_act_kernel, row, dict(act, SHRINK=True, UPCAST=False, SCALED=scaled))
 
 

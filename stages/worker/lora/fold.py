@@ -14,7 +14,7 @@ import torch
 from kernels import device_info
 from kernels.batch_info import block_rank_for
 from kernels.lora_fold_act import MAX_PARTIALS, act_blocks, fold_silu_mul
-from kernels.lora_fold_norm import MAX_SPLITS, fold_norm, norm_splits, shrink_blocks
+from kernels.lora_fold_norm import MAX_SPLITS, fold_norm, norm_splits
 from kernels.lora_fold_parts import FoldExpand, FoldShrink
 from kernels.lora_fold_rope import fold_rope_kv
 
@@ -69,9 +69,7 @@ class FoldLora:
 
     def _norm_shrink(self, layer: int, group: str, buf, inv_buf) -> FoldShrink:
         info = self.backend.batch_info
-        g = self.backend.layout.group(group)
-        _, col_blocks = shrink_blocks(g.num_slices, info.block_rank)
-        splits = norm_splits(info, g.in_dim, col_blocks)
+        splits = norm_splits(self.backend.layout.group(group).in_dim)
         return self._shrink(layer, group, buf, splits, inv_buf[: info.num_tokens])
 
     def input_norm(self, layer: int, h, down, weight, eps: float):
