@@ -1,12 +1,13 @@
 """One decode step of a Llama-shaped model (random bf16 weights), as the worker runs it: the decode CUDA
 graph of its batch bucket (`stages/worker/decode_graphs.py`), replayed, base-only against each LoRA
 design of the Triton backend (`TritonLoraBackend.design`: "serial", "side", "fused", "fold"; a "-nopdl"
-variant is its design with programmatic dependent launch off), sequence i on adapter i % N (rank-R
+variant is its design with programmatic dependent launch off, "fold-inline" "fold" with o's shrink in
+stream order rather than beside the O projection), sequence i on adapter i % N (rank-R
 adapters at scattered pool rows), every variant in one process, measured in rounds of alternating order
 (A-B-B-A).
 
     python -m benchmarks.bench_lora_decode OUT_DIR [--cases 8b:16:4,8b:64:4,1b:64:32,1b:256:32]
-        [--designs serial,serial-nopdl,side,fused,fold,fold-nopdl] [--rank 16]
+        [--designs serial,serial-nopdl,side,fused,fold,fold-nopdl,fold-inline] [--rank 16]
         [--lora-dtype auto|fp8|int8] [--ctx 512] [--rounds 6] [--smoke] [--tile-classes 8,32,128]
         [--fused-programs-per-sm 8]
 
@@ -37,7 +38,7 @@ from kernels.lora_quant import NUM_SCALES, QUANT_DTYPES  # noqa: E402
 from runtime.common.model_config import ModelConfig  # noqa: E402
 from runtime.synthetic.model import build_config  # noqa: E402
 from stages.worker.decode_graphs import DecodeGraphs  # noqa: E402
-from stages.worker.lora import tiles  # noqa: E402
+from stages.worker.lora import fold, tiles  # noqa: E402
 from stages.worker.lora.triton_backend import DESIGNS, TritonLoraBackend  # noqa: E402
 from stages.worker.model.kv_cache import KVCache  # noqa: E402
 from stages.worker.model.llama import LlamaModel  # noqa: E402
@@ -46,7 +47,7 @@ from stages.worker.seq_input import SeqInput  # noqa: E402
 
 PAGE = 16
 HANG_SECONDS = 60.0
-VARIANTS = (*DESIGNS, "serial-nopdl", "fold-nopdl")
+VARIANTS = (*DESIGNS, "serial-nopdl", "fold-nopdl", "fold-inline")
 
 
 def random_model(cfg: ModelConfig, device: torch.device, seed: int) -> LlamaModel:
@@ -79,9 +80,26 @@ def weight_bytes(cfg: ModelConfig) -> int:
 
 
 def make_backend(pool, variant: str, max_seqs: int) -> TritonLoraBackend:
-    """The backend of a variant; a "-nopdl" one is built (and its graphs captured) with LORAPIPE_PDL=0."""
-    design = variant.removesuffix("-nopdl")
-    return TritonLoraBackend(pool, max_tokens=2048, max_seqs=max_seqs, design=design)
+    """The backend of a variant; a "-nopdl" one is built (and its graphs captured) with LORAPIPE_PDL=0,
+    "fold-inline" with o's shrink in stream order (LORAPIPE_FOLD_SIDE=0)."""
+    design = variant.removesuffix("-nopdl").removesuffix("-inline")
+    with env_var(fold.FOLD_SIDE_ENV, "0" if variant == "fold-inline" else None):
+        return TritonLoraBackend(pool, max_tokens=2048, max_seqs=max_seqs, design=design)
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str | None):
+    """$name = value while the block runs (None: left as it is)."""
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None and saved is None:
+            del os.environ[name]
+        elif value is not None:
+            os.environ[name] = saved
 
 
 class NoPdl:
@@ -233,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cases", default="8b:16:4,8b:64:4,1b:64:32,1b:256:32", help="preset:batch:adapters,...")
     p.add_argument(
         "--designs",
-        default="serial,serial-nopdl,side,fused,fold,fold-nopdl",
+        default="serial,serial-nopdl,side,fused,fold,fold-nopdl,fold-inline",
         help=f"of {', '.join(VARIANTS)}",
     )
     p.add_argument("--rank", type=int, default=16)

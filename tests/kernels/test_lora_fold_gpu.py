@@ -1,7 +1,8 @@
 """The Triton backend's "fold" design on CUDA, through the worker's decode CUDA graph: a decode step's
 logits against the "serial" design's (the same adapters, the same step), within bf16 rounding of the LoRA
 change itself; Llama-1B widths over two layers, adapters of ranks 1, 7, 16 and 80 (block rank 128) at
-scattered pool rows, base-only sequences among them; bf16 and e4m3 pools."""
+scattered pool rows, base-only sequences among them; bf16 and e4m3 pools; o's shrink beside the O
+projection and in stream order."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from benchmarks.bench_lora_step import make_pool
 from runtime.common.lora_layout import LoraLayout
 from runtime.common.model_config import ModelConfig
 from runtime.synthetic.model import build_config
+from stages.worker.lora.fold import FOLD_SIDE_ENV
 from stages.worker.lora.triton_backend import TritonLoraBackend
 from stages.worker.model.kv_cache import KVCache
 from stages.worker.seq_input import SeqInput
@@ -33,9 +35,13 @@ def _model():
     return random_model(cfg, torch.device("cuda"), seed=3), cfg
 
 
-@pytest.mark.parametrize("lora_dtype", ["auto", "fp8"])
-@pytest.mark.parametrize("batch", [16, 40])
-def test_fold_logits_match_serial(lora_dtype, batch):
+@pytest.mark.parametrize(
+    "lora_dtype,batch,side",
+    [("auto", 16, True), ("auto", 16, False), ("auto", 40, True), ("fp8", 16, True), ("fp8", 40, False)],
+)
+def test_fold_logits_match_serial(lora_dtype, batch, side, monkeypatch):
+    """`side`: o's shrink beside the O projection on a side stream (the default), else in stream order."""
+    monkeypatch.setenv(FOLD_SIDE_ENV, "1" if side else "0")
     model, cfg = _model()
     dev = torch.device("cuda")
     layout = LoraLayout.for_model(cfg, 80)
@@ -65,7 +71,7 @@ def test_fold_logits_match_serial(lora_dtype, batch):
         backend = TritonLoraBackend(pool, max_tokens=2048, max_seqs=64, design=design)
         _, logits[design] = step_runner(model, kv, backend, seqs(True), CTX, True, design)
         if design == "fold":
-            assert backend.folds() is not None  # the step ran the fold kernels
+            assert backend.folds() is not None and backend.folds().side_o == side  # the step ran them
     base = base[torch.tensor(sorted(range(batch), key=lambda i: i % 5 - 1))]  # rows in the LoRA steps' order
     serial, fold = logits["serial"], logits["fold"]
     assert torch.isfinite(fold).all()

@@ -1,13 +1,17 @@
 """The Triton backend's "fold" design for batches of at most `max_seqs` tokens (decode): each group's LoRA
 runs inside the kernels around its projection instead of launches of its own (`kernels/lora_fold_*.py`).
 A layer then runs: input norm (+ the previous layer's down expand, + the q/k/v shrink), QKV, rotary and
-K/V write (+ the q/k/v expand), attention, O, o's shrink (the one LoRA launch of the layer: its input is
-attention's output), post-attention norm (+ o's expand, + the gate/up shrink), gate/up, activation (+ its
-expand, + the down shrink), down; the last down expand goes into the final norm. `LlamaModel` asks the
-backend for this (`folds`) and calls these steps in that order; every buffer here is allocated once, so
-captured graphs hold their addresses. Tensor-parallel ranks keep the serial design."""
+K/V write (+ the q/k/v expand), attention, o's shrink (the one LoRA launch of the layer: its input is
+attention's output; on CUDA on a side stream beside O), O, post-attention norm (+ o's expand, + the
+gate/up shrink), gate/up, activation (+ its expand, + the down shrink), down; the last down expand goes
+into the final norm. `LlamaModel` asks the backend for this (`folds`) and calls these steps in that
+order; every buffer here is allocated once, so captured graphs hold their addresses. Tensor-parallel
+ranks keep the serial design."""
 
 from __future__ import annotations
+
+from dataclasses import replace
+from os import environ
 
 import torch
 
@@ -17,6 +21,9 @@ from kernels.lora_fold_act import MAX_PARTIALS, act_blocks, fold_silu_mul
 from kernels.lora_fold_norm import MAX_SPLITS, fold_norm, norm_splits
 from kernels.lora_fold_parts import FoldExpand, FoldShrink
 from kernels.lora_fold_rope import fold_rope_kv
+
+# Set to 0 to launch o's shrink in stream order before the O projection rather than beside it (A/B runs).
+FOLD_SIDE_ENV = "LORAPIPE_FOLD_SIDE"
 
 
 class FoldLora:
@@ -41,6 +48,13 @@ class FoldLora:
         self._qkv: FoldShrink | None = None  # what the last input norm left for the rotary
         self._gu: FoldShrink | None = None  # the post-attention norm's, for the activation
         self._down: FoldShrink | None = None  # the activation's, for the next norm
+        # o's shrink needs attention's output alone, so on CUDA it runs on a side stream beside the O
+        # GEMM (`side_o`; off: in stream order before it), joined before the post-attention norm
+        cuda = dev.type == "cuda"
+        self._side = torch.cuda.Stream(dev, priority=-1) if cuda else None
+        self._fork, self._join = (torch.cuda.Event(), torch.cuda.Event()) if cuda else (None, None)
+        self.side_o = cuda and environ.get(FOLD_SIDE_ENV, "1") != "0"
+        self._forked = False
 
     def _pdl(self) -> bool:
         """Whether the fold kernels launch as programmatic dependents (`device_info.pdl_for`): each reads
@@ -101,15 +115,30 @@ class FoldLora:
         )  # fmt: skip
 
     def shrink_o(self, layer: int, attn: torch.Tensor) -> None:
-        """o's shrink, as the serial design launches it (its v then waits for the post-attention norm)."""
+        """o's shrink of attention's output `attn`, called before the O projection: with `side_o` on a
+        side stream forked here and joined by `post_norm` (attn must live until then: the forward holds
+        it), else in stream order as the serial design launches it."""
         b = self.backend
         cfg, _, v = b._configs["o"]
         a, _, ranks, _ = b._views[layer, "o"]
-        b._shrink(attn, a, ranks, b.batch_info, v, cfg, b._scales[layer, "o"][0])
+        a_sc = b._scales[layer, "o"][0]
+        if not self.side_o:
+            b._shrink(attn, a, ranks, b.batch_info, v, cfg, a_sc)
+            return
+        self._fork.record(torch.cuda.current_stream(attn.device))
+        self._side.wait_event(self._fork)
+        with torch.cuda.stream(self._side):  # plain order: its predecessor is an event
+            b._shrink(attn, a, ranks, b.batch_info, v, replace(cfg, pdl=False), a_sc)
+        self._join.record(self._side)
+        self._forked = True
 
     def post_norm(self, layer: int, h, o, weight, eps: float):
         """h + o (+ o's delta) and its norm, the gate/up shrink of the normed rows."""
         b = self.backend
+        pdl = self._pdl()
+        if self._forked:  # o's shrink on the side stream: joined here, and this launch in plain order
+            torch.cuda.current_stream(h.device).wait_event(self._join)
+            self._forked, pdl = False, False
         self._gu = self._norm_shrink(layer, "gate_up", self._v_gu, self._inv_post)
         expand = self._expand(layer, "o", b._configs["o"][2])
         return fold_norm(
@@ -122,7 +151,7 @@ class FoldLora:
             expand=expand,
             shrink=self._gu,
             check=False,
-            pdl=self._pdl(),
+            pdl=pdl,
         )
 
     def act(self, layer: int, gate_up: torch.Tensor) -> torch.Tensor:

@@ -103,8 +103,8 @@ class LlamaModel:
             qkv = linear(x, lw.qkv, lw.qkv_bias)  # [T, q + 2 kv]
             q = fold.rope_kv(i, qkv, cos, sin, fb.kv_rows, kv, cfg.num_heads, cfg.num_kv_heads)
             attn = self.attend(q, kv, i, fb, self.scale, cfg.sliding_window)  # [T, H * D]
+            fold.shrink_o(i, attn)  # may run beside the projection
             o = linear(attn, lw.o, lw.o_bias)  # [T, H]
-            fold.shrink_o(i, attn)
             h, x = fold.post_norm(i, h, o, lw.post_norm, eps)
             act = fold.act(i, linear(x, lw.gate_up, lw.gate_up_bias))  # [T, I]
             down = linear(act, lw.down, lw.down_bias)  # [T, H]
