@@ -1,7 +1,8 @@
 """The Llama-family forward (Llama, Qwen2, Mistral) over flattened tokens: linear layers (`linear.py`:
 torch's, or fp8 GEMMs for fp8 weights), every one's LoRA delta added by the backend handed in (none for
 base-only batches), attention and the pointwise ops (norms, rotary + K/V write, activation) from the
-backends chosen at construction."""
+backends chosen at construction. Where the backend offers it for the batch (`LoraBackend.folds`, TP=1),
+the deltas are added inside fused pointwise kernels instead (`_forward_fold`)."""
 
 from __future__ import annotations
 
