@@ -53,7 +53,8 @@ def engine(model: Path, adapters: dict, device: str, quantization: str | None) -
     """An engine for the throughput runs: CUDA graphs, warm-up and a KV cache."""
     return LLM(model, adapters=adapters, device=device, dtype="bfloat16", quantization=quantization,
                max_lora_rank=MAX_RANK, max_running_requests=64, lora_gpu_memory_gb=0.5,
-               num_pages=2048)  # 32k tokens: batch 64 x 384, or 4 x 2,049  # fmt: skip
+               num_pages=2048,  # 32k tokens: batch 64 x 384, or 4 x 2,049
+               prefix_caching=False)  # the rounds repeat the prompts: each must prefill them  # fmt: skip
 
 
 def timed(llm: LLM, prompts, adapters, max_tokens: int, device: str) -> float:

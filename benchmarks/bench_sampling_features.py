@@ -142,6 +142,7 @@ def main() -> None:
         a.model, adapters={n: Path(a.adapter_dir) / n for n in names}, device=a.device, dtype=a.dtype,
         max_loras_per_batch=a.num_adapters, max_lora_rank=16, max_running_requests=a.num_prompts,
         max_model_len=min(2048, positions),
+        prefix_caching=False,  # the variants repeat the prompts: each must prefill them
     )  # fmt: skip
     rng = random.Random(0)
     vocab = min(llm.tokenizer.get_vocab_size(), llm.runner.model_cfg.vocab_size)

@@ -76,6 +76,7 @@ def main() -> None:
         max_running_requests=max(*a.batch, 16),
         tensor_parallel_size=a.tp,
         disable_custom_all_reduce=a.disable_custom_all_reduce,
+        prefix_caching=False,  # the rounds repeat the prompts: each must prefill them
     )
     built = time.perf_counter() - start
     model = roofline.ModelBytes.from_dir(a.model)

@@ -30,7 +30,9 @@ from kernels.lora_quant import check_scales
 from kernels.lora_shrink import check_row_table
 
 
-@triton.jit
+# T, the batch's token count, only bounds the rows: not specialised on (divisible by 16 or not), so that
+# the kernel's variants are its configs' (`warmup_plan.py` plans those) whatever a batch's size.
+@triton.jit(do_not_specialize=["T"])
 def _lora_expand_act_kernel(
     gu_ptr,
     act_ptr,

@@ -86,8 +86,8 @@ def check_quantization(name: str | None) -> str | None:
 
 def fp8_device_problem(capability: tuple[int, int], dtype: str) -> str | None:
     """Why fp8 weights cannot run on a CUDA device of `capability` with activations of `dtype` (by
-    torch's name), or None: the launcher's half of the worker's `check_fp8_device` (which also runs one
-    fp8 GEMM), with its words, asked without torch."""
+    torch's name), or None. Asked without torch: the launcher refuses with it before any stage starts,
+    and the worker's `check_fp8_device` (which also runs one fp8 GEMM) with the same words."""
     if capability < (8, 9):
         major, minor = capability
         return f"fp8 weights need a GPU of compute capability 8.9 or more; this one is {major}.{minor}"

@@ -3,7 +3,9 @@ the same heuristics that pick them per batch (LoRA shrink/expand configs, attent
 splits), so that the warm-up cannot drift from them. `warmup.py` launches the plan.
 
 A variant is fixed by a kernel's constexprs and launch options (the integers that change per batch are
-either not passed or not specialised on). The heuristics see a batch only through host-known sizes:
+either not passed or not specialised on: Triton would otherwise make a variant per batch size class,
+1, a multiple of 16 or neither, that no config names; `tests/stages/worker/test_warmup_specs.py` checks
+this against the runner's eager steps). The heuristics see a batch only through host-known sizes:
 - LoRA (`TritonLoraBackend.configs_for`): token count T (through `token_class`: the split-K cap of
   the workspace, and whether T passes the sequence bound), tile count, token tile `block_m` (from the
   longest adapter run and T) and rank tile `block_rank`; and the pool's row dtype (one per server: the

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kernels.fp8_gemm import MAX_M, w8a16_matmul, w8a16_matmul_ref
 from kernels.fp8_quant import FP8, FP8_MAX, MIN_AMAX, quantize_per_token, quantize_per_token_ref
+from runtime.common.quant_config import fp8_device_problem
 
 Weight = torch.Tensor  # or Fp8Weight
 
@@ -94,13 +95,9 @@ def check_fp8_device(device: torch.device, dtype: torch.dtype, probe: bool = Tru
     fp8 GEMM on the device (which creates a CUDA context: the worker's, not the launcher's)."""
     if device.type != "cuda":
         return
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        raise ValueError(
-            f"fp8 weights need a GPU of compute capability 8.9 or more; this one is {major}.{minor}"
-        )
-    if dtype != torch.bfloat16:
-        raise ValueError(f"fp8 weights run with bfloat16 activations on CUDA; --dtype gives {dtype}")
+    capability = torch.cuda.get_device_capability(device)
+    if problem := fp8_device_problem(capability, str(dtype).removeprefix("torch.")):
+        raise ValueError(problem)
     if not probe:
         return
     try:  # row-wise scales are not on every architecture this torch build knows

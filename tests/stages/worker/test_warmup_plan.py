@@ -1,7 +1,9 @@
 """The warm-up plan against brute force: `tile_range` against every way of cutting small batches into
 adapter runs, the LoRA plan against the heuristics swept over every token count, longest run, tile count
-and rank class of a small config (with a CPU's and an H100's SM count), the attention plan against the
-choices of random real batches; and the warm-up does nothing on the CPU."""
+and rank class of a small config (with a CPU's and an H100's SM count; bf16 pools as an H100 or H200 and
+the CPU answer the heuristics, test_warmup_gpu.py's runner among them), the attention plan against the
+choices of random real batches; and the warm-up does nothing on the CPU. What Triton specialises beyond
+the configs: test_warmup_specs.py."""
 
 from __future__ import annotations
 
@@ -67,6 +69,12 @@ def test_block_m_spans_give_choose_block_m_at_every_length():
         assert all(choose_block_m(ml, t) == bm for a, b, bm in spans for ml in range(a, b + 1))
 
 
+# Projection widths (hidden, q_out, kv_out, intermediate): a 1B model's, so that split-K (bounded by in_dim)
+# takes every value it can; the tiny llama preset's (test_warmup_gpu.py's model), where it cannot.
+WIDE = (2048, 2048, 512, 8192)
+TINY = (64, 64, 32, 160)
+
+
 def _backend(
     max_tokens: int,
     max_rank: int = 24,
@@ -74,15 +82,29 @@ def _backend(
     lora_dtype: str = "auto",
     design: str = "serial",
     max_seqs: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    dims: tuple[int, int, int, int] = WIDE,
+    rows: int | None = None,
 ) -> TritonLoraBackend:
-    # Real projection widths, so that split-K (bounded by in_dim) takes every value it can.
+    """`slots` adapter ids over `rows` pool rows (`max_rank` each unless given)."""
+    hidden, q_out, kv_out, inter = dims
     layout = LoraLayout.build(
-        num_layers=1, hidden=2048, q_out=2048, kv_out=512, intermediate=8192, max_rank=max_rank
+        num_layers=1, hidden=hidden, q_out=q_out, kv_out=kv_out, intermediate=inter, max_rank=max_rank
     )
-    pool = LoraPool(
-        layout, max_rank * slots, slots, torch.float32, torch.device("cpu"), lora_dtype
-    )  # `slots` ids
+    pool = LoraPool(layout, rows or max_rank * slots, slots, dtype, torch.device("cpu"), lora_dtype)
     return TritonLoraBackend(pool, max_tokens, max_seqs, design=design)
+
+
+# What the heuristics ask of the device: an H100's or H200's (132 SMs, 227 KiB of shared memory a
+# program, dependent launches) and `device_info`'s answers for the CPU (4 SMs, no dependent launches).
+DEVICES = {"hopper": (132, 232448, True), "cpu": (4, device_info.HOPPER_MAX_SHARED, False)}
+
+
+def _as_device(monkeypatch, device: str) -> None:
+    sms, smem, pdl = DEVICES[device]
+    monkeypatch.setattr(device_info, "num_sms", lambda _device: sms)
+    monkeypatch.setattr(device_info, "max_shared_memory", lambda _device: smem)
+    monkeypatch.setattr(device_info, "pdl", lambda _device: pdl)
 
 
 def _brute_force_keys(backend: TritonLoraBackend, padded: tuple[int | tuple[int, int], ...]) -> set[tuple]:
@@ -177,6 +199,34 @@ def test_fast_lora_plan_is_the_brute_force_sweep(
             and tile_range(t, ml, bm, slots)[0] <= tiles <= tile_range(t, ml, bm, slots)[1]
             for ml in range(1, t + 1)
         ), (t, bm, tiles)
+
+
+@pytest.mark.parametrize("device", sorted(DEVICES))
+@pytest.mark.parametrize(
+    "case",
+    [
+        # test_warmup_gpu.py's runner (tiny llama, bf16, max rank 64, 64 running requests, its pool's
+        # 2,995 ids) at 96 tokens a step (its 512 take a minute to sweep) with its decode graphs
+        dict(max_tokens=96, max_rank=64, slots=2995, rows=4096, max_seqs=64, dims=TINY, graphs=32),
+        # a 1B model's widths in bf16: the shrink's K step fitted to shared memory for 2-byte operands
+        dict(max_tokens=160, max_rank=64, slots=24, max_seqs=48, dims=WIDE, graphs=24),
+    ],
+    ids=["gpu-test", "wide"],
+)
+def test_bf16_lora_plan_is_the_brute_force_sweep_on_each_device(device, case, monkeypatch):
+    """The plan against the sweep with bf16 pools (the model's dtype on a GPU), as each device answers
+    the heuristics, with the decode graphs' sizes and a step graph per token bucket."""
+    _as_device(monkeypatch, device)
+    case = dict(case)
+    graphs = case.pop("graphs")
+    backend = _backend(**case, dtype=torch.bfloat16)
+    buckets = [b for b in (16, 32, 64, 128, 256) if b < backend.max_tokens] + [backend.max_tokens]
+    padded = (*(b for b in (1, 2, 4, 8, 16, 24, 32) if b <= graphs), *((b, 16) for b in buckets))
+    planned = [launch.key for launch in lora_launches(backend, padded)]
+    assert len(planned) == len(set(planned)), "a variant planned twice"
+    want = _brute_force_keys(backend, padded)
+    assert set(planned) == want
+    assert any(isinstance(k[4], ExpandActConfig) for k in want), "no prefill-sized batch: sweep too small"
 
 
 def test_lora_plan_holds_the_side_design_launches(monkeypatch):
