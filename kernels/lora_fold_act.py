@@ -23,7 +23,9 @@ from kernels.lora_parts import split_sum
 MAX_PARTIALS = 32  # the down shrink's partials at most (column groups of the activation)
 
 
-@triton.jit
+# The token and tile counts change per batch: specialised on (1, multiples of 16), they would make
+# variants per batch size that no warm-up launch names.
+@triton.jit(do_not_specialize=["T", "n_grid"])
 def _fold_act_kernel(
     gu_ptr, act_ptr, v_ptr, inv_ptr, b_ptr, bs_ptr, ranks_ptr, scal_ptr, a_ptr, as_ptr, vd_ptr, rd_ptr,
     rows_ptr, meta_ptr,

@@ -218,7 +218,9 @@ def _norm_shrink(
     tl.store(vs_ptr + pid_k * stride_vsp + offs_v, acc, mask=m_ok[:, None] & in_group[None, :])
 
 
-@triton.jit
+# The token and tile counts change per batch: specialised on (1, multiples of 16), they would make
+# variants per batch size that no warm-up launch names.
+@triton.jit(do_not_specialize=["T", "n_grid"])
 def _fold_norm_kernel(
     h_ptr, d_ptr, w_ptr, sum_ptr, x_ptr, inv_ptr, ve_ptr, be_ptr, bes_ptr, re_ptr, se_ptr,
     a_ptr, as_ptr, vs_ptr, rs_ptr, rows_ptr, meta_ptr,

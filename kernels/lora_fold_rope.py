@@ -33,7 +33,9 @@ def _rotate(x1, x2, c1, c2, s1, s2):
     return (a1 + b1).to(dt), (a2 + b2).to(dt)
 
 
-@triton.jit
+# The token and tile counts change per batch: specialised on (1, multiples of 16), they would make
+# variants per batch size that no warm-up launch names.
+@triton.jit(do_not_specialize=["T", "n_grid"])
 def _fold_rope_kernel(
     qkv_ptr, cos_ptr, sin_ptr, kvrows_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     v_ptr, inv_ptr, b_ptr, bs_ptr, ranks_ptr, scal_ptr, rows_ptr, meta_ptr,

@@ -58,7 +58,7 @@ def cached_plan(cache_dir: str | None, key: str, compute: Callable[[], Plan]) ->
     if path is not None and path.is_file():
         try:
             data = json.loads(path.read_text())
-            lora = [LoraLaunch(g, t, n, bm, br, tuple(k)) for g, t, n, bm, br, k in data["lora"]]
+            lora = [LoraLaunch(g, t, n, bm, br, tuple(k), c) for g, t, n, bm, br, k, c in data["lora"]]
             return (lora, [(bm, s) for bm, s in data["attention"]]), True
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("warm-up plan %s unreadable (%s): computing it again", path, exc)
@@ -74,6 +74,7 @@ def cached_plan(cache_dir: str | None, key: str, compute: Callable[[], Plan]) ->
                     x.block_m,
                     x.block_rank,
                     [v if isinstance(v, int) else str(v) for v in x.key],
+                    x.config_tiles,
                 ]
                 for x in lora
             ],

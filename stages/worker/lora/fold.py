@@ -10,6 +10,7 @@ ranks keep the serial design."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from os import environ
 
@@ -19,7 +20,7 @@ from kernels import device_info
 from kernels.batch_info import block_rank_for
 from kernels.lora_fold_act import MAX_PARTIALS, act_blocks, fold_silu_mul
 from kernels.lora_fold_norm import MAX_SPLITS, fold_norm, norm_splits
-from kernels.lora_fold_parts import FoldExpand, FoldShrink
+from kernels.lora_fold_parts import FoldExpand, FoldShrink, tile_block
 from kernels.lora_fold_rope import fold_rope_kv
 
 # Set to 0 to launch o's shrink in stream order before the O projection rather than beside it (A/B runs).
@@ -65,6 +66,28 @@ class FoldLora:
 
     def serves(self, num_tokens: int, num_tiles: int) -> bool:
         return 0 < num_tiles and num_tokens <= self.max_tokens
+
+    def variant(self, info, configs: dict) -> tuple:
+        """What the fold steps' compiled variants read of a batch beyond its token and rank tiles and the
+        server's fixed sizes (token and tile counts are not specialised on): of `info` as launched, the
+        tile count, which sets the tile search's width and whether they launch as dependents; of the
+        `configs` it was prepared with, o's shrink config as `shrink_o` launches it and the partials its
+        expand sums. The warm-up plans one launch per answer (`warmup_plan.lora_launches`)."""
+        o_cfg, _, o_v = configs["o"]
+        pdl = device_info.pdl_for(info.meta.device, info.num_tiles)
+        return (
+            tile_block(info.num_tiles),
+            pdl,
+            o_v.shape[0],
+            replace(o_cfg, pdl=False) if self.side_o else o_cfg,
+        )
+
+    @contextmanager
+    def as_batch(self, info, configs: dict):
+        """Within: the steps run as if the backend had prepared `info` and `configs` (the warm-up's
+        launches, whose device header says 0 tiles)."""
+        with self.backend._prepared_as(info, configs):
+            yield self
 
     @staticmethod
     def _view(buf: torch.Tensor, parts: int, T: int, slices: int, br: int) -> torch.Tensor:

@@ -92,6 +92,11 @@ class TritonLoraBackend(LoraBackend):
         return self._fold
 
     @property
+    def fold(self) -> FoldLora | None:
+        """The fold steps where the design is "fold", whatever the prepared batch (the warm-up's)."""
+        return self._fold
+
+    @property
     def rows(self) -> torch.Tensor:
         """The row table the kernels read: int32 [num_ids, max_rank]."""
         return self.pool.rows
