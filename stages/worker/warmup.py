@@ -253,7 +253,7 @@ def _lora(runner: ModelRunner, launches: list, progress: _Progress | None) -> No
 def _fold(runner: ModelRunner, info, configs: dict) -> None:
     """The fold steps of one forward (`LlamaModel._forward_fold`) over every layer as the batch `info`
     with `configs`, on zero rows: its header says 0 tiles, so the tiles' programs return and the rows'
-    normalise, rotate and activate zeros (writing K/V row 0, which no sequence has filled yet)."""
+    normalise, rotate and activate zeros; the rotary writes them to K/V row 0, put back after."""
     m, w, dev, dt = runner.model_cfg, runner.model.w, runner.device, runner.dtype
     T, eps = info.num_tokens, m.rms_norm_eps
 
@@ -264,6 +264,7 @@ def _fold(runner: ModelRunner, info, configs: dict) -> None:
     qkv = zeros(T, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim)
     attn, gate_up = zeros(T, m.num_heads * m.head_dim), zeros(T, 2 * m.intermediate_size)
     rows, down = zeros(T, dtype=torch.int64), None
+    kept = runner.kv.k[:, 0].clone(), runner.kv.v[:, 0].clone()
     with runner.lora.fold.as_batch(info, configs) as fold:
         for i, lw in enumerate(w.layers):
             h, _ = fold.input_norm(i, h, down, lw.input_norm, eps)
@@ -273,6 +274,8 @@ def _fold(runner: ModelRunner, info, configs: dict) -> None:
             fold.act(i, gate_up)
             down = o
         fold.final_norm(len(w.layers) - 1, h, down, w.norm, eps)
+    runner.kv.k[:, 0].copy_(kept[0])  # in stream order after the writes
+    runner.kv.v[:, 0].copy_(kept[1])
 
 
 def _attention(runner: ModelRunner, variants: list[tuple[int, int]], progress: _Progress | None) -> None:
