@@ -3,7 +3,8 @@ can reach is compiled, or loaded from Triton's on-disk cache (TRITON_CACHE_DIR, 
 --compile-cache-dir), so that the first burst after "ready" runs at full speed.
 
 Each variant is launched once through the serving code itself (`TritonLoraBackend.apply`, or
-`apply_act` for the gate_up group fused with the activation; the model's `triton_paged_attention`) on
+`apply_act` for the gate_up group fused with the activation; the fold design's steps of a forward,
+`stages/worker/lora/fold.py`; the model's `triton_paged_attention`) on
 real-shaped buffers, with device metadata that says 0 tiles / empty queries: the launch compiles the
 variant and computes nothing (the fused activation: that of the zero buffers). The variants come
 from the heuristics (`warmup_plan.py`) rather than from real forwards over a sweep of batches: a sweep
