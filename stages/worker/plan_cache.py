@@ -45,7 +45,7 @@ def fingerprint(backend, padded: Sequence, attention: dict) -> str:
         parts["lora"] = [
             repr(backend.layout), backend.max_tokens, backend.max_seqs, backend.fuse_act, backend.design,
             backend.pool.num_ids, str(backend.pool.mem.dtype), device_info.num_sms(dev),
-            device_info.pdl(dev), device_info.PDL_MAX_TILES,
+            device_info.pdl(dev), device_info.PDL_MAX_TILES, backend.fold is not None and backend.fold.side_o,
         ]  # fmt: skip
     parts["attention"] = {k: str(v) for k, v in sorted(attention.items())}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]

@@ -67,6 +67,9 @@ def test_every_input_changes_the_name(monkeypatch):
         fingerprint(_backend(), (1, 2), {**ATTN, "max_model_len": 512}),
         fingerprint(None, (1, 2), ATTN),
     ]
+    fold, side = _backend(design="fold"), _backend(design="fold")
+    side.fold.side_o = not fold.fold.side_o  # o's shrink beside the O projection or in stream order
+    others += [fingerprint(fold, (1, 2), ATTN), fingerprint(side, (1, 2), ATTN)]
     monkeypatch.setattr(device_info, "num_sms", lambda device: 78)
     others.append(fingerprint(_backend(), (1, 2), ATTN))
     assert len({base, *others}) == len(others) + 1
