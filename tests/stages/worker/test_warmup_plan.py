@@ -1,7 +1,8 @@
 """The warm-up plan against brute force: `tile_range` against every way of cutting small batches into
 adapter runs, the LoRA plan against the heuristics swept over every token count, longest run, tile count
 and rank class of a small config (with a CPU's and an H100's SM count; bf16 pools as an H100 or H200 and
-the CPU answer the heuristics, test_warmup_gpu.py's runner among them), the attention plan against the
+the CPU answer the heuristics, test_warmup_gpu.py's runner among them; the fold design's variants of
+eager and graphed batches), the attention plan against the
 choices of random real batches; and the warm-up does nothing on the CPU. What Triton specialises beyond
 the configs: test_warmup_specs.py."""
 
