@@ -104,13 +104,16 @@ class StepExecutor:
         pending = before.tokens if before is not None else None
         if pending is None and has_placeholders(seqs):
             raise RuntimeError("a placeholder token without the step that samples it")
+        # the sequences that reach their last known token: sampled after this forward
+        rows = [i for i, (req, n) in enumerate(step.scheduled) if req.num_computed + n == len(req.token_ids)]
+        reqs = [step.scheduled[i][0] for i in rows]
+        # their grammars' work goes to the masks thread first: it runs while the forward is launched
+        masks = step_masks(self.guided, reqs, before) if self.guided and reqs else None
         logits, order = self._forward(step, seqs, pending)  # [B, V], row j for scheduled[order[j]]
         t_forward = time.perf_counter()
         for req, n in step.scheduled:
             req.num_computed += n
-        rows = [i for i, (req, _) in enumerate(step.scheduled) if req.num_computed == len(req.token_ids)]
         if rows:
-            reqs = [step.scheduled[i][0] for i in rows]
             if order is not None:
                 pos = inverse_of(order)
                 rows_at = [pos[i] for i in rows]  # their logits rows
@@ -126,12 +129,11 @@ class StepExecutor:
                 self.sampler.issue, logits, [r.request_id for r in reqs], [r.sampling for r in reqs], picks,
                 prompts=lambda k: reqs[k].token_ids[: reqs[k].prompt_len],
             )  # fmt: skip
-            masks = step_masks(self.guided, reqs, before, before is not None) if self.guided else None
             if masks is not None and before is not None:
                 # the step before is finished next, while llguidance computes the masks: then this samples
-                self._deferred = (step, masks, lambda: issue(allowed=masks.allowed(logits.shape[-1])))
+                self._deferred = (step, masks, lambda: issue(allowed=masks.allowed(logits, rows_at)))
             else:
-                step.sampled = issue(allowed=masks.allowed(logits.shape[-1]) if masks is not None else None)
+                step.sampled = issue(allowed=masks.allowed(logits, rows_at) if masks is not None else None)
             for row, req in enumerate(reqs):
                 step.rows.append((req, len(req.token_ids)))
                 req.token_ids.append(-1 - row)
