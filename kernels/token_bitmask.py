@@ -66,7 +66,7 @@ def reference(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> 
     allowed = torch.zeros((n, vocab), dtype=torch.bool, device=words.device)
     width = min(vocab, bits.shape[1])
     allowed[:, :width] = bits[:, :width]
-    return torch.where(allowed, logits.index_select(0, rows.long()), float("-inf"))
+    return torch.where(allowed, logits[rows.long()], float("-inf"))  # [n, V]
 
 
 def warm(device: torch.device, vocab: int) -> None:

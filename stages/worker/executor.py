@@ -104,16 +104,19 @@ class StepExecutor:
         pending = before.tokens if before is not None else None
         if pending is None and has_placeholders(seqs):
             raise RuntimeError("a placeholder token without the step that samples it")
-        # the sequences that reach their last known token: sampled after this forward
-        rows = [i for i, (req, n) in enumerate(step.scheduled) if req.num_computed + n == len(req.token_ids)]
-        reqs = [step.scheduled[i][0] for i in rows]
-        # their grammars' work goes to the masks thread first: it runs while the forward is launched
-        masks = step_masks(self.guided, reqs, before) if self.guided and reqs else None
+        # The sequences that reach their last known token are sampled after the forward: their grammars'
+        # work goes to the masks thread first, to run while the forward is launched.
+        early = [req for req, n in step.scheduled if req.num_computed + n == len(req.token_ids)]
+        masks = step_masks(self.guided, early, before) if self.guided and early else None
         logits, order = self._forward(step, seqs, pending)  # [B, V], row j for scheduled[order[j]]
         t_forward = time.perf_counter()
         for req, n in step.scheduled:
             req.num_computed += n
+        rows = [i for i, (req, _) in enumerate(step.scheduled) if req.num_computed == len(req.token_ids)]
         if rows:
+            reqs = [step.scheduled[i][0] for i in rows]
+            if masks is not None and len(reqs) != len(early):  # a forward run again apart failed some
+                masks = step_masks(self.guided, reqs, before)  # their tokens are taken: masks only
             if order is not None:
                 pos = inverse_of(order)
                 rows_at = [pos[i] for i in rows]  # their logits rows
