@@ -342,12 +342,8 @@ class GuidedMasks:
         packed = torch.empty(n * self.words + n, dtype=torch.int32, pin_memory=pin)  # [n W + n]
         job = self._inflight = MaskJob(self, n, packed)
         args = (job, self._take(feed), known, [self._requests[rid] for rid in request_ids])
-        if background:
-            started = threading.Event()
-            job._done = self._masker.submit(self._run, *args, started)
-            # The masks thread needs the GIL to begin: waiting here hands it over at once (else it waits
-            # for the step thread's next switch interval); it then waits for the tokens without it.
-            started.wait()
+        if background:  # the masks thread takes the GIL within a switch interval (SWITCH_INTERVAL_S)
+            job._done = self._masker.submit(self._run, *args)
         else:
             self._run(*args)
         self.seconds["start"] += time.perf_counter() - t0
@@ -359,12 +355,9 @@ class GuidedMasks:
         pending: list[tuple[_Request, list[int]]],
         known: Callable[[], list[int]] | None,
         requests: list[_Request],
-        started: threading.Event | None = None,
     ) -> None:
         """A job's work, on the masks thread (or at once): feed, then masks. A panic of llguidance's mask
         call fails the requests of that call, by name; the others keep their masks."""
-        if started is not None:
-            started.set()
         t0 = time.perf_counter()
         try:
             if pending:
