@@ -59,13 +59,14 @@ def masked_logits(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor)
 
 
 def reference(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    """`masked_logits` in torch: the words unpacked to [n, 32 W] bool, then a select."""
+    """`masked_logits` in torch: the words' bytes unpacked to [n, 32 W] bool (little-endian: token
+    8 b + j is bit j of byte b), then a select."""
     n, vocab = words.shape[0], logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)  # [32]
-    bits = ((words.unsqueeze(-1) >> shifts) & 1).view(n, -1) != 0  # [n, 32 W]
+    bits = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=words.device)  # [8]
+    unpacked = ((words.view(torch.uint8).unsqueeze(-1) & bits) != 0).view(n, -1)  # [n, 32 W]
     allowed = torch.zeros((n, vocab), dtype=torch.bool, device=words.device)
-    width = min(vocab, bits.shape[1])
-    allowed[:, :width] = bits[:, :width]
+    width = min(vocab, unpacked.shape[1])
+    allowed[:, :width] = unpacked[:, :width]
     return torch.where(allowed, logits[rows.long()], float("-inf"))  # [n, V]
 
 
