@@ -2,7 +2,8 @@
 own byte-per-token masks of matchers fed the same tokens: the step thread gets control back before the
 step before's tokens are known (the job waits for them itself), verdicts read after it wait for the
 feeding, and a failure in the job (the tokens cannot be read, llguidance panics) fails only the
-requests it concerns, by name, without hanging the step."""
+requests it concerns, by name, without hanging the step; a forward run again apart redoes the masks of
+the requests it kept."""
 
 from __future__ import annotations
 
@@ -108,3 +109,49 @@ def test_a_panic_of_the_mask_call_fails_its_requests_by_name(setup):
     assert masks.error("p") == job.failed[0] and not got.any()
     masks.add("q", Guided("regex", REGEX))  # the masks thread and the pool still serve the next step
     assert torch.equal(masks.allowed(["q"], vocab)[0][0], _reference(tok, [], vocab))
+
+
+def _run_steps(runner, new: list[tuple[str, list[int]]], steps: int):
+    """Serial steps of an executor: step 1 admits `new` (request id, its pages), the rest decode."""
+    from proto.base import TokenIds
+    from proto.plan import BatchPlan, NewRequestData
+    from proto.sampling import SamplingParams
+    from stages.worker.executor import StepExecutor
+
+    ex = StepExecutor(runner, lambda load: None, max_model_len=64)
+    params = SamplingParams(max_tokens=8, guided=Guided("regex", REGEX))
+    admitted = [
+        NewRequestData(
+            request_id=rid,
+            prompt_ids=TokenIds.of([5, 17, 42]),
+            sampling=params,
+            page_ids=pages,
+            num_scheduled_tokens=3,
+        )  # fmt: skip
+        for rid, pages in new
+    ]
+    tokens: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    for step in range(1, steps + 1):
+        result, batch = ex.execute(BatchPlan(step=step, new_requests=admitted if step == 1 else []))
+        errors |= {e.request_id: e.message for e in result.errors}
+        for item in batch.items:
+            tokens.setdefault(item.request_id, []).extend(item.token_ids)
+    ex.guided.close()
+    return tokens, errors
+
+
+def test_a_forward_run_again_apart_masks_the_requests_it_kept(tiny_llama):
+    """A step whose forward fails runs again request by request and drops the one that fails again: the
+    grammar job started before the forward is redone for the requests kept, whose output is what it is
+    when that request runs alone."""
+    from stages.worker.runner import ModelRunner, RunnerConfig
+
+    runner = ModelRunner(RunnerConfig(model_dir=str(tiny_llama), dtype="float32", page_size=4, num_pages=32))
+    alone, _ = _run_steps(runner, [("G1", [0, 1, 2])], 6)
+    kept, errors = _run_steps(runner, [("G1", [0, 1, 2]), ("G2", [runner.num_pages + 3])], 6)
+    assert list(errors) == ["G2"] and "worker step failed" in errors["G2"]
+    assert kept["G1"] == alone["G1"] and len(alone["G1"]) >= 2
+    tok = matcher_tokenizer((tiny_llama / "tokenizer.json").read_text(), 384, [1])
+    matcher = llguidance.LLMatcher(tok, grammar_of(Guided("regex", REGEX)))
+    assert all(matcher.consume_token(t) for t in kept["G1"] if t != 1), matcher.get_error()
