@@ -242,7 +242,7 @@ class GuidedMasks:
         owners: list[list[_Request]] = [[] for _ in range(self.templates)]
         resolved: list[int] = []
         for r, tail in pending:
-            matcher = r.built if r.built is not None else self._matcher(r)
+            matcher = self._matcher(r)
             if matcher is None:
                 continue
             try:
