@@ -1,15 +1,18 @@
 """One decode step's structured-output host work, on the CPU: the worker's own GuidedMasks (llguidance
 matchers, its thread pool) for REQUESTS requests of bench_sampling_features.py's `guided` schema over a
-BPE tokenizer, stepped through STEPS tokens. Each step: `feed` (the step before's token of every
-matcher, one pooled call), `mask` (every next-token mask, one pooled call, host side of `MaskJob`) and
-`unpack` (the packed words to [n, V] bool, here on the CPU: on a GPU it is a device op). The tokens are
+BPE tokenizer, stepped through STEPS tokens. Each step is one job on the masks thread, as a launch starts
+it: `feed` (the step before's token of every matcher, one pooled call) and `mask` (every next-token
+mask, one pooled call), both on the masks thread; `start` (the step thread's part in starting it), while
+the step thread then runs BUSY_MS of Python of its own (as it launches the forward) and `wait`s for the
+job; `unpack` (the packed words to [n, V] bool, here on the CPU: on a GPU it is a device op). The tokens are
 drawn uniformly from each mask, so the matchers pass through the positions a random model's greedy
 decoding reaches (the object's forced start, then strings and separators). Also each matcher's mask
 alone on one thread (its CPU time, without the pool; a pass of its own, `serial` in the table, whose mask
 column is their sum a step): the per-position cost a core count divides.
 
     python -m benchmarks.bpe_tokenizer TOK_DIR      # the bench's 128k-token byte-level BPE
-    python -m benchmarks.bench_guided_step --tokenizer TOK_DIR OUT_DIR [--threads 14,1] [--templates 1,14]
+    python -m benchmarks.bench_guided_step --tokenizer TOK_DIR OUT_DIR [--threads 14,1] [--templates 1,14] \
+        [--busy-ms 2]
 
 `--templates 1` is every matcher a copy of one compiled grammar (copies share its lexer's lock, so the
 pool runs them one at a time); the default is one template per pool thread, as the worker does. Prints
@@ -44,7 +47,14 @@ def _eos_id(tok_dir: Path) -> int:
 
 
 def run(
-    tok_dir: Path, requests: int, steps: int, threads: int, templates: int, seed: int, serial: bool
+    tok_dir: Path,
+    requests: int,
+    steps: int,
+    threads: int,
+    templates: int,
+    seed: int,
+    serial: bool,
+    busy_ms: float = 0.0,
 ) -> dict:
     eos = [_eos_id(tok_dir)]
     guided = GuidedMasks(str(tok_dir), VOCAB, eos, torch.device("cpu"), threads=threads, templates=templates)
@@ -54,16 +64,15 @@ def run(
         guided.add(rid, spec)
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}
     rng = np.random.default_rng(seed)
-    phases: dict[str, list[float]] = {"feed": [], "mask": [], "unpack": []}
+    phases: dict[str, list[float]] = {"feed": [], "mask": [], "start": [], "wait": [], "unpack": []}
     serial_us: list[list[float]] = []  # [step][request]
     words = guided.words
     alone = np.zeros((requests, words), dtype=np.int32)  # the serial pass's masks
     guided.start(ids[:1], background=False).wait()  # builds the tokenizer and the first matcher
     for step in range(steps):
-        t0 = time.perf_counter()
-        guided.feed([(rid, outputs[rid], 0, len(outputs[rid])) for rid in ids])
-        t1 = time.perf_counter()
+        feed = [(rid, outputs[rid], 0, len(outputs[rid])) for rid in ids]
         if serial:  # each mask alone on this thread: its CPU time
+            guided.feed(feed)
             row = []
             for k, rid in enumerate(ids):
                 matcher = guided._matcher(guided._requests[rid])
@@ -73,12 +82,18 @@ def run(
             serial_us.append(row)
             bits = np.unpackbits(alone.view(np.uint8), axis=1, bitorder="little")[:, :VOCAB]
         else:
-            job = guided.start(ids, background=True)
+            before = dict(guided.seconds)
+            job = guided.start(ids, feed=feed)
+            _busy(busy_ms)  # the step thread's own work meanwhile (the forward's launch)
+            t1 = time.perf_counter()
             job.wait()
             t2 = time.perf_counter()
             bits = job.result(VOCAB).numpy()  # [n, V] bool
-            phases["feed"].append(t1 - t0)
-            phases["mask"].append(t2 - t1)
+            spent = {k: v - before[k] for k, v in guided.seconds.items()}
+            phases["feed"].append(spent["job_feed"])
+            phases["mask"].append(spent["job_mask"])
+            phases["start"].append(spent["start"])
+            phases["wait"].append(t2 - t1)
             phases["unpack"].append(time.perf_counter() - t2)
             if job.failed:
                 raise SystemExit(f"grammars failed: {job.failed}")
@@ -148,6 +163,13 @@ def lexer_sharing(tok_dir: Path) -> dict[str, float]:
     return found
 
 
+def _busy(ms: float) -> None:
+    """Pure Python for `ms` milliseconds, holding the GIL as a forward's launch mostly does."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
 def _draw(allowed: np.ndarray, rng: np.random.Generator) -> int:
     """A token drawn uniformly from the [V] mask `allowed` (most masks allow most of the vocabulary:
     a few random picks find one before the whole row is searched)."""
@@ -175,20 +197,29 @@ def main() -> None:
         help="templates a grammar's matchers copy, comma-separated (0 or default: as many as threads)",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--busy-ms", type=float, default=0.0, help="the step thread's own Python while a job runs"
+    )
     ap.add_argument("--no-serial", action="store_true", help="skip the one-thread per-matcher masks")
     ap.add_argument("out", type=Path)
     a = ap.parse_args()
     rows = []
-    print("| threads | templates | feed ms/step | mask ms/step | unpack ms/step (CPU) | one mask us |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        f"| threads | templates | feed ms/step | mask ms/step | start ms/step "
+        f"| wait after {a.busy_ms} ms busy | unpack ms/step (CPU) | one mask us |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     combos = [
         (t, k or t) for t in map(int, a.threads.split(",")) for k in map(int, (a.templates or "0").split(","))
     ]
     for threads, templates in combos:
-        row = run(a.tokenizer, a.requests, a.steps, threads, templates, a.seed, serial=False)
+        row = run(
+            a.tokenizer, a.requests, a.steps, threads, templates, a.seed, serial=False, busy_ms=a.busy_ms
+        )
         rows.append(row)
         print(
             f"| {threads} | {templates} | {row['feed_ms']['mean']:.3f} | {row['mask_ms']['mean']:.3f} "
+            f"| {row['start_ms']['mean']:.3f} | {row['wait_ms']['mean']:.3f} "
             f"| {row['unpack_ms']['mean']:.3f} | - |"
         )
     if not a.no_serial:
@@ -196,7 +227,7 @@ def main() -> None:
         rows.append(row)
         one = row["serial_mask_us"]
         per_step = sum(one["per_step_sum_ms"]) / a.steps
-        print(f"| serial | 1 | - | {per_step:.3f} | - | {one['mean']:.1f} (p99 {one['p99']:.0f}) |")
+        print(f"| serial | 1 | - | {per_step:.3f} | - | - | - | {one['mean']:.1f} (p99 {one['p99']:.0f}) |")
     sharing = lexer_sharing(a.tokenizer)
     print(
         f"lexer shared by copies? masks of a first copy {sharing['first_copy_ms']:.1f} ms CPU, a second "

@@ -52,7 +52,7 @@ else
 fi
 if [ "${PROFILE:-0}" = 1 ]; then run P "$here" plain,logprobs5,guided "$out/profile.json" --profile; fi
 if [ "${GUIDED_STEP:-0}" = 1 ] && [ "$preset" != tiny ]; then  # the host's grammar work a step, alone
-  "$py" -m benchmarks.bench_guided_step --tokenizer "$model" --templates 1,0 "$out/guided_step"
+  "$py" -m benchmarks.bench_guided_step --tokenizer "$model" --templates 1,0 --busy-ms 2 "$out/guided_step"
 fi
 "$py" - "$out" <<'EOF'
 import json, statistics, sys

@@ -104,6 +104,10 @@ class StepExecutor:
         pending = before.tokens if before is not None else None
         if pending is None and has_placeholders(seqs):
             raise RuntimeError("a placeholder token without the step that samples it")
+        # The sequences that reach their last known token are sampled after the forward: their grammars'
+        # work goes to the masks thread first, to run while the forward is launched.
+        early = [req for req, n in step.scheduled if req.num_computed + n == len(req.token_ids)]
+        masks = step_masks(self.guided, early, before) if self.guided and early else None
         logits, order = self._forward(step, seqs, pending)  # [B, V], row j for scheduled[order[j]]
         t_forward = time.perf_counter()
         for req, n in step.scheduled:
@@ -111,6 +115,8 @@ class StepExecutor:
         rows = [i for i, (req, _) in enumerate(step.scheduled) if req.num_computed == len(req.token_ids)]
         if rows:
             reqs = [step.scheduled[i][0] for i in rows]
+            if masks is not None and len(reqs) != len(early):  # a forward run again apart failed some
+                masks = step_masks(self.guided, reqs, before)  # their tokens are taken: masks only
             if order is not None:
                 pos = inverse_of(order)
                 rows_at = [pos[i] for i in rows]  # their logits rows
@@ -126,12 +132,11 @@ class StepExecutor:
                 self.sampler.issue, logits, [r.request_id for r in reqs], [r.sampling for r in reqs], picks,
                 prompts=lambda k: reqs[k].token_ids[: reqs[k].prompt_len],
             )  # fmt: skip
-            masks = step_masks(self.guided, reqs, before, before is not None) if self.guided else None
             if masks is not None and before is not None:
                 # the step before is finished next, while llguidance computes the masks: then this samples
-                self._deferred = (step, masks, lambda: issue(allowed=masks.allowed(logits.shape[-1])))
+                self._deferred = (step, masks, lambda: issue(allowed=masks.allowed(logits, rows_at)))
             else:
-                step.sampled = issue(allowed=masks.allowed(logits.shape[-1]) if masks is not None else None)
+                step.sampled = issue(allowed=masks.allowed(logits, rows_at) if masks is not None else None)
             for row, req in enumerate(reqs):
                 step.rows.append((req, len(req.token_ids)))
                 req.token_ids.append(-1 - row)

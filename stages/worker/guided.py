@@ -1,15 +1,17 @@
-"""Structured output on the worker: one llguidance matcher per request that asks (`SamplingParams.guided`),
-fed the request's output tokens as they become known (a step's new tokens in one call, spread over
-llguidance's own thread pool, which drops the GIL), and the step's token masks: computed by that pool
-while the device runs the step's forward, packed 32 tokens a word, copied to the device and unpacked
-there into the rows the sampler masks; the step thread itself does a few look-ups a request. Matchers
-and the tokenizer they share are built on a thread of their own when a request first asks; a step in
-which no request asks never touches any of this."""
+"""Structured output on the worker: one llguidance matcher per request that asks (`SamplingParams.guided`)
+and, a step, one job on the masks thread (`GuidedMasks.start`, before the step's forward is launched):
+it waits for the step before's tokens, feeds them to the matchers in one call over llguidance's own
+thread pool, then has that pool write every next-token mask, packed 32 tokens a word, into one pinned
+buffer, all while the step thread launches the forward and finishes the step before. The masks then go
+up in one copy and are applied by one kernel (kernels/token_bitmask.py). Matchers and the tokenizer they
+share are built on a thread of their own when a request first asks; a step in which no request asks
+never touches any of this."""
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +22,7 @@ from pathlib import Path
 import llguidance
 import torch
 
+from kernels.token_bitmask import masked_logits
 from proto.sampling import Guided
 from runtime.common.grammar import grammar_of, matcher_tokenizer, rust_call
 
@@ -27,6 +30,10 @@ from runtime.common.grammar import grammar_of, matcher_tokenizer, rust_call
 # run on but two, which the step thread and the stage's event loop keep
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
 MASK_THREADS = min(32, max(1, _CORES - 2))
+# The masks thread takes the GIL a few times a job (to read the tokens, to hand each call over) while the
+# step thread runs Python: a waiting thread gets it after at most this interval (CPython's default, 5 ms,
+# would stall a job behind the forward's launch). Set for the process once a request asks for a grammar.
+SWITCH_INTERVAL_S = 2e-4
 
 
 @functools.lru_cache(maxsize=2)  # an offline engine makes an executor, so a GuidedMasks, per generate()
@@ -69,39 +76,48 @@ class _Request:
 
 
 class MaskJob:
-    """One step's masks, computed by llguidance's pool on the masks thread (or at once): `result` waits for
-    them and unpacks them on the device."""
+    """One step's grammar work, started on the masks thread (or done at once): the matchers take the tokens
+    handed to `GuidedMasks.start`, then llguidance's pool writes each request's next-token mask into one
+    pinned buffer, [n W] words and then n int32 slots for the logits rows the masks apply to (filled
+    by `upload`), so that one copy carries both. `fed` is set once the tokens are taken (the verdicts
+    a finish reads), `wait` returns once the masks are written (the matchers are free again)."""
 
-    def __init__(self, guided: GuidedMasks, n: int, packed: torch.Tensor, failed: dict[int, str], done):
-        self._guided, self._n, self._packed, self.failed, self._done = guided, n, packed, failed, done
+    def __init__(self, guided: GuidedMasks, n: int, packed: torch.Tensor):
+        self._guided, self._n, self._packed = guided, n, packed
+        self.fed = threading.Event()
+        self.failed: dict[int, str] = {}  # {k: why} for the requests whose grammar failed: they allow nothing
+        self._done: Future | None = None
 
     def wait(self) -> None:
-        """Wait for the host's part (the matchers are free again after it)."""
-        if isinstance(self._done, Future):
+        """Wait for the host's part (raises what it raised)."""
+        if self._done is not None:
             t0 = time.perf_counter()
             self._done.result()
             self._guided.seconds["wait"] += time.perf_counter() - t0
 
-    def result(self, width: int) -> torch.Tensor:
-        """[n, width] bool on the device, True where the token is allowed (the rows of `failed`, the
-        requests whose grammar failed, allow nothing; the caller fails them)."""
+    def upload(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The masks on the device, ([n, W] int32 words, [n] int32 `rows`: the logits row each applies
+        to), after one copy from pinned memory on a stream of its own, which need not wait for the
+        forward queued before it; the current stream waits for the copy."""
         self.wait()
-        n, device, bits = self._n, self._guided.device, self._guided._bits
+        n, words, device = self._n, self._guided.words, self._guided.device
+        self._packed[n * words :] = torch.tensor(rows, dtype=torch.int32)
         copies = self._guided._copies
         if copies is None:
-            words = self._packed.to(device)
-        else:  # on a stream of its own: it need not wait for the forward queued before it
+            up = self._packed.to(device)
+        else:
             with torch.cuda.stream(copies):
-                words = self._packed.to(device, non_blocking=True)
+                up = self._packed.to(device, non_blocking=True)
             torch.cuda.current_stream(device).wait_stream(copies)
-            words.record_stream(torch.cuda.current_stream(device))
-        # token 8 b + j is bit j of byte b (the words are little-endian, on the host and on the device)
-        octets = words.view(torch.uint8)  # [n, 4 W]
-        allowed = ((octets.unsqueeze(-1) & bits) != 0).view(n, -1)  # [n, 32 W] bool
-        if allowed.shape[1] >= width:
-            return allowed[:, :width]
-        pad = torch.zeros((n, width - allowed.shape[1]), dtype=torch.bool, device=device)
-        return torch.cat((allowed, pad), dim=1)
+            up.record_stream(torch.cuda.current_stream(device))
+        return up[: n * words].view(n, words), up[n * words :]
+
+    def result(self, width: int) -> torch.Tensor:
+        """[n, width] bool on the device, True where the token is allowed (past the vocabulary: never),
+        through the kernel sampling applies them with."""
+        words, rows = self.upload([0] * self._n)
+        zeros = torch.zeros((1, width), dtype=torch.float32, device=self._guided.device)
+        return torch.isfinite(masked_logits(zeros, rows, words))
 
 
 class GuidedMasks:
@@ -123,14 +139,15 @@ class GuidedMasks:
         self.words = (vocab + 31) // 32  # int32 words of one packed mask
         self._requests: dict[str, _Request] = {}
         self._built = 0  # matchers built (on the builder thread): the next one's template follows
-        # the step thread's seconds feeding matchers, starting mask jobs and waiting for their masks
-        self.seconds = dict.fromkeys(("feed", "start", "wait"), 0.0)
+        # the step thread's seconds feeding matchers, starting jobs and waiting for them; the masks
+        # thread's seconds feeding (with waiting for the tokens) and computing masks
+        self.seconds = dict.fromkeys(("feed", "start", "wait", "job_feed", "job_mask"), 0.0)
         self._builder: ThreadPoolExecutor | None = None
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._masker: ThreadPoolExecutor | None = None  # hands a step's mask call to llguidance's pool
         self._copies: torch.cuda.Stream | None = None  # the masks' copies to a CUDA device
-        self._bits: torch.Tensor | None = None  # [8] uint8 on the device: 1 << j
+        self._inflight: MaskJob | None = None  # the last job started
 
     def prepare(self) -> None:
         """Start building the tokenizer matchers share, on the builder thread (once)."""
@@ -141,7 +158,7 @@ class GuidedMasks:
             self._masker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
             if self.device.type == "cuda":
                 self._copies = torch.cuda.Stream(self.device)
-            self._bits = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=self.device)
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
 
     def add(self, request_id: str, guided: Guided) -> None:
         """Start building the request's matcher (off the step thread; the first mask waits for it)."""
@@ -192,62 +209,92 @@ class GuidedMasks:
         items: Sequence[tuple[str, Sequence[int], int, int]],
         known: Callable[[], list[int]] | None = None,
     ) -> None:
-        """Feed each request's matcher the tokens of its outputs `token_ids[start:end]` (id, token_ids,
-        start, end) it has not taken yet: the newest one or few, never a copy of the whole output. A
-        placeholder (-1 - row) is the token of that row in `known()` (the step before's tokens, read
-        only when one is met). The requests with one new token, a step's usual case, go in one call
-        over the thread pool; a token that breaks a grammar leaves the reason in `error` (then and
-        after), a complete grammar sets `stopped`."""
+        """Feed each request's matcher, here and now, the tokens of its outputs `token_ids[start:end]`
+        (id, token_ids, start, end) it has not taken yet: the newest one or few, never a copy of the whole
+        output. A placeholder (-1 - row) is the token of that row in `known()` (the step before's
+        tokens, read only when one is met). Waits for a job that is still feeding them first. A token
+        that breaks a grammar leaves the reason in `error` (then and after), a complete grammar sets
+        `stopped`."""
+        self._settle()
         t0 = time.perf_counter()
-        # the requests with one new token, by template: each template's copies go to the pool together
-        # (they share a lock: `_template`)
-        singles: list[list[tuple[llguidance.LLMatcher, int]]] = [[] for _ in range(self.templates)]
-        owners: list[list[_Request]] = [[] for _ in range(self.templates)]
-        resolved: list[int] = []
+        self._consume(self._take(items), known)
+        self.seconds["feed"] += time.perf_counter() - t0
+
+    def _take(self, items: Sequence[tuple[str, Sequence[int], int, int]]) -> list[tuple[_Request, list[int]]]:
+        """The tokens each request's matcher has not taken yet (placeholders left in), marked taken: a
+        copy, so the outputs may change after (a finish fills in or cuts them)."""
+        pending = []
         for rid, ids, start, end in items:
             r = self._requests[rid]
             at = start + r.consumed
-            if r.error is not None or at >= end:
-                continue
-            matcher = r.built if r.built is not None else self._matcher(r)
+            if r.error is None and at < end:
+                r.consumed = end - start
+                pending.append((r, [ids[at]] if end - at == 1 else list(ids[at:end])))
+        return pending
+
+    def _consume(
+        self, pending: list[tuple[_Request, list[int]]], known: Callable[[], list[int]] | None
+    ) -> None:
+        """Feed the `_take`n tokens; the requests with one new token, a step's usual case, go in one call
+        over the thread pool. A failure of llguidance or of `known` fails the requests it concerns."""
+        # by template: each template's copies go to the pool together (they share a lock: `_template`)
+        singles: list[list[tuple[llguidance.LLMatcher, int]]] = [[] for _ in range(self.templates)]
+        owners: list[list[_Request]] = [[] for _ in range(self.templates)]
+        resolved: list[int] = []
+        for r, tail in pending:
+            matcher = self._matcher(r)
             if matcher is None:
                 continue
-            r.consumed = end - start
-            if end - at == 1:
-                token = ids[at]
-                if token < 0:
+            try:
+                if any(t < 0 for t in tail):
                     assert known is not None, "a placeholder token without the step that samples it"
                     resolved = resolved or known()
-                    token = resolved[-1 - token]
-                singles[r.slot].append((matcher, token))
-                owners[r.slot].append(r)
+                    tail = [t if t >= 0 else resolved[-1 - t] for t in tail]
+                if len(tail) == 1:
+                    singles[r.slot].append((matcher, tail[0]))
+                    owners[r.slot].append(r)
+                    continue
+                ok = rust_call(matcher.consume_tokens, tail)
+            except Exception as exc:  # the step before's tokens could not be read, or llguidance panicked
+                r.error = f"its grammar could not take the output: {type(exc).__name__}: {exc}"[:2000]
                 continue
-            tail = list(ids[at:end])
-            if any(t < 0 for t in tail):
-                assert known is not None, "a placeholder token without the step that samples it"
-                resolved = resolved or known()
-                tail = [t if t >= 0 else resolved[-1 - t] for t in tail]
-            if matcher.consume_tokens(tail):
-                r.stopped = matcher.is_stopped()
-            else:
-                r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
+            self._verdict(r, matcher, ok)
         pairs = [pair for group in singles for pair in group]
-        if pairs:
-            assert self._executor is not None
+        if not pairs:
+            return
+        assert self._executor is not None
+        try:
             oks = rust_call(self._executor.consume_token_par, pairs)
-            for (matcher, _), r, ok in zip(pairs, (r for group in owners for r in group), oks, strict=True):
-                if ok:
-                    r.stopped = matcher.is_stopped()
-                else:
-                    r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
-        self.seconds["feed"] += time.perf_counter() - t0
+        except ValueError as exc:
+            for r in (r for group in owners for r in group):
+                r.error = f"its grammar could not take the output: {exc}"[:2000]
+            return
+        for (matcher, _), r, ok in zip(pairs, (r for group in owners for r in group), oks, strict=True):
+            self._verdict(r, matcher, ok)
+
+    @staticmethod
+    def _verdict(r: _Request, matcher: llguidance.LLMatcher, ok: bool) -> None:
+        if ok:
+            r.stopped = matcher.is_stopped()
+        else:
+            r.error = f"the output left its grammar: {matcher.get_error()}"[:2000]
+
+    def _settle(self) -> None:
+        """Wait until the job in flight, if any, has fed its matchers (their verdicts are known)."""
+        job = self._inflight
+        if job is not None and not job.fed.is_set():
+            t0 = time.perf_counter()
+            job.fed.wait()
+            self.seconds["wait"] += time.perf_counter() - t0
 
     def error(self, request_id: str) -> str | None:
         """Why the request's grammar failed (could not be built, or its output left it), if it did."""
+        self._settle()
         return self._requests[request_id].error
 
     def stopped(self, request_id: str) -> bool:
         """Whether the grammar is complete and allows nothing more (the request ends there)."""
+        self._settle()
         r = self._requests[request_id]
         return r.error is None and r.stopped
 
@@ -255,6 +302,8 @@ class GuidedMasks:
         """The request's matcher (waits for its build), or None when it failed (`r.error` says why)."""
         if r.built is not None:
             return r.built
+        if r.error is not None:
+            return None
         try:
             matcher, slot = r.matcher.result()
         except Exception as exc:  # a grammar the tokenizer stage let through, or no tokenizer.json
@@ -271,45 +320,74 @@ class GuidedMasks:
         job = self.start(request_ids, background=False)
         return job.result(width), job.failed
 
-    def start(self, request_ids: Sequence[str], background: bool = True) -> MaskJob:
-        """Start computing the next token's mask of each request (all fed their outputs; its grammar
-        built, else it fails: `MaskJob.failed`, {k: why}). In the background, the step thread must not
-        call these requests' matchers until the job's `result`: a matcher is held by its mask call."""
+    def start(
+        self,
+        request_ids: Sequence[str],
+        background: bool = True,
+        feed: Sequence[tuple[str, Sequence[int], int, int]] = (),
+        known: Callable[[], list[int]] | None = None,
+    ) -> MaskJob:
+        """Start a step's grammar work: feed the matchers `feed` (as `feed` does; `known` may wait for
+        the step before's tokens), then compute the next token's mask of each of `request_ids` (its
+        grammar built, else it fails: `MaskJob.failed`, {k: why}). In the background, the caller goes on
+        (launches the forward, finishes the step before) while the masks thread waits for the tokens and
+        llguidance's pool does the rest; the step thread must not call these requests' matchers until
+        the job's `wait` (`feed`, `error` and `stopped` wait for its feeding themselves)."""
         assert self._executor is not None and self._masker is not None
         t0 = time.perf_counter()
+        if self._inflight is not None:  # normally done (its step sampled): a failed step's may not be
+            self._inflight.wait()
         n = len(request_ids)
         pin = self.device.type == "cuda"
-        packed = torch.empty((n, self.words), dtype=torch.int32, pin_memory=pin)  # [n, W]
+        packed = torch.empty(n * self.words + n, dtype=torch.int32, pin_memory=pin)  # [n W + n]
+        job = self._inflight = MaskJob(self, n, packed)
+        args = (job, self._take(feed), known, [self._requests[rid] for rid in request_ids])
+        if background:  # the masks thread takes the GIL within a switch interval (SWITCH_INTERVAL_S)
+            job._done = self._masker.submit(self._run, *args)
+        else:
+            self._run(*args)
+        self.seconds["start"] += time.perf_counter() - t0
+        return job
+
+    def _run(
+        self,
+        job: MaskJob,
+        pending: list[tuple[_Request, list[int]]],
+        known: Callable[[], list[int]] | None,
+        requests: list[_Request],
+    ) -> None:
+        """A job's work, on the masks thread (or at once): feed, then masks. A panic of llguidance's mask
+        call fails the requests of that call, by name; the others keep their masks."""
+        t0 = time.perf_counter()
+        try:
+            if pending:
+                self._consume(pending, known)
+        finally:
+            job.fed.set()
+        t1 = time.perf_counter()
+        words, packed = self.words, job._packed
+        rows = packed[: len(requests) * words].view(len(requests), words)
         # by template: each template's copies go to the pool together (they share a lock: `_template`)
         slotted: list[list[tuple[llguidance.LLMatcher, int]]] = [[] for _ in range(self.templates)]
-        failed = {}
-        for k, rid in enumerate(request_ids):
-            r = self._requests[rid]
+        for k, r in enumerate(requests):
             matcher = self._matcher(r) if r.error is None else None
             if matcher is None:
-                failed[k] = r.error or "its grammar failed"
-                packed[k] = 0
+                job.failed[k] = r.error or "its grammar failed"
+                rows[k] = 0
             else:
                 slotted[r.slot].append((matcher, k))
         work = [pair for group in slotted for pair in group]
-        done = None
         if work:
             # one call for the whole step: llguidance spreads the matchers over its threads, GIL dropped;
             # it writes every word of each row it is given
-            call = (self._executor.unsafe_compute_mask_ptr, work, packed.data_ptr(), self.words * 4, n)
-            if background:
-                started = threading.Event()
-                done = self._masker.submit(_started, started, *call)
-                # The masks thread needs the GIL to make its call: waiting here hands it over at once
-                # (else it waits for the step thread's next switch interval, milliseconds of pure Python).
-                started.wait()
-            else:
-                rust_call(*call)
-        self.seconds["start"] += time.perf_counter() - t0
-        return MaskJob(self, n, packed, failed, done)
-
-
-def _started(started: threading.Event, fn, *args) -> None:
-    """`fn(*args)`, on the masks thread, once it has said that it runs (it drops the GIL in `fn`)."""
-    started.set()
-    rust_call(fn, *args)  # a panic of its Rust code fails the step, not the stage
+            assert self._executor is not None
+            try:
+                rust_call(
+                    self._executor.unsafe_compute_mask_ptr, work, packed.data_ptr(), words * 4, len(requests)
+                )
+            except ValueError as exc:
+                for _, k in work:
+                    requests[k].error = job.failed[k] = f"its grammar could not give a mask: {exc}"[:2000]
+                    rows[k] = 0
+        self.seconds["job_feed"] += t1 - t0
+        self.seconds["job_mask"] += time.perf_counter() - t1

@@ -85,10 +85,12 @@ class SampledTokens:
 
 @dataclass(frozen=True)
 class Allowed:
-    """The token masks of a step's requests with a grammar: request k's is `masks[rows[k]]` ([V] bool on
-    the device, True where allowed); `failed`: {k: why} for those whose grammar failed."""
+    """The token masks of a step's requests with a grammar, applied: request k's logits row with its mask
+    applied is `masked[rows[k]]` ([V] float32 on the device, -inf where not allowed; a mask commutes with
+    the logit adjustments, which leave -inf as it is); `failed`: {k: why} for those whose grammar
+    failed."""
 
-    masks: torch.Tensor  # [n, V] bool
+    masked: torch.Tensor  # [n, V] float32
     rows: dict[int, int]
     failed: dict[int, str]
 
@@ -141,7 +143,7 @@ class Sampler:
         are adjusted (penalties, bias). Issues the sampling and the host copy; never synchronises (a
         bad row samples a stand-in distribution, so every row's token is a valid id). A batch in which
         no request adjusts its logits or samples takes the greedy path alone. `allowed`: the token masks
-        of the requests with a grammar (`GuidedMasks.allowed`), applied after the adjustments."""
+        of the requests with a grammar, their logits rows masked (`StepMasks.allowed`)."""
         # A row is finite when its largest and smallest values are (max and min propagate NaN): the
         # greedy tokens' reduction gives the largest, one more the smallest. isfinite(logits).all() ran
         # four elementwise kernels over [B, V] and a reduction: with argmax 334 us against 142 for 256
@@ -152,7 +154,7 @@ class Sampler:
         if rows is not None:  # each request's row, [B]: a gather of B values, not of B rows of logits
             tokens, ok = tokens[rows[1]], ok[rows[1]]
         wanted: list[tuple[int, int]] = []  # (request, its top count) for those that want logprobs
-        masked = _greedy_masked(logits, at, tokens, allowed, params) if allowed is not None else set()
+        masked = _greedy_masked(tokens, allowed, params) if allowed is not None else set()
         for i, p in enumerate(params):
             if p.logprobs is not None:
                 wanted.append((i, p.logprobs))
@@ -160,13 +162,11 @@ class Sampler:
             mask = allowed.rows.get(i) if allowed is not None else None
             if p.greedy and not adjusts and mask is None or i in masked:
                 continue
-            row = logits[at[i]]  # [V]
+            row = logits[at[i]] if mask is None else allowed.masked[mask]  # [V]
             adjuster = None
             if adjusts:
                 adjuster = self._adjuster(request_ids[i], p, prompts, i, row.shape[-1])
                 row = adjuster.apply(row)
-            if mask is not None:
-                row = torch.where(allowed.masks[mask], row, float("-inf"))
             if p.greedy:
                 tokens[i] = row.argmax()
             else:
@@ -191,22 +191,19 @@ class Sampler:
         return self.issue(logits, request_ids, params).result()
 
 
-def _greedy_masked(
-    logits: torch.Tensor, at: Sequence[int], tokens: torch.Tensor, allowed: Allowed, params
-) -> set[int]:
-    """Greedy requests with a grammar and nothing else to apply, all at once (a masked argmax over their
-    rows, not a few kernels a request): writes their tokens; returns which requests those were."""
+def _greedy_masked(tokens: torch.Tensor, allowed: Allowed, params) -> set[int]:
+    """Greedy requests with a grammar and nothing else to apply, all at once (one argmax over their
+    masked rows, not a few kernels a request): writes their tokens; returns which requests those were."""
     fast = [i for i in allowed.rows if params[i].greedy and not params[i].adjusts_logits]
     if not fast:
         return set()
-    rows, masks = [at[i] for i in fast], [allowed.rows[i] for i in fast]
-    if fast == rows == masks and len(fast) == tokens.shape[0] == logits.shape[0]:  # all of them, in order
-        tokens.copy_(torch.where(allowed.masks, logits, float("-inf")).argmax(dim=-1))
+    masks = [allowed.rows[i] for i in fast]
+    best = allowed.masked.argmax(dim=-1)  # [n]
+    if fast == masks and len(fast) == tokens.shape[0]:  # all of them, in order
+        tokens.copy_(best)
         return set(fast)
-    index = _upload([rows, masks, fast], logits.device)  # [3, n]
-    picked = logits.index_select(0, index[0])  # [n, V]
-    picked = torch.where(allowed.masks.index_select(0, index[1]), picked, float("-inf"))
-    tokens.index_copy_(0, index[2], picked.argmax(dim=-1))
+    index = _upload([masks, fast], tokens.device)  # [2, m]
+    tokens.index_copy_(0, index[1], best.index_select(0, index[0]))
     return set(fast)
 
 

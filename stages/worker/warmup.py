@@ -326,11 +326,12 @@ def _fp8(runner: ModelRunner, launches: list, progress: _Progress | None) -> Non
 
 
 def _top_logprobs(runner: ModelRunner) -> None:
-    """The sampler's fused top-k log-probability kernels (a step with logprobs launches them), on the
-    logits the runner returns."""
-    from kernels import top_logprobs
+    """The sampler's fused top-k log-probability kernels (a step with logprobs launches them) and its
+    grammar-mask kernel (a step with structured output), on the logits the runner returns."""
+    from kernels import token_bitmask, top_logprobs
 
     top_logprobs.warm(runner.device, runner.full_cfg.vocab_size)
+    token_bitmask.warm(runner.device, runner.full_cfg.vocab_size)
 
 
 def _forward(runner: ModelRunner) -> None:
