@@ -18,7 +18,8 @@ from runtime.synthetic.model import TINY_VOCAB, make_model
 from stages.loader.adapter_reader import read_adapter
 from stages.worker.lora.pool import row_bytes
 from stages.worker.tp.lora_shard import AdapterSharder
-from stages.worker.tp.ranks import RankFailed
+from runtime.launcher import EXIT_GRACE_S, STAGE_DEADLINE_S
+from stages.worker.tp.ranks import LEAVE_TIMEOUT_S, RankFailed
 from stages.worker.tp.shard import shard_config
 from tests.conftest import mixed_adapters
 from tests.peft_reference import PeftReference
@@ -161,6 +162,11 @@ def test_a_size_that_does_not_split_the_heads_is_refused(tiny_llama):
         LLM(tiny_llama, device="cpu", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
         LLM(tiny_llama, device="cpu", tensor_parallel_size=0)
+
+
+def test_a_graceful_leave_is_given_up_before_the_launcher_kills_the_worker():
+    """Past the launcher's bound a stopping worker stage is killed, its ranks with it: status not 0."""
+    assert LEAVE_TIMEOUT_S < STAGE_DEADLINE_S + EXIT_GRACE_S
 
 
 def test_a_rank_that_dies_fails_the_engine_and_leaves_no_process(tiny_llama, llama_adapters):

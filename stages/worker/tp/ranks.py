@@ -37,7 +37,10 @@ log = logging.getLogger("lorapipe.tp")
 ROOT = Path(__file__).resolve().parents[3]  # so `python -m MODULE` imports this tree from any cwd
 T = TypeVar("T")
 STOP_TIMEOUT_S = 10.0
-LEAVE_TIMEOUT_S = 2.0  # a graceful teardown that takes longer is aborted instead
+# A graceful teardown waits until every rank reaches it; on a loaded host another rank's release of its
+# CUDA graphs alone can take seconds. One that takes longer is aborted instead. It must stay below the
+# launcher's bound on a stopping worker stage (STAGE_DEADLINE_S + EXIT_GRACE_S), after which it is killed.
+LEAVE_TIMEOUT_S = 6.0
 WATCH_S = 0.2  # how often the watchdog looks at the other ranks
 STUCK_EXIT_S = 5.0  # after a rank died and the group was aborted, how long a step may still block
 
@@ -184,7 +187,9 @@ class RankProcesses:
     def _leave(self, graceful: bool) -> None:
         """Leave the group: together with the other ranks (`graceful`), aborting if that takes over
         LEAVE_TIMEOUT_S, or alone, giving up after STOP_TIMEOUT_S (the teardown is left on its thread)."""
+        t0 = time.monotonic()
         if graceful and _within(lambda: self.group.close(graceful=True), LEAVE_TIMEOUT_S):
+            log.info("left the tensor-parallel group in %.2f s", time.monotonic() - t0)
             return
         if graceful:
             log.warning("leaving the tensor-parallel group took over %g s; aborting it", LEAVE_TIMEOUT_S)
