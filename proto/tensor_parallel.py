@@ -42,8 +42,13 @@ class EndRun(Message):
     """Drop the executor and its steps in flight."""
 
 
+# From StopRanks until every other rank has exited; a rank still running then is killed. Rank 0's close
+# takes at most this long, which the launcher allows a stopping tensor-parallel worker on top of its own.
+STOP_RANKS_TIMEOUT_S = 10.0
+
+
 class StopRanks(Message):
-    """Leave the group and exit."""
+    """Leave the group and exit (within STOP_RANKS_TIMEOUT_S)."""
 
 
 RankZeroToRanks = edge("rank0_to_ranks", LaunchStep, SyncCopies, AddAdapter, BeginRun, EndRun, StopRanks)

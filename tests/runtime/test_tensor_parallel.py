@@ -6,6 +6,8 @@ clearly without leaving a process behind."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -18,8 +20,7 @@ from runtime.synthetic.model import TINY_VOCAB, make_model
 from stages.loader.adapter_reader import read_adapter
 from stages.worker.lora.pool import row_bytes
 from stages.worker.tp.lora_shard import AdapterSharder
-from runtime.launcher import EXIT_GRACE_S, STAGE_DEADLINE_S
-from stages.worker.tp.ranks import LEAVE_TIMEOUT_S, RankFailed
+from stages.worker.tp.ranks import RankFailed
 from stages.worker.tp.shard import shard_config
 from tests.conftest import mixed_adapters
 from tests.peft_reference import PeftReference
@@ -164,9 +165,17 @@ def test_a_size_that_does_not_split_the_heads_is_refused(tiny_llama):
         LLM(tiny_llama, device="cpu", tensor_parallel_size=0)
 
 
-def test_a_graceful_leave_is_given_up_before_the_launcher_kills_the_worker():
-    """Past the launcher's bound a stopping worker stage is killed, its ranks with it: status not 0."""
-    assert LEAVE_TIMEOUT_S < STAGE_DEADLINE_S + EXIT_GRACE_S
+def test_close_leaves_the_group_together_with_the_other_rank(tiny_llama, caplog):
+    """Rank 0 starts the group's teardown once rank 1 has said it is in it, so the teardown is graceful
+    (not aborted for the time rank 1 took to get there) and rank 1 exits with status 0."""
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", tensor_parallel_size=2)
+    (proc,) = llm.ranks.procs
+    llm.generate(PROMPTS[:2], sampling=SAMPLING)
+    with caplog.at_level(logging.INFO, logger="lorapipe.tp"):
+        llm.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "lorapipe.tp"]
+    assert any(m.startswith("left the tensor-parallel group in") for m in said), said
+    assert proc.returncode == 0
 
 
 def test_a_rank_that_dies_fails_the_engine_and_leaves_no_process(tiny_llama, llama_adapters):

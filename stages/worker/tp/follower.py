@@ -167,6 +167,7 @@ class Follower:
         self.channel.close()
         gc.unfreeze()  # what `run_rank` froze may hold a graph in a cycle, which only a collection frees
         release_graphs(self.runner)
+        self.group.announce_leaving()
         self.group.close(graceful=True)
 
 

@@ -28,6 +28,12 @@ NCCL_ENV_DEFAULTS = {
 }
 
 
+def leaving_key(rank: int) -> str:
+    """The rendezvous store's key a rank sets once it has let go of its CUDA graphs and is about to
+    tear the group down (`TPGroup.announce_leaving`)."""
+    return f"lorapipe/leaving/{rank}"
+
+
 @dataclass(frozen=True)
 class TPSpec:
     """Where a rank joins its group: the rendezvous store rank 0 listens on at `host`:`port`."""
@@ -73,6 +79,7 @@ class TPGroup:
             torch.cuda.set_device(device)
         if store is None:
             store = dist.TCPStore(spec.host, spec.port, spec.size, is_master=False, timeout=timeout)
+        self.store = store
         dist.init_process_group(
             "nccl" if cuda else "gloo",
             store=store,
@@ -117,6 +124,11 @@ class TPGroup:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t.item())
+
+    def announce_leaving(self) -> None:
+        """Tell rank 0 this rank is about to leave: NCCL's graceful teardown waits until every rank is in
+        it, so rank 0 bounds the teardown itself only from there (`RankProcesses.close`)."""
+        self.store.set(leaving_key(self.rank), "1")
 
     def close(self, graceful: bool = False) -> None:
         """Leave the group. `graceful` (every rank leaves together, nothing in flight, and no CUDA graph

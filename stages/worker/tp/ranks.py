@@ -26,21 +26,20 @@ import torch
 import torch.distributed as dist
 
 from proto.plan import BatchPlan
-from proto.tensor_parallel import BeginRun, LaunchStep, StopRanks, SyncCopies
+from proto.tensor_parallel import STOP_RANKS_TIMEOUT_S, BeginRun, LaunchStep, StopRanks, SyncCopies
 from stages.worker.runner import ModelRunner, RunnerConfig
 from stages.worker.tp.allreduce import peer_made_here
 from stages.worker.tp.channel import StepSender, rank_address
 from stages.worker.tp.follower import FollowerConfig, release_graphs, sync_copies
-from stages.worker.tp.group import TPGroup, TPSpec, check_no_group, rank_device
+from stages.worker.tp.group import TPGroup, TPSpec, check_no_group, leaving_key, rank_device
 
 log = logging.getLogger("lorapipe.tp")
 ROOT = Path(__file__).resolve().parents[3]  # so `python -m MODULE` imports this tree from any cwd
 T = TypeVar("T")
-STOP_TIMEOUT_S = 10.0
-# A graceful teardown waits until every rank reaches it; on a loaded host another rank's release of its
-# CUDA graphs alone can take seconds. One that takes longer is aborted instead. It must stay below the
-# launcher's bound on a stopping worker stage (STAGE_DEADLINE_S + EXIT_GRACE_S), after which it is killed.
-LEAVE_TIMEOUT_S = 6.0
+# The group's graceful teardown, once every rank is in it (NCCL's waits until they all are; on a loaded
+# host another rank's release of its CUDA graphs alone can take seconds, which StopRanks' bound covers).
+# One that takes longer is aborted instead.
+LEAVE_TIMEOUT_S = 3.0
 WATCH_S = 0.2  # how often the watchdog looks at the other ranks
 STUCK_EXIT_S = 5.0  # after a rank died and the group was aborted, how long a step may still block
 
@@ -62,6 +61,7 @@ class RankProcesses:
         the CPU) and joins the group as rank 0; returns once every rank has joined. The ranks die with
         this process; the calling thread must live as long as the engine (the kernel's parent-death
         signal follows it). `host_pool_name`: the shared host cache the ranks copy adapters from."""
+        check_no_teardown()
         check_no_group()
         self.size = size
         self.finished = 0  # steps rank 0 finished since the last BeginRun (told with the next launch)
@@ -161,8 +161,8 @@ class RankProcesses:
                 self.send(StopRanks())
                 if runner is not None:
                     release_graphs(runner)
-            self._leave(graceful=alive)
-            deadline = time.monotonic() + STOP_TIMEOUT_S
+            deadline = time.monotonic() + STOP_RANKS_TIMEOUT_S
+            self._leave(graceful=alive and self._all_leaving(deadline - LEAVE_TIMEOUT_S))
             for p in self.procs:
                 p.wait(max(0.0, deadline - time.monotonic()))
         except (subprocess.TimeoutExpired, RuntimeError) as e:
@@ -184,17 +184,31 @@ class RankProcesses:
         self.channel.close()
         self._dir.cleanup()
 
+    def _all_leaving(self, deadline: float) -> bool:
+        """Wait until every other rank has announced that it is leaving (`TPGroup.announce_leaving`):
+        False at `deadline`, or at once when one has exited."""
+        keys = [leaving_key(rank) for rank in range(1, self.size)]
+        while True:
+            try:
+                self.store.wait(keys, _delta(WATCH_S))
+                return True
+            except RuntimeError:  # not yet (a DistStoreError, after WATCH_S)
+                if time.monotonic() >= deadline or any(p.poll() is not None for p in self.procs):
+                    log.warning("a tensor-parallel rank did not reach the group's teardown in time")
+                    return False
+
     def _leave(self, graceful: bool) -> None:
-        """Leave the group: together with the other ranks (`graceful`), aborting if that takes over
-        LEAVE_TIMEOUT_S, or alone, giving up after STOP_TIMEOUT_S (the teardown is left on its thread)."""
+        """Leave the group: together with the other ranks, all in the teardown (`graceful`), aborting if
+        it takes over LEAVE_TIMEOUT_S; or alone, giving up after STOP_RANKS_TIMEOUT_S. A teardown given up on
+        stays on its thread, and this process makes no other group until it ends (`_teardowns`)."""
         t0 = time.monotonic()
         if graceful and _within(lambda: self.group.close(graceful=True), LEAVE_TIMEOUT_S):
             log.info("left the tensor-parallel group in %.2f s", time.monotonic() - t0)
             return
         if graceful:
             log.warning("leaving the tensor-parallel group took over %g s; aborting it", LEAVE_TIMEOUT_S)
-        if not _within(self.group.close, STOP_TIMEOUT_S):
-            log.warning("leaving the tensor-parallel group took over %g s; going on", STOP_TIMEOUT_S)
+        if not _within(self.group.close, STOP_RANKS_TIMEOUT_S):
+            log.warning("leaving the tensor-parallel group took over %g s; going on", STOP_RANKS_TIMEOUT_S)
 
     def _watchdog(self) -> None:
         """A rank that exits while this side has not stopped it: kill the others and abort the group, so
@@ -209,7 +223,7 @@ class RankProcesses:
                 return
             log.error("tensor-parallel rank %d exited (%s) while serving; aborting the group", *dead[0])
             self.kill()
-            _within(self.group.close, STOP_TIMEOUT_S)
+            _within(self.group.close, STOP_RANKS_TIMEOUT_S)
             if not self._stopping.wait(STUCK_EXIT_S):
                 log.critical("a step is still blocked on the dead rank after %g s; exiting", STUCK_EXIT_S)
                 logging.shutdown()
@@ -223,12 +237,29 @@ class RankProcesses:
                 p.wait()
 
 
+_teardowns: list[threading.Thread] = []  # group teardowns given up on, maybe still running
+
+
+def check_no_teardown() -> None:
+    """A teardown still running would destroy torch's process-group state under a new group."""
+    _teardowns[:] = [t for t in _teardowns if t.is_alive()]
+    if _teardowns:
+        raise RuntimeError(
+            "the last tensor-parallel group of this process is still being torn down (its teardown "
+            "outlived its bound); start another engine in a new process"
+        )
+
+
 def _within(fn: Callable[[], None], seconds: float) -> bool:
-    """Run `fn` on a daemon thread; False if it has not returned within `seconds` (it is left there)."""
+    """Run `fn` on a daemon thread; False if it has not returned within `seconds` (it is left there,
+    in `_teardowns`)."""
     t = threading.Thread(target=fn, name="tp-close", daemon=True)
     t.start()
     t.join(seconds)
-    return not t.is_alive()
+    if t.is_alive():
+        _teardowns.append(t)
+        return False
+    return True
 
 
 def _delta(seconds: float) -> datetime.timedelta:
