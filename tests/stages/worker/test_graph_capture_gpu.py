@@ -143,6 +143,10 @@ def test_captures_wait_for_no_device_and_replays_match_the_reference(tiny_llama,
     assert len(steps.full) == len(step_keys) and len(decodes.graphs) == len(decode_keys)
     steps.full.clear()
     decodes.graphs.clear()
+    # as the runner before its captures: with every graph of the shared pool gone, the allocator holds
+    # the pool unused until its cache is emptied, and a capture into it meanwhile is refused
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     waits: list[str] = []
     real = torch.cuda.synchronize
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (waits.append("sync"), real(*a, **k))[1])
