@@ -143,10 +143,10 @@ def test_captures_wait_for_no_device_and_replays_match_the_reference(tiny_llama,
     assert len(steps.full) == len(step_keys) and len(decodes.graphs) == len(decode_keys)
     steps.full.clear()
     decodes.graphs.clear()
-    # as the runner before its captures: with every graph of the shared pool gone, the allocator holds
-    # the pool unused until its cache is emptied, and a capture into it meanwhile is refused
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    # with every graph of their shared pool gone, torch's allocators keep that pool unused until their
+    # caches are emptied and refuse a capture into it meanwhile: the new captures share a new pool, as
+    # the runner's first ones do
+    steps.pool = decodes.pool = torch.cuda.graph_pool_handle()
     waits: list[str] = []
     real = torch.cuda.synchronize
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (waits.append("sync"), real(*a, **k))[1])
