@@ -1,15 +1,12 @@
 """One decode step of a Llama-shaped model (random bf16 weights), as the worker runs it: the decode CUDA
 graph of its batch bucket (`stages/worker/decode_graphs.py`), replayed, base-only against each LoRA
-design of the Triton backend (`TritonLoraBackend.design`: "serial", "side", "fused", "fold"; a "-nopdl"
-variant is its design with programmatic dependent launch off, "fold-inline" "fold" with o's shrink in
-stream order rather than beside the O projection), sequence i on adapter i % N (rank-R
-adapters at scattered pool rows), every variant in one process, measured in rounds of alternating order
-(A-B-B-A).
+design of the Triton backend (`TritonLoraBackend.design`: "serial", "side", "fused"; "serial-nopdl" is
+"serial" with programmatic dependent launch off), sequence i on adapter i % N (rank-R adapters at
+scattered pool rows), every variant in one process, measured in rounds of alternating order (A-B-B-A).
 
     python -m benchmarks.bench_lora_decode OUT_DIR [--cases 8b:16:4,8b:64:4,1b:64:32,1b:256:32]
-        [--designs serial,serial-nopdl,side,fused,fold,fold-nopdl,fold-inline] [--rank 16]
-        [--lora-dtype auto|fp8|int8] [--ctx 512] [--rounds 6] [--smoke] [--tile-classes 8,32,128]
-        [--fused-programs-per-sm 8]
+        [--designs serial,serial-nopdl,side,fused] [--rank 16] [--lora-dtype auto|fp8|int8] [--ctx 512]
+        [--rounds 6] [--smoke] [--tile-classes 8,32,128] [--fused-programs-per-sm 8]
 
 Per case: the median µs of one step, the LoRA overhead (step / base-only - 1), base-only / step, the
 bytes bound of that ratio (weights / (weights + the distinct adapters' rows)) and the fraction of it
@@ -38,7 +35,7 @@ from kernels.lora_quant import NUM_SCALES, QUANT_DTYPES  # noqa: E402
 from runtime.common.model_config import ModelConfig  # noqa: E402
 from runtime.synthetic.model import build_config  # noqa: E402
 from stages.worker.decode_graphs import DecodeGraphs  # noqa: E402
-from stages.worker.lora import fold, tiles  # noqa: E402
+from stages.worker.lora import tiles  # noqa: E402
 from stages.worker.lora.triton_backend import DESIGNS, TritonLoraBackend  # noqa: E402
 from stages.worker.model.kv_cache import KVCache  # noqa: E402
 from stages.worker.model.llama import LlamaModel  # noqa: E402
@@ -47,7 +44,7 @@ from stages.worker.seq_input import SeqInput  # noqa: E402
 
 PAGE = 16
 HANG_SECONDS = 60.0
-VARIANTS = (*DESIGNS, "serial-nopdl", "fold-nopdl", "fold-inline")
+VARIANTS = (*DESIGNS, "serial-nopdl")
 
 
 def random_model(cfg: ModelConfig, device: torch.device, seed: int) -> LlamaModel:
@@ -80,26 +77,9 @@ def weight_bytes(cfg: ModelConfig) -> int:
 
 
 def make_backend(pool, variant: str, max_seqs: int) -> TritonLoraBackend:
-    """The backend of a variant; a "-nopdl" one is built (and its graphs captured) with LORAPIPE_PDL=0,
-    "fold-inline" with o's shrink in stream order (LORAPIPE_FOLD_SIDE=0)."""
-    design = variant.removesuffix("-nopdl").removesuffix("-inline")
-    with env_var(fold.FOLD_SIDE_ENV, "0" if variant == "fold-inline" else None):
-        return TritonLoraBackend(pool, max_tokens=2048, max_seqs=max_seqs, design=design)
-
-
-@contextlib.contextmanager
-def env_var(name: str, value: str | None):
-    """$name = value while the block runs (None: left as it is)."""
-    saved = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if value is not None and saved is None:
-            del os.environ[name]
-        elif value is not None:
-            os.environ[name] = saved
+    """The backend of a variant; "serial-nopdl" is built (and its graphs captured) with LORAPIPE_PDL=0."""
+    design = "serial" if variant == "serial-nopdl" else variant
+    return TritonLoraBackend(pool, max_tokens=2048, max_seqs=max_seqs, design=design)
 
 
 class NoPdl:
@@ -205,7 +185,7 @@ def run_case(preset, batch, n_ad, a, device, model, cfg) -> dict:
         model, kv, None, seqs(False), a.ctx, a.capture, f"{case} base-only"
     )
     for variant in a.designs:
-        with NoPdl(variant.endswith("-nopdl")):
+        with NoPdl(variant == "serial-nopdl"):
             backend = make_backend(pool, variant, max(a.max_seqs, batch))
             runners[variant], logits[variant] = step_runner(
                 model, kv, backend, seqs(True), a.ctx, a.capture, f"{case} {variant}"
@@ -249,11 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
     p.add_argument("--cases", default="8b:16:4,8b:64:4,1b:64:32,1b:256:32", help="preset:batch:adapters,...")
-    p.add_argument(
-        "--designs",
-        default="serial,serial-nopdl,side,fused,fold,fold-nopdl,fold-inline",
-        help=f"of {', '.join(VARIANTS)}",
-    )
+    p.add_argument("--designs", default="serial,serial-nopdl,side,fused", help=f"of {', '.join(VARIANTS)}")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--lora-dtype", choices=("auto", *QUANT_DTYPES), default="auto", help="the pool's rows")
     p.add_argument("--ctx", type=int, default=512, help="tokens each sequence has in the KV cache")

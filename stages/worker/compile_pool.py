@@ -30,9 +30,6 @@ KERNEL_MODULES = (
     "kernels.lora_expand",
     "kernels.lora_expand_act",
     "kernels.lora_fused",
-    "kernels.lora_fold_norm",
-    "kernels.lora_fold_rope",
-    "kernels.lora_fold_act",
     "kernels.paged_attention",
     "kernels.fp8_gemm",
 )

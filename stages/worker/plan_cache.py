@@ -45,7 +45,7 @@ def fingerprint(backend, padded: Sequence, attention: dict) -> str:
         parts["lora"] = [
             repr(backend.layout), backend.max_tokens, backend.max_seqs, backend.fuse_act, backend.design,
             backend.pool.num_ids, str(backend.pool.mem.dtype), device_info.num_sms(dev),
-            device_info.pdl(dev), device_info.PDL_MAX_TILES, backend.fold is not None and backend.fold.side_o,
+            device_info.pdl(dev), device_info.PDL_MAX_TILES,
         ]  # fmt: skip
     parts["attention"] = {k: str(v) for k, v in sorted(attention.items())}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
@@ -58,7 +58,7 @@ def cached_plan(cache_dir: str | None, key: str, compute: Callable[[], Plan]) ->
     if path is not None and path.is_file():
         try:
             data = json.loads(path.read_text())
-            lora = [LoraLaunch(g, t, n, bm, br, tuple(k), c) for g, t, n, bm, br, k, c in data["lora"]]
+            lora = [LoraLaunch(g, t, n, bm, br, tuple(k)) for g, t, n, bm, br, k in data["lora"]]
             return (lora, [(bm, s) for bm, s in data["attention"]]), True
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("warm-up plan %s unreadable (%s): computing it again", path, exc)
@@ -74,7 +74,6 @@ def cached_plan(cache_dir: str | None, key: str, compute: Callable[[], Plan]) ->
                     x.block_m,
                     x.block_rank,
                     [v if isinstance(v, int) else str(v) for v in x.key],
-                    x.config_tiles,
                 ]
                 for x in lora
             ],

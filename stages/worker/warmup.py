@@ -3,8 +3,7 @@ can reach is compiled, or loaded from Triton's on-disk cache (TRITON_CACHE_DIR, 
 --compile-cache-dir), so that the first burst after "ready" runs at full speed.
 
 Each variant is launched once through the serving code itself (`TritonLoraBackend.apply`, or
-`apply_act` for the gate_up group fused with the activation; the fold design's steps of a forward,
-`stages/worker/lora/fold.py`; the model's `triton_paged_attention`) on
+`apply_act` for the gate_up group fused with the activation; the model's `triton_paged_attention`) on
 real-shaped buffers, with device metadata that says 0 tiles / empty queries: the launch compiles the
 variant and computes nothing (the fused activation: that of the zero buffers). The variants come
 from the heuristics (`warmup_plan.py`) rather than from real forwards over a sweep of batches: a sweep
@@ -25,7 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -218,28 +217,21 @@ def done_line(
 def _lora(runner: ModelRunner, launches: list, progress: _Progress | None) -> None:
     from kernels.batch_info import BatchInfo
     from kernels.lora_expand_act import ExpandActConfig
-    from stages.worker.warmup_plan import FOLD
 
     backend, layout = runner.lora, runner.lora_layout
     empty = backend.batch_info  # lora_launches left an empty batch prepared: its header says 0 tiles
     assert empty is not None
     for launch in launches:
-        tiles = launch.config_tiles or launch.num_tiles  # the configs' (a fold launch's grid may be wider)
         info = BatchInfo(
             meta=empty.meta,
             num_tokens=launch.num_tokens,
-            num_tiles=tiles,
+            num_tiles=launch.num_tiles,
             block_m=launch.block_m,
-            max_len=min(launch.num_tokens, tiles * launch.block_m),
+            max_len=min(launch.num_tokens, launch.num_tiles * launch.block_m),
             block_rank=launch.block_rank,
             num_slots_used=1,
         )
         configs = backend.configs_for(info)
-        if launch.group == FOLD:
-            _fold(runner, replace(info, num_tiles=launch.num_tiles), configs)
-            if progress is not None:
-                progress.step(f"LoRA fold block_m={launch.block_m} block_rank={launch.block_rank}")
-            continue
         group = layout.group(launch.group)
         x = torch.zeros((launch.num_tokens, group.in_dim), dtype=runner.dtype, device=runner.device)
         out = torch.zeros((launch.num_tokens, group.out_total), dtype=runner.dtype, device=runner.device)
@@ -251,34 +243,6 @@ def _lora(runner: ModelRunner, launches: list, progress: _Progress | None) -> No
                 backend.apply_as(info, configs, x, out, layer, group)
         if progress is not None:
             progress.step(f"LoRA {launch.group} block_m={launch.block_m} block_rank={launch.block_rank}")
-
-
-def _fold(runner: ModelRunner, info, configs: dict) -> None:
-    """The fold steps of one forward (`LlamaModel._forward_fold`) over every layer as the batch `info`
-    with `configs`, on zero rows: its header says 0 tiles, so the tiles' programs return and the rows'
-    normalise, rotate and activate zeros; the rotary writes them to K/V row 0, put back after."""
-    m, w, dev, dt = runner.model_cfg, runner.model.w, runner.device, runner.dtype
-    T, eps = info.num_tokens, m.rms_norm_eps
-
-    def zeros(*shape: int, dtype: torch.dtype = dt) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=dev)
-
-    h, o, cos = zeros(T, m.hidden_size), zeros(T, m.hidden_size), zeros(T, 1, m.head_dim)
-    qkv = zeros(T, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim)
-    attn, gate_up = zeros(T, m.num_heads * m.head_dim), zeros(T, 2 * m.intermediate_size)
-    rows, down = zeros(T, dtype=torch.int64), None
-    kept = runner.kv.k[:, 0].clone(), runner.kv.v[:, 0].clone()
-    with runner.lora.fold.as_batch(info, configs) as fold:
-        for i, lw in enumerate(w.layers):
-            h, _ = fold.input_norm(i, h, down, lw.input_norm, eps)
-            fold.rope_kv(i, qkv, cos, cos, rows, runner.kv, m.num_heads, m.num_kv_heads)
-            fold.shrink_o(i, attn)
-            h, _ = fold.post_norm(i, h, o, lw.post_norm, eps)
-            fold.act(i, gate_up)
-            down = o
-        fold.final_norm(len(w.layers) - 1, h, down, w.norm, eps)
-    runner.kv.k[:, 0].copy_(kept[0])  # in stream order after the writes
-    runner.kv.v[:, 0].copy_(kept[1])
 
 
 def _attention(runner: ModelRunner, variants: list[tuple[int, int]], progress: _Progress | None) -> None:

@@ -16,9 +16,7 @@ this against the runner's eager steps). The heuristics see a batch only through 
   stays the reference in `tests/stages/worker/test_warmup_plan.py`. Padded batches (CUDA graphs: decode
   sizes, and the step graphs' token buckets with their token tile) add their configurations, made by
   `prepare(pad_to=...)` itself: one for each tile class of a decode size, one (the tile bound's) for a
-  step graph. With the "fold" design, each of those batches that the fold steps serve (decode-sized,
-  with adapter tiles) adds the fold kernels' variant (`FoldLora.variant`): a launch of the group FOLD
-  runs the steps of a whole forward.
+  step graph.
 - attention (`kernels.paged_attention`): `block_m` from the rows of the longest query
   (`decode_block_m`) and the key splits (`choose_splits`) over every block count and context length.
 - the weight-only fp8 GEMM (`kernels.fp8_gemm.choose_config`), with fp8 base weights: each projection's
@@ -40,13 +38,10 @@ from stages.worker.lora.triton_backend import TritonLoraBackend
 from stages.worker.model.linear import Fp8Weight
 from stages.worker.model.weights import LayerWeights
 
-FOLD = "fold"  # the group of a launch of the fold steps (stages/worker/lora/fold.py)
-
 
 @dataclass(frozen=True)
 class LoraLaunch:
-    """One shrink + expand launch pair of one fused group, or (group FOLD) the fold steps of a forward,
-    with the batch sizes that select it."""
+    """One shrink + expand launch pair of one fused group, with the batch sizes that select it."""
 
     group: str
     num_tokens: int
@@ -54,10 +49,8 @@ class LoraLaunch:
     block_m: int
     block_rank: int
     # (group, block_m, block_rank, ShrinkConfig, ExpandConfig, pool row dtype): what gets compiled; the
-    # row dtype (the model's, or e4m3 with `--lora-dtype fp8`) picks the kernels' SCALED variants. FOLD:
-    # (FOLD, block_m, block_rank, `FoldLora.variant`, None, pool row dtype)
+    # row dtype (the model's, or e4m3 with `--lora-dtype fp8`) picks the kernels' SCALED variants
     key: tuple
-    config_tiles: int = 0  # FOLD: the tile count its configs were made for (a graph's class, not its grid)
 
 
 def rank_classes(max_rank: int) -> list[int]:
@@ -153,29 +146,18 @@ def lora_launches(
     assert empty is not None
     launches: list[LoraLaunch] = []
     seen: set[tuple] = set()
-    fold, dtype = backend.fold, backend.pool.mem.dtype
 
-    def add(info: BatchInfo, launched: BatchInfo | None = None) -> tuple:
-        """The variants of `info`'s configs, and those of the fold steps where they serve the batch as
-        `launched` (`info` unless its tile grid differs: a padded batch), planned where new."""
-        configs = backend.configs_for(info)
+    def add(info: BatchInfo) -> tuple:
+        """The variants of `info`'s configs, planned where new."""
         found = tuple(
-            (name, info.block_m, info.block_rank, shrink, expand, dtype)
-            for name, (shrink, expand, _) in configs.items()
+            (name, info.block_m, info.block_rank, shrink, expand, backend.pool.mem.dtype)
+            for name, (shrink, expand, _) in backend.configs_for(info).items()
         )
-        grid = (launched or info).num_tiles
-        if fold is not None and fold.serves(info.num_tokens, grid):
-            found += (
-                (FOLD, info.block_m, info.block_rank, fold.variant(launched or info, configs), None, dtype),
-            )
         for key in found:
             if key not in seen:
                 seen.add(key)
-                tiles = (grid, info.num_tiles) if key[0] == FOLD else (info.num_tiles, 0)
                 launches.append(
-                    LoraLaunch(
-                        key[0], info.num_tokens, tiles[0], info.block_m, info.block_rank, key, tiles[1]
-                    )
+                    LoraLaunch(key[0], info.num_tokens, info.num_tiles, info.block_m, info.block_rank, key)
                 )
         return found
 
@@ -211,7 +193,7 @@ def lora_launches(
             backend.prepare([0], [], pad_to=size, block_m=block_m, tile_class=c)
             padded = backend.batch_info
             assert padded is not None
-            add(replace(padded, num_tiles=backend.tile_class), padded)  # the configs of the class's tiles
+            add(replace(padded, num_tiles=backend.tile_class))  # the configs of the class's tile count
     backend.prepare([0], [])
     return launches
 
@@ -276,18 +258,15 @@ def plan_axes(launches: Sequence[LoraLaunch], attention: Sequence[tuple[int, int
     """How many distinct values each axis of the plan holds (the variants are the combinations that
     the heuristics reach, not the product), for the warm-up's log."""
     keys = [launch.key for launch in launches]
-    serial = [k for k in keys if k[0] != FOLD]
     lora = {
         "group": {k[0] for k in keys},
         "block_m": {k[1] for k in keys},
         "block_rank": {k[2] for k in keys},
-        "shrink config": {k[3] for k in serial},
-        "expand config": {k[4] for k in serial},
+        "shrink config": {k[3] for k in keys},
+        "expand config": {k[4] for k in keys},
         "token count": {launch.num_tokens for launch in launches},
         "tile count": {launch.num_tiles for launch in launches},
     }
-    if len(serial) < len(keys):  # the fold design's: one launch of its steps each
-        lora["fold variant"] = {k[3] for k in keys if k[0] == FOLD}
     attn = {"block_m": {b for b, _ in attention}, "key splits": {s for _, s in attention}}
 
     def show(axes: dict[str, set]) -> str:

@@ -56,11 +56,6 @@ class LoraBackend(ABC):
         (positive integers). A backend whose launches do not depend on the tile count has one, 1."""
         return (1,)
 
-    def folds(self):
-        """The steps of a forward whose LoRA runs inside the pointwise kernels (`stages/worker/lora/fold.py`)
-        for the prepared batch, or None: the forward then calls `begin`/`apply` around each projection."""
-        return None
-
     def begin(self, x: torch.Tensor, layer: int, group: GroupLayout) -> None:
         """Called with a group's input before its base projection runs, and followed by that group's
         `apply` (or `apply_act`) before any other group's `begin`: a backend may start what needs x

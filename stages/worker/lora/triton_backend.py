@@ -22,7 +22,6 @@ from kernels.lora_quant import a_scales, b_scales
 from kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config, split_counters
 from runtime.common.lora_layout import GroupLayout, LoraLayout
 from stages.worker.lora.backend import PADDED_BLOCK_M, LoraBackend
-from stages.worker.lora.fold import FoldLora
 from stages.worker.lora.pool import LoraPool
 from stages.worker.lora.tiles import class_grid, classes_of, padded_tile_bound, split_cap, workspace_rows
 
@@ -38,9 +37,7 @@ Configs = tuple[ShrinkConfig, ExpandConfig | ExpandActConfig | FusedConfig, torc
 # device has them). "side": the shrink, which needs the projection's input alone, on a side stream forked
 # before the projection and joined before the expand (`begin`), so that it runs beside the GEMM.
 # "fused": shrink and expand as one launch (kernels/lora_fused.py) in batches without prefill runs.
-# "fold": in batches without prefill runs, each shrink and expand inside the pointwise kernels around its
-# projection (stages/worker/lora/fold.py), o's shrink the one launch of a layer; serial otherwise.
-DESIGNS = ("serial", "side", "fused", "fold")
+DESIGNS = ("serial", "side", "fused")
 DESIGN_ENV = "LORAPIPE_LORA_DESIGN"  # one of DESIGNS, for A/B runs
 DEFAULT_DESIGN = "serial"
 
@@ -80,21 +77,6 @@ class TritonLoraBackend(LoraBackend):
         self._init_metadata()
         self._init_workspace()
         self._init_views()
-        bound = min(max_tokens, max_seqs or FUSE_MIN_TOKENS)  # the batches that hold no prefill run
-        self._fold = FoldLora(self, bound) if self.design == "fold" else None
-
-    def folds(self) -> FoldLora | None:
-        """The fold steps, where the design is "fold" and the prepared batch holds adapter tiles and no
-        prefill run (its configs are the serial ones: o's shrink runs as that design runs it)."""
-        info = self._info
-        if self._fold is None or info is None or not self._fold.serves(info.num_tokens, info.num_tiles):
-            return None
-        return self._fold
-
-    @property
-    def fold(self) -> FoldLora | None:
-        """The fold steps where the design is "fold", whatever the prepared batch (the warm-up's)."""
-        return self._fold
 
     @property
     def rows(self) -> torch.Tensor:
@@ -323,9 +305,18 @@ class TritonLoraBackend(LoraBackend):
         b_sc = self._scales[layer, group.name][1]
         self._shrink_or_join(x, layer, group)
         return lora_expand_silu_mul(
-            v, b, ranks, scalings, self.pool.rows, gate_up, info, config=act_cfg, check=False, pdl=True,
+            v,
+            b,
+            ranks,
+            scalings,
+            self.pool.rows,
+            gate_up,
+            info,
+            config=act_cfg,
+            check=False,
+            pdl=True,
             b_scales=b_sc,
-        )  # fmt: skip
+        )
 
     def begin(self, x: torch.Tensor, layer: int, group: GroupLayout) -> None:
         """ "side": fork the side stream from the current one and launch the group's shrink there (its
@@ -391,6 +382,17 @@ class TritonLoraBackend(LoraBackend):
             return
         self._shrink_or_join(x, layer, group)
         lora_expand(
-            v, b, ranks, scalings, self.pool.rows, out, group.out_offsets, group.out_dims, info,
-            config=expand_cfg, check=False, pdl=True, b_scales=b_sc,
-        )  # fmt: skip
+            v,
+            b,
+            ranks,
+            scalings,
+            self.pool.rows,
+            out,
+            group.out_offsets,
+            group.out_dims,
+            info,
+            config=expand_cfg,
+            check=False,
+            pdl=True,
+            b_scales=b_sc,
+        )

@@ -1,8 +1,7 @@
 """The Llama-family forward (Llama, Qwen2, Mistral) over flattened tokens: linear layers (`linear.py`:
 torch's, or fp8 GEMMs for fp8 weights), every one's LoRA delta added by the backend handed in (none for
 base-only batches), attention and the pointwise ops (norms, rotary + K/V write, activation) from the
-backends chosen at construction. Where the backend offers it for the batch (`LoraBackend.folds`, TP=1),
-the deltas are added inside fused pointwise kernels instead (`_forward_fold`)."""
+backends chosen at construction."""
 
 from __future__ import annotations
 
@@ -56,9 +55,6 @@ class LlamaModel:
         The pieces below are what piecewise CUDA graphs capture, attention running between them."""
         h, cos, sin = self.embed(fb.input_ids, fb.positions)
         stream = torch.cuda.current_stream(h.device) if layer_waits else None
-        fold = lora.folds() if lora is not None and self.split is WHOLE else None
-        if fold is not None:
-            return self._forward_fold(fold, fb, kv, h, cos, sin, stream, layer_waits)
         for i in range(len(self.w.layers)):
             if stream is not None:
                 for event in layer_waits[i]:
@@ -91,26 +87,6 @@ class LlamaModel:
         o = self.split.sum_partial(o)
         h, x = self.ops.add_norm(h, o, lw.post_norm, self.cfg.rms_norm_eps)  # h + o and its norm
         return h + self._mlp(i, lw, x, lora)
-
-    def _forward_fold(self, fold, fb: ForwardBatch, kv: KVCache, h, cos, sin, stream, layer_waits):
-        """`forward` with every LoRA delta folded into the pointwise kernels (`stages/worker/lora/fold.py`):
-        the residual add of each MLP output moves into the next norm, which also adds its delta."""
-        cfg, eps, down = self.cfg, self.cfg.rms_norm_eps, None
-        for i, lw in enumerate(self.w.layers):
-            if stream is not None:
-                for event in layer_waits[i]:
-                    stream.wait_event(event)
-            h, x = fold.input_norm(i, h, down, lw.input_norm, eps)
-            qkv = linear(x, lw.qkv, lw.qkv_bias)  # [T, q + 2 kv]
-            q = fold.rope_kv(i, qkv, cos, sin, fb.kv_rows, kv, cfg.num_heads, cfg.num_kv_heads)
-            attn = self.attend(q, kv, i, fb, self.scale, cfg.sliding_window)  # [T, H * D]
-            fold.shrink_o(i, attn)  # may run beside the projection
-            o = linear(attn, lw.o, lw.o_bias)  # [T, H]
-            h, x = fold.post_norm(i, h, o, lw.post_norm, eps)
-            act = fold.act(i, linear(x, lw.gate_up, lw.gate_up_bias))  # [T, I]
-            down = linear(act, lw.down, lw.down_bias)  # [T, H]
-        last = fold.final_norm(len(self.w.layers) - 1, h, down, self.w.norm, eps)  # [T, H]
-        return self.split.vocab_logits(last[fb.logits_indices], self.w.lm_head)
 
     def logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         last = self.ops.norm(h[logits_indices], self.w.norm, self.cfg.rms_norm_eps)  # [B, H]

@@ -1,8 +1,7 @@
 """Run by test_warmup_specs.py in a fresh process (the test session runs Triton's interpreter, which
 specialises nothing): on the CPU, for an explicit CUDA target and a Hopper GPU's device facts (SM count,
 shared memory, dependent launches), records the LoRA kernel specializations of
-- the warm-up: the plan's LoRA launches (`warmup._lora` over `lora_launches`), as the worker runs them
-  (with the fold design, $LORAPIPE_LORA_DESIGN=fold, its launches of the fold steps too);
+- the warm-up: the plan's LoRA launches (`warmup._lora` over `lora_launches`), as the worker runs them;
 - serving: eager steps of the real runner (`ModelRunner.execute`) over a sweep of batches: every token
   count of a decode batch and of a prefill batch up to 80 tokens (past the runner's sequence bound, where
   the gate_up expand fuses with the activation), then each count next to a multiple of 16 up to the step

@@ -4,7 +4,6 @@ never reads it), and computed again when the file is unreadable."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from kernels import device_info
@@ -19,16 +18,13 @@ ATTN = dict(
 )
 
 
-def _backend(
-    max_tokens: int = 64, max_rank: int = 24, slots: int = 3, design: str = "serial"
-) -> TritonLoraBackend:
+def _backend(max_tokens: int = 64, max_rank: int = 24, slots: int = 3) -> TritonLoraBackend:
     layout = LoraLayout.build(
         num_layers=1, hidden=256, q_out=256, kv_out=64, intermediate=512, max_rank=max_rank
     )
     return TritonLoraBackend(
-        LoraPool(layout, max_rank * slots, slots, torch.float32, torch.device("cpu")), max_tokens,
-        design=design,
-    )  # fmt: skip
+        LoraPool(layout, max_rank * slots, slots, torch.float32, torch.device("cpu")), max_tokens
+    )
 
 
 def _plan(backend, padded):
@@ -37,17 +33,15 @@ def _plan(backend, padded):
 
 def _flat(plan):
     lora, attn = plan
-    return [(x.group, x.num_tokens, x.num_tiles, x.block_m, x.block_rank, x.config_tiles) for x in lora], attn
+    return [(x.group, x.num_tokens, x.num_tiles, x.block_m, x.block_rank) for x in lora], attn
 
 
-@pytest.mark.parametrize("design", ["serial", "fold"])  # fold: launches of its steps, with tile classes
-def test_a_kept_plan_is_read_back_equal(tmp_path, monkeypatch, design):
+def test_a_kept_plan_is_read_back_equal(tmp_path, monkeypatch):
     monkeypatch.setattr(device_info, "num_sms", lambda device: 132)
-    backend, padded = _backend(design=design), (1, 2, 4, (32, 16))
+    backend, padded = _backend(), (1, 2, 4, (32, 16))
     key = fingerprint(backend, padded, ATTN)
     first, read = cached_plan(str(tmp_path), key, _plan(backend, padded))
     assert not read and first[0] and first[1]
-    assert any(x.group == "fold" for x in first[0]) == (design == "fold")
     calls = []
     second, read = cached_plan(str(tmp_path), key, lambda: calls.append(1))
     assert read and not calls
@@ -67,9 +61,6 @@ def test_every_input_changes_the_name(monkeypatch):
         fingerprint(_backend(), (1, 2), {**ATTN, "max_model_len": 512}),
         fingerprint(None, (1, 2), ATTN),
     ]
-    fold, side = _backend(design="fold"), _backend(design="fold")
-    side.fold.side_o = not fold.fold.side_o  # o's shrink beside the O projection or in stream order
-    others += [fingerprint(fold, (1, 2), ATTN), fingerprint(side, (1, 2), ATTN)]
     monkeypatch.setattr(device_info, "num_sms", lambda device: 78)
     others.append(fingerprint(_backend(), (1, 2), ATTN))
     assert len({base, *others}) == len(others) + 1

@@ -44,32 +44,6 @@ def test_launches_compute_nothing(tiny_llama):
     )
 
 
-def test_fold_launches_compute_nothing(tiny_llama, monkeypatch):
-    """The fold design's launches (the steps of a forward over every layer, 0 tiles in the header) run
-    and leave the KV cache, the adapter pool and the prepared batch as they were."""
-    monkeypatch.setenv("LORAPIPE_LORA_DESIGN", "fold")
-    runner = ModelRunner(
-        RunnerConfig(
-            model_dir=str(tiny_llama), dtype="float32", num_pages=16, lora_backend="triton",
-            max_lora_rank=32, max_tokens_per_step=64, max_running_requests=8, device=DEVICE,
-        )
-    )  # fmt: skip
-    torch.manual_seed(0)
-    runner.pool.mem.normal_()
-    runner.pool.ranks.fill_(8)
-    runner.kv.k.normal_()
-    runner.kv.v.normal_()
-    before = [t.clone() for t in (runner.pool.mem, runner.kv.k, runner.kv.v)]
-    launches = [launch for launch in lora_launches(runner.lora) if launch.group == "fold"]
-    assert {launch.block_rank for launch in launches} == {16, 32}
-    assert all(launch.num_tokens <= 8 for launch in launches)  # decode-sized: up to the sequence bound
-    with torch.inference_mode():
-        _lora(runner, launches, None)
-    for old, new in zip(before, (runner.pool.mem, runner.kv.k, runner.kv.v), strict=True):
-        assert torch.equal(old, new)
-    assert runner.lora.batch_info.num_tiles == 0
-
-
 def test_the_step_sized_forward_fills_a_step_with_sequences_of_the_context_length(tiny_llama, monkeypatch):
     runner = ModelRunner(
         RunnerConfig(

@@ -2,8 +2,7 @@
 Triton kernel. A compile hook records every compile while random mixed batches run: prefills and decodes,
 base-only and adapters of every rank class, sizes from one token to the step limit, each batch once on
 its graphs (decode graphs, step graphs per token bucket) and once eagerly (as a step with in-flight
-adapter copies runs); with bf16 weights and with fp8 weights, and with the fold LoRA design (decode-sized
-steps run the deltas inside the norm, rotary and activation kernels).
+adapter copies runs); with bf16 weights and with fp8 weights.
 Runs only where CUDA is available (the GPU machine)."""
 
 from __future__ import annotations
@@ -52,15 +51,11 @@ def long_llama(tmp_path_factory):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "quantization,design",
-    [(None, "serial"), ("fp8", "serial"), (None, "fold")],  # fp8: the weight-only GEMM's variants too
-)
-def test_no_kernel_compiles_after_warm_up(long_llama, tmp_path, monkeypatch, quantization, design):
+@pytest.mark.parametrize("quantization", [None, "fp8"])  # fp8: the weight-only GEMM's variants too
+def test_no_kernel_compiles_after_warm_up(long_llama, tmp_path, monkeypatch, quantization):
     import triton
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # empty: the pool compiles it all
-    monkeypatch.setenv("LORAPIPE_LORA_DESIGN", design)
 
     cfg = RunnerConfig(
         model_dir=str(long_llama), device="cuda", dtype="bfloat16", max_lora_rank=64, lora_backend="triton",
@@ -69,7 +64,6 @@ def test_no_kernel_compiles_after_warm_up(long_llama, tmp_path, monkeypatch, qua
         lora_gpu_memory_gb=0.05, quantization=quantization,
     )  # fmt: skip
     runner = ModelRunner(cfg)
-    assert runner.lora.design == design
     assert runner.warmup.lora > 0 and runner.warmup.attention > 0
     assert (runner.warmup.fp8 > 0) == (quantization == "fp8")
     # graph capture launches only what the warm-up's pool compiled (kernels this process had loaded
@@ -89,9 +83,6 @@ def test_no_kernel_compiles_after_warm_up(long_llama, tmp_path, monkeypatch, qua
         where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(ours[-6:]))
         compiled.append(f"{kw['repr']}\n    launched by {where}\n    key {str(kw.get('key'))[:600]}")
 
-    folded = []  # whether each eager forward ran the fold steps (the fold design: some must)
-    folds = runner.lora.folds
-    monkeypatch.setattr(runner.lora, "folds", lambda: folded.append(folds() is not None) or folds())
     triton.knobs.runtime.jit_cache_hook = hook
     try:
         rng, next_page = random.Random(0), 0
@@ -109,4 +100,3 @@ def test_no_kernel_compiles_after_warm_up(long_llama, tmp_path, monkeypatch, qua
     finally:
         triton.knobs.runtime.jit_cache_hook = None
     assert not compiled, f"{len(compiled)} kernels compiled after the warm-up:\n" + "\n".join(compiled[:10])
-    assert any(folded) == (design == "fold")

@@ -1,8 +1,7 @@
 """The warm-up plan against brute force: `tile_range` against every way of cutting small batches into
 adapter runs, the LoRA plan against the heuristics swept over every token count, longest run, tile count
 and rank class of a small config (with a CPU's and an H100's SM count; bf16 pools as an H100 or H200 and
-the CPU answer the heuristics, test_warmup_gpu.py's runner among them; the fold design's variants of
-eager and graphed batches), the attention plan against the
+the CPU answer the heuristics, test_warmup_gpu.py's runner among them), the attention plan against the
 choices of random real batches; and the warm-up does nothing on the CPU. What Triton specialises beyond
 the configs: test_warmup_specs.py."""
 
@@ -29,7 +28,6 @@ from stages.worker.model.weights import LayerWeights
 from stages.worker.runner import ModelRunner, RunnerConfig
 from stages.worker.warmup import warm_up
 from stages.worker.warmup_plan import (
-    FOLD,
     attention_variants,
     block_m_spans,
     fp8_launches,
@@ -134,25 +132,15 @@ def _brute_force_keys(backend: TritonLoraBackend, padded: tuple[int | tuple[int,
         for t, bm, tiles in batches
         for br in rank_classes(backend.layout.max_rank)
     ]
-    fold, dtype = backend.fold, backend.pool.mem.dtype
-    keys = set()
-    for info in infos:
-        configs = backend.configs_for(info)
-        for name, (shrink, expand, _) in configs.items():
-            keys.add((name, info.block_m, info.block_rank, shrink, expand, dtype))
-        if fold is not None and info.num_tokens <= fold.max_tokens:  # every batch here has tiles
-            keys.add((FOLD, info.block_m, info.block_rank, fold.variant(info, configs), None, dtype))
     for spec in padded:  # a decode size: each of its tile classes; (tokens, token tile): the bound's
         size, block_m = spec if isinstance(spec, tuple) else (spec, None)
         for c in backend.tile_classes(size, block_m) if block_m is None else (None,):
             backend.prepare([0], [], pad_to=size, block_m=block_m, tile_class=c)
-            info = replace(backend.batch_info, num_tiles=backend.tile_class)  # the configs' tile count
-            configs = backend.configs_for(info)
-            for name, (shrink, expand, _) in configs.items():
-                keys.add((name, info.block_m, info.block_rank, shrink, expand, dtype))
-            if backend.folds() is not None:  # the forward's own test: the prepared batch as launched
-                variant = fold.variant(backend.batch_info, configs)
-                keys.add((FOLD, info.block_m, info.block_rank, variant, None, dtype))
+            infos.append(replace(backend.batch_info, num_tiles=backend.tile_class))
+    keys = set()
+    for info in infos:
+        for name, (shrink, expand, _) in backend.configs_for(info).items():
+            keys.add((name, info.block_m, info.block_rank, shrink, expand, backend.pool.mem.dtype))
     return keys
 
 
@@ -189,7 +177,6 @@ def test_lora_plan_is_exactly_what_the_heuristics_can_pick(sms, pdl, monkeypatch
         (517, 64, 5, "fp8", "serial", 24),  # past 512 tokens; e4m3 pool rows; few adapters (tile gaps)
         (191, 16, 300, "int8", "side", None),  # more adapters than tokens
         (130, 40, 2, "auto", "serial", 130),  # prefill fusion never reached (no batch passes max_seqs)
-        (150, 40, 300, "fp8", "fold", None),  # fold steps up to 150 tokens (tile searches 64-256); e4m3
     ],
 )
 def test_fast_lora_plan_is_the_brute_force_sweep(
@@ -272,38 +259,6 @@ def test_lora_plan_holds_the_fused_design_launches(monkeypatch):
         if isinstance(launch.key[4], FusedConfig)
     } == {True}
     assert any(not isinstance(k[4], FusedConfig) for k in planned)  # prefill-sized batches: two launches
-
-
-@pytest.mark.parametrize("side_o", [False, True])
-def test_lora_plan_holds_the_fold_design_launches(side_o, monkeypatch):
-    """With the fold design, batches that the fold steps serve (at most the sequence bound's tokens,
-    with tiles) plan one launch of the steps per variant: eager ones at their tile count, a graph's at
-    its grid with its class's configs; with o's shrink on a side stream (CUDA) in plain order."""
-    monkeypatch.setattr(device_info, "num_sms", lambda device: 132)
-    monkeypatch.setattr(device_info, "pdl", lambda device: True)
-    # between a graph's class of 32 tiles and its grid of 48: o's config launches as a dependent there
-    # and the fold kernels do not, which no eager batch gives
-    monkeypatch.setattr(device_info, "PDL_MAX_TILES", 40)
-    backend = _backend(max_tokens=130, max_rank=24, slots=100, design="fold", max_seqs=96)
-    backend.fold.side_o = side_o
-    padded = (1, 8, 16, 64, 96, (64, 16), (130, 16))
-    launches = lora_launches(backend, padded)
-    planned = [launch.key for launch in launches]
-    assert len(planned) == len(set(planned)), "a variant planned twice"
-    assert set(planned) == _brute_force_keys(backend, padded)
-    folds = [launch for launch in launches if launch.group == FOLD]
-    assert folds and all(1 <= launch.num_tokens <= 96 and launch.num_tiles > 0 for launch in folds)
-    variants = [launch.key[3] for launch in folds]  # (tile search, pdl, o's partials, o's shrink config)
-    assert {v[0] for v in variants} == {64, 128} and {v[1] for v in variants} == {False, True}
-    assert {v[3].pdl for v in variants} == ({False} if side_o else {False, True})
-    backend.prepare([0], [])
-    for launch in folds:  # the warm-up's launch of each (`warmup._lora`) is its variant
-        t, ct, bm = launch.num_tokens, launch.config_tiles, launch.block_m
-        info = replace(backend.batch_info, num_tokens=t, num_tiles=ct, block_m=bm, max_len=min(t, ct * bm))
-        info = replace(info, block_rank=launch.block_rank)
-        variant = backend.fold.variant(replace(info, num_tiles=launch.num_tiles), backend.configs_for(info))
-        assert variant == launch.key[3]
-    assert any(k[0] != FOLD and k[3].pdl for k in planned)  # the serial launches (TP, prefill) as they are
 
 
 def test_lora_plan_names_the_pool_row_dtype():

@@ -2,10 +2,8 @@
 CPU for a Hopper GPU: `serving_specs_scenario.py` records, for sm_90 (in a fresh process: this session
 runs Triton's interpreter, which specialises nothing), what the warm-up plan's launches and what the
 real runner's eager steps over a sweep of batches ask Triton for, in the configuration of
-test_warmup_gpu.py, with the serial LoRA design and with the fold one (whose decode-sized steps run the
-deltas inside the norm, rotary and activation kernels). The plan is made of kernel configs; Triton also
-specialises on integer arguments (1, multiples of 16) and pointer alignment, which a config does not
-name."""
+test_warmup_gpu.py. The plan is made of kernel configs; Triton also specialises on integer arguments
+(1, multiples of 16) and pointer alignment, which a config does not name."""
 
 from __future__ import annotations
 
@@ -19,28 +17,22 @@ from tests.kernels.compile_child import run_compiled
 
 SCENARIO = Path(__file__).with_name("serving_specs_scenario.py")
 LORA_KERNELS = ["_lora_expand_act_kernel", "_lora_expand_kernel", "_lora_shrink_kernel"]
-FOLD_KERNELS = ["_fold_act_kernel", "_fold_norm_kernel", "_fold_rope_kernel"]
 DEVICES = ["hopper", "default"]  # an H100's or H200's device facts; the CPU's
 
 
-@pytest.fixture(scope="module", params=["serial", "fold"])
-def recorded(request, tmp_path_factory) -> tuple[str, dict]:
-    """One child process per LoRA design records both devices (its imports take a third of its time)."""
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> dict:
+    """One child process records both devices (its imports take a third of its time)."""
     tmp = tmp_path_factory.mktemp("specs")
-    design = request.param
-    run_compiled(
-        SCENARIO, str(tmp / "specs.json"), str(tmp), *DEVICES, timeout=240, env={"LORAPIPE_LORA_DESIGN": design}
-    )
-    return design, json.loads((tmp / "specs.json").read_text())
+    run_compiled(SCENARIO, str(tmp / "specs.json"), str(tmp), *DEVICES, timeout=240)
+    return json.loads((tmp / "specs.json").read_text())
 
 
 @pytest.mark.skipif("nvidia" not in triton.backends.backends, reason="Triton's CUDA backend is not installed")
 @pytest.mark.parametrize("device", DEVICES)
 def test_eager_steps_need_no_specialization_the_warm_up_did_not_make(recorded, device):
-    design, results = recorded
-    result = results[device]
-    served = sorted(LORA_KERNELS + (FOLD_KERNELS if design == "fold" else []))
-    assert result["served"] == served and result["steps"] > 200 and result["planned"] > 0
+    result = recorded[device]
+    assert result["served"] == LORA_KERNELS and result["steps"] > 200 and result["planned"] > 0
     missing = [
         f"{spec}\n    needed by steps of {sorted(set(t))[:12]} tokens"
         for spec, t in result["missing"].items()
