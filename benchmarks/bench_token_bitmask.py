@@ -22,28 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_top_logprobs import device_us  # noqa: E402
 from kernels.token_bitmask import masked_logits  # noqa: E402
-
-
-def device_us(fn, iters: int) -> float:
-    """Median device µs of `fn` over `iters` calls, each between its own pair of events (on the CPU, a
-    plumbing check: wall µs)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        if not torch.cuda.is_available():
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e6)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def unpacked(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
