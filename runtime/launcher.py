@@ -336,11 +336,8 @@ class Launcher:
                 drain = self.args.drain_timeout_s
                 deadline = drain if name == "tokenizer" else min(drain, STAGE_DEADLINE_S)
                 deadline = min(deadline, FAILURE_DEADLINE_S) if reason else deadline
-                # after its drain, a tensor-parallel worker stops its other ranks (bounded apart)
-                tp = name == "worker" and self.args.tensor_parallel_size > 1
-                ranks_s = STOP_RANKS_TIMEOUT_S if tp else 0.0
-                msg = Shutdown(deadline_s=deadline, reason=reason)
-                await self._stop_stage(proc, msg, deadline + ranks_s)
+                tp_s = STOP_RANKS_TIMEOUT_S if name == "worker" and self.args.tensor_parallel_size > 1 else 0
+                await self._stop_stage(proc, Shutdown(deadline_s=deadline, reason=reason), deadline + tp_s)
         finally:
             self.close()
             self._shutdown_done.set_result(None)
