@@ -14,22 +14,24 @@ if TYPE_CHECKING:
 
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
-    prestarted = None
+    device, prestarted = None, None
+    if words[:1] in (["serve"], ["warmup"]):
+        from runtime.base.prestart import PrestartedWorker, device_hint
+
+        device = device_hint(words[1:])
     if words[:1] == ["serve"]:
         # the worker's interpreter and imports (seconds) run beside everything below: the launcher hands
         # it its config once written (runtime/base/prestart.py), or kills it if the start-up ends first
-        from runtime.base.prestart import PrestartedWorker, device_hint
-
-        prestarted = PrestartedWorker(device_hint(words[1:]))
+        prestarted = PrestartedWorker(device)
     try:
-        return _main(words, prestarted)
+        return _main(words, device, prestarted)
     finally:
         if prestarted is not None and not prestarted.adopted:
             prestarted.kill()
 
 
-def _main(words: list[str], prestarted: PrestartedWorker | None) -> int:
-    if words[:1] in (["serve"], ["warmup"]) and not _cpu_only(words):
+def _main(words: list[str], device: str | None, prestarted: PrestartedWorker | None) -> int:
+    if device not in (None, "cpu"):
         # the CUDA driver's initialisation, which the argument checks ask for (--device, fp8, TP), runs
         # beside the imports and parsing below rather than after them: the stages spawn that much sooner
         from runtime.common.cuda_driver import start_driver
@@ -93,12 +95,6 @@ def _main(words: list[str], prestarted: PrestartedWorker | None) -> int:
 
         return run_demo(args.dir, args.device, max_tokens=args.max_tokens)
     return 2
-
-
-def _cpu_only(words: list[str]) -> bool:
-    """Whether the command line says `--device cpu` (then nothing asks the CUDA driver)."""
-    pairs = zip(words, [*words[1:], ""], strict=False)  # the last word pairs with ""
-    return any(a == "--device=cpu" or (a == "--device" and b == "cpu") for a, b in pairs)
 
 
 if __name__ == "__main__":
